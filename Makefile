@@ -1,0 +1,67 @@
+# flowgrpo developer commands.
+#
+#   make install   create $(VENV) and install flowgrpo with the extras the tests need
+#   make test      install if needed, then run the test suite
+#   make demo      install if needed, then run the main job on the embedded tiny default
+#   make lint      ruff
+#   make bench     the benchmark harness (PRESET=small-cpu by default)
+#
+# Choosing torch: TORCH=auto (default) installs a CUDA build when `nvidia-smi` finds a GPU and the
+# CPU build otherwise. TORCH=cpu / TORCH=cuda force one. The CPU build is `torch==$(CPU_TORCH_VERSION)`;
+# on machines whose default index serves only CUDA wheels for that pin, set TORCH_CPU_INDEX_URL to
+# PyTorch's CPU wheel index so no multi-GB CUDA packages are pulled.
+
+SHELL := /bin/bash
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH ?= auto
+CPU_TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX_URL ?=
+EXTRAS ?= dev,ocr
+PYTEST_ARGS ?=
+PRESET ?= small-cpu
+STEPS ?= 5
+
+export HF_HUB_OFFLINE ?= 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM := false
+
+STAMP := $(VENV)/.flowgrpo-installed
+
+.PHONY: install test demo lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	@torch_kind="$(TORCH)"; \
+	if [ "$$torch_kind" = auto ]; then \
+	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then torch_kind=cuda; else torch_kind=cpu; fi; \
+	fi; \
+	echo "installing torch ($$torch_kind build)"; \
+	if [ "$$torch_kind" = cpu ]; then \
+	  if [ -n "$(TORCH_CPU_INDEX_URL)" ]; then $(PIP) install -q "torch==$(CPU_TORCH_VERSION)" --index-url "$(TORCH_CPU_INDEX_URL)"; \
+	  else $(PIP) install -q "torch==$(CPU_TORCH_VERSION)"; fi; \
+	elif [ "$$torch_kind" = cuda ]; then $(PIP) install -q torch; \
+	else echo "TORCH must be auto, cpu or cuda (got '$$torch_kind')" >&2; exit 2; fi
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+demo: install
+	$(PY) scripts/demo.py
+
+lint: install
+	$(PY) -m ruff check src scripts tests
+
+bench: install
+	$(PY) scripts/benchmark.py --preset $(PRESET) --steps $(STEPS)
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

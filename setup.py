@@ -1,0 +1,68 @@
+"""Packaging for flowgrpo (src layout).
+
+Lower bounds are the versions the test suite runs with. torch is deliberately unpinned here: choose the
+CPU or CUDA build at install time (see the Makefile and README).
+"""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "src/flowgrpo/__init__.py").read_text()).group(1)
+
+INSTALL_REQUIRES = [
+    "torch>=2.11.0",
+    "diffusers>=0.42.1",
+    "transformers>=5.17.0",
+    "peft>=0.21.2",
+    "accelerate>=1.15.0",
+    "trl>=1.16.0",
+    "datasets>=5.2.0",
+    "huggingface_hub>=1.33.0",
+    "safetensors>=0.8.0",
+    "pillow>=11.0.0",
+    "numpy>=2.0.0",
+    "pyyaml>=6.0",
+    "sentencepiece>=0.2.0",
+    "protobuf>=4.25",
+    "matplotlib>=3.9",
+    "tqdm>=4.66",
+]
+
+EXTRAS = {
+    # Bundled PP-OCR detection/recognition models as ONNX (offline on CPU) and a fast edit distance.
+    "ocr": ["rapidocr>=3.10.0", "onnxruntime>=1.30.0", "rapidfuzz>=3.14.0"],
+    # PaddleOCR itself downloads its models at run time; optional backend.
+    "paddle": ["paddleocr>=3.7.0"],
+    "wandb": ["wandb>=0.31.0"],
+    "tensorboard": ["tensorboard>=2.21.0"],
+    "deepspeed": ["deepspeed>=0.19.8"],
+    "bnb": ["bitsandbytes>=0.50.2"],
+    "dev": ["pytest>=9.2.0", "ruff>=0.17.5", "tensorboard>=2.21.0", "wandb>=0.31.0"],
+}
+EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() for req in reqs})
+
+setup(
+    name="flowgrpo",
+    version=VERSION,
+    description="Online RL (Flow-GRPO and family) for flow-matching text-to-image models, the Hugging Face way",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    package_dir={"": "src"},
+    packages=find_packages("src"),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    entry_points={
+        "console_scripts": [
+            "flowgrpo-reward-server=flowgrpo.rewards.server:main",
+        ]
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
