@@ -1,0 +1,32 @@
+"""Rewards: a registry of reward functions, the built-in rewards, and their weighted composition.
+
+A reward is called as ``fn(prompts, images, **columns) -> list[float | None]`` (see `registry`).
+Importing this package registers the built-in rewards without loading their heavy dependencies (OCR
+engines, CLIP models); those load when a reward is first called.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from .composition import RewardResult, RewardSet, resolve_reward_funcs, reward_statistics
+from .registry import get_reward, list_rewards, register_reward
+
+__all__ = [
+    "register_reward",
+    "get_reward",
+    "list_rewards",
+    "resolve_reward_funcs",
+    "RewardSet",
+    "RewardResult",
+    "reward_statistics",
+]
+
+# Modules whose import registers built-in rewards. Each must keep heavy imports inside functions.
+BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge")
+
+for _module in BUILTIN_REWARD_MODULES:
+    if importlib.util.find_spec(f"{__name__}.{_module}") is not None:
+        importlib.import_module(f"{__name__}.{_module}")
+del _module

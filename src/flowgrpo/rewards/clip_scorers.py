@@ -1,0 +1,364 @@
+"""CLIP-family scorers built on transformers' ``CLIPModel`` and ``CLIPProcessor``: ``aesthetic``,
+``clipscore`` and ``pickscore``.
+
+All three load their model lazily, on the first call, with ``from_pretrained(model_id)`` (a hub id or a
+local folder written by ``save_pretrained``), run it in inference mode on CUDA when available (else CPU),
+and score images in chunks of ``batch_size``. Loaded models are cached per process and shared between
+scorers with the same model id, device and dtype (``aesthetic`` and ``clipscore`` on the same CLIP load it
+once). Calls are serialised by a lock per scorer, so a scorer can be used from `RewardSet.submit`'s pool.
+
+Let ``e_img = f_img / ||f_img||`` and ``e_txt = f_txt / ||f_txt||`` be the L2-normalised projected CLIP image
+and text embeddings (``get_image_features`` / ``get_text_features``).
+
+* ``aesthetic``: the LAION "improved aesthetic predictor": an MLP (768 -> 1024 -> 128 -> 64 -> 16 -> 1, with
+  dropout layers at indices 1, 3, 5, as in its published ``sac+logos+ava1-l14-linearMSE.pth``) applied to
+  ``e_img`` of CLIP ViT-L/14 (``openai/clip-vit-large-patch14``). Scores are on the AVA 1-10 scale (real
+  images mostly 4-7). The MLP weights (``mlp_path``: a local ``.pth``/``.safetensors`` file, or
+  ``"owner/repo/file.pth"`` on the hub) must be given; the prompts are ignored.
+* ``clipscore``: ``scale * max(cos(e_img, e_txt), 0)`` with ``scale = 100`` by default (the torchmetrics
+  convention, real image-caption pairs score ~20-35); ``scale=2.5`` gives CLIP-S of Hessel et al. (2021).
+* ``pickscore``: ``logit_scale.exp() * cos(e_img, e_txt)``, PickScore's own scoring (its logit scale is ~100, so
+  real images score ~18-24). ``divide_by`` rescales it (Flow-GRPO's reference divides by 26 to land near
+  [0, 1]). Model ``yuvalkirstain/PickScore_v1`` with the processor of
+  ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``.
+
+Text longer than the text encoder's context (77 tokens for CLIP) is truncated.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from .registry import register_reward
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AestheticScorer", "CLIPScore", "PickScore", "build_aesthetic_mlp", "load_aesthetic_mlp"]
+
+DEFAULT_CLIP_L14 = "openai/clip-vit-large-patch14"
+DEFAULT_PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
+DEFAULT_PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+
+_MODELS: dict[tuple, tuple[Any, Any]] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def _resolve_device(device: str | None) -> Any:
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: Any) -> Any:
+    import torch
+
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+        value = getattr(torch, aliases.get(name, name), None)
+        if isinstance(value, torch.dtype):
+            return value
+    raise ValueError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float32', 'float16' or 'bfloat16'")
+
+
+def load_clip(model_id: str, processor_id: str | None, device: Any, dtype: Any) -> tuple[Any, Any]:
+    """``(CLIPModel, CLIPProcessor)`` from ``from_pretrained``, in eval mode on ``device``; cached per process."""
+    key = (str(model_id), str(processor_id or model_id), str(device), str(dtype))
+    with _MODELS_LOCK:
+        cached = _MODELS.get(key)
+        if cached is not None:
+            return cached
+        from transformers import CLIPModel, CLIPProcessor
+
+        model = CLIPModel.from_pretrained(model_id, dtype=dtype)
+        model.to(device).eval().requires_grad_(False)
+        processor = CLIPProcessor.from_pretrained(processor_id or model_id)
+        _MODELS[key] = (model, processor)
+        return model, processor
+
+
+def _features(output: Any) -> Any:
+    """Projected embeddings from ``get_*_features`` (a tensor, or an output object whose pooler is projected)."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    pooled = getattr(output, "pooler_output", None)
+    if pooled is None:
+        raise TypeError(f"unexpected CLIP feature output {type(output).__name__}")
+    return pooled
+
+
+def _as_pil(image: Any) -> Image.Image:
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    import numpy as np
+
+    if isinstance(image, np.ndarray):
+        return Image.fromarray(image).convert("RGB")
+    raise TypeError(f"CLIP scorers need PIL images (or HxWxC uint8 arrays), got {type(image).__name__}")
+
+
+class _CLIPScorer:
+    """Lazy CLIP model + processor, chunked normalised embeddings. Subclasses define ``_score``."""
+
+    def __init__(
+        self,
+        model_id: str,
+        processor_id: str | None = None,
+        device: str | None = None,
+        dtype: Any = None,
+        batch_size: int = 32,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model_id = model_id
+        self.processor_id = processor_id
+        self.device_name = device
+        self.dtype_name = dtype
+        self.batch_size = int(batch_size)
+        self._lock = threading.Lock()
+        self._model: Any = None
+        self._processor: Any = None
+
+    def load(self) -> tuple[Any, Any]:
+        """Load (once) and return ``(model, processor)``."""
+        if self._model is None:
+            self._model, self._processor = load_clip(
+                self.model_id, self.processor_id, _resolve_device(self.device_name), _resolve_dtype(self.dtype_name)
+            )
+        return self._model, self._processor
+
+    @property
+    def device(self) -> Any:
+        return self.load()[0].device
+
+    def image_embeddings(self, images: Sequence[Any]) -> Any:
+        """L2-normalised projected image embeddings, float32, shape ``(n, projection_dim)``."""
+        import torch
+
+        model, processor = self.load()
+        chunks = []
+        for start in range(0, len(images), self.batch_size):
+            batch = [_as_pil(im) for im in images[start:start + self.batch_size]]
+            inputs = processor(images=batch, return_tensors="pt")
+            pixel_values = inputs["pixel_values"].to(model.device, model.dtype)
+            feats = _features(model.get_image_features(pixel_values=pixel_values)).float()
+            chunks.append(feats / feats.norm(dim=-1, keepdim=True))
+        return torch.cat(chunks)
+
+    def text_embeddings(self, texts: Sequence[str]) -> Any:
+        """L2-normalised projected text embeddings, float32, shape ``(n, projection_dim)``."""
+        import torch
+
+        model, processor = self.load()
+        max_length = model.config.text_config.max_position_embeddings
+        chunks = []
+        for start in range(0, len(texts), self.batch_size):
+            inputs = processor.tokenizer(
+                list(texts[start:start + self.batch_size]), padding=True, truncation=True,
+                max_length=max_length, return_tensors="pt",
+            )
+            inputs = {k: v.to(model.device) for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
+            feats = _features(model.get_text_features(**inputs)).float()
+            chunks.append(feats / feats.norm(dim=-1, keepdim=True))
+        return torch.cat(chunks)
+
+    def __call__(self, prompts: Sequence[str], images: Sequence[Any], **columns: Any) -> list[float | None]:
+        if len(prompts) != len(images):
+            raise ValueError(f"{type(self).__name__} got {len(prompts)} prompts and {len(images)} images")
+        if not images:
+            return []
+        import torch
+
+        with self._lock, torch.inference_mode():
+            scores = self._score(list(prompts), list(images))
+        return [float(s) for s in scores.cpu().tolist()]
+
+    def _score(self, prompts: list[str], images: list[Any]) -> Any:
+        raise NotImplementedError
+
+
+# ---- aesthetic -------------------------------------------------------------------------------------
+
+
+def build_aesthetic_mlp(input_dim: int = 768) -> Any:
+    """A new LAION improved-aesthetic-predictor head: an ``nn.Module`` whose ``layers`` is the ``nn.Sequential``.
+
+    Parameter names (``layers.0.weight`` ... ``layers.7.bias``) match the published checkpoint.
+    """
+    from torch import nn
+
+    class _AestheticMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.input_dim = input_dim
+            self.layers = nn.Sequential(
+                nn.Linear(input_dim, 1024), nn.Dropout(0.2),
+                nn.Linear(1024, 128), nn.Dropout(0.2),
+                nn.Linear(128, 64), nn.Dropout(0.1),
+                nn.Linear(64, 16),
+                nn.Linear(16, 1),
+            )
+
+        def forward(self, embeddings: Any) -> Any:
+            return self.layers(embeddings)
+
+    return _AestheticMLP()
+
+
+def _resolve_weights_file(path: str | Path) -> Path:
+    local = Path(path).expanduser()
+    if local.is_file():
+        return local
+    parts = str(path).split("/")
+    if len(parts) >= 3 and not Path(path).is_absolute():
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(repo_id="/".join(parts[:2]), filename="/".join(parts[2:])))
+    raise FileNotFoundError(
+        f"aesthetic MLP weights {str(path)!r} not found: give a local .pth/.safetensors file or "
+        f"'owner/repo/filename' on the hub"
+    )
+
+
+def load_aesthetic_mlp(path: str | Path) -> Any:
+    """`build_aesthetic_mlp` with weights from a ``.pth`` (a plain state dict, loaded with ``weights_only=True``) or a
+    ``.safetensors`` file; the input size is read from the weights. Keys may carry a ``module.`` prefix."""
+    import torch
+
+    file = _resolve_weights_file(path)
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(file))
+    else:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+            state = state["state_dict"]
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    if "layers.0.weight" not in state:
+        raise ValueError(f"{file} is not an aesthetic-predictor state dict (no 'layers.0.weight'; keys: "
+                         f"{sorted(state)[:8]})")
+    mlp = build_aesthetic_mlp(int(state["layers.0.weight"].shape[1]))
+    mlp.load_state_dict(state)
+    return mlp.eval().requires_grad_(False)
+
+
+@register_reward("aesthetic")
+class AestheticScorer(_CLIPScorer):
+    """LAION aesthetic score (1-10 scale) from CLIP ViT-L/14 image embeddings; prompts are ignored.
+
+    Args:
+        mlp_path: the MLP head's weights (``sac+logos+ava1-l14-linearMSE.pth`` from LAION's
+            improved-aesthetic-predictor, or any state dict with the same keys): a local file or
+            ``"owner/repo/filename"`` on the hub.
+        model_id: the CLIP model (``CLIPModel.from_pretrained``); must match the MLP's training embeddings.
+        processor_id: where the ``CLIPProcessor`` comes from (default: ``model_id``).
+        device, dtype, batch_size: placement and chunking of the CLIP forward passes.
+    """
+
+    def __init__(
+        self,
+        mlp_path: str | Path | None = None,
+        model_id: str = DEFAULT_CLIP_L14,
+        processor_id: str | None = None,
+        device: str | None = None,
+        dtype: Any = None,
+        batch_size: int = 32,
+    ):
+        if mlp_path is None:
+            raise ValueError(
+                "the 'aesthetic' reward needs the LAION aesthetic MLP weights: pass "
+                "reward_kwargs={'aesthetic': {'mlp_path': '/path/to/sac+logos+ava1-l14-linearMSE.pth'}} "
+                "(from github.com/christophschuhmann/improved-aesthetic-predictor) or an 'owner/repo/file' hub path"
+            )
+        super().__init__(model_id, processor_id, device, dtype, batch_size)
+        self.mlp_path = mlp_path
+        self._mlp: Any = None
+
+    def _score(self, prompts: list[str], images: list[Any]) -> Any:
+        embeddings = self.image_embeddings(images)
+        if self._mlp is None:
+            self._mlp = load_aesthetic_mlp(self.mlp_path).to(embeddings.device)
+        if self._mlp.input_dim != embeddings.shape[-1]:
+            raise ValueError(f"aesthetic MLP expects {self._mlp.input_dim}-d embeddings but {self.model_id!r} gives "
+                             f"{embeddings.shape[-1]}-d ones; use the CLIP model the MLP was trained on")
+        return self._mlp(embeddings).squeeze(-1)
+
+
+# ---- clipscore -------------------------------------------------------------------------------------
+
+
+@register_reward("clipscore")
+class CLIPScore(_CLIPScorer):
+    """``scale * max(cos(image, prompt), 0)`` with CLIP (see the module docstring).
+
+    Args:
+        model_id: the CLIP model (``CLIPModel.from_pretrained``).
+        processor_id: where the ``CLIPProcessor`` comes from (default: ``model_id``).
+        scale: 100 (default, torchmetrics' CLIPScore) or 2.5 (Hessel et al.'s CLIP-S).
+        device, dtype, batch_size: placement and chunking of the CLIP forward passes.
+    """
+
+    def __init__(
+        self,
+        model_id: str = DEFAULT_CLIP_L14,
+        processor_id: str | None = None,
+        scale: float = 100.0,
+        device: str | None = None,
+        dtype: Any = None,
+        batch_size: int = 32,
+    ):
+        super().__init__(model_id, processor_id, device, dtype, batch_size)
+        self.scale = float(scale)
+
+    def _score(self, prompts: list[str], images: list[Any]) -> Any:
+        cos = (self.image_embeddings(images) * self.text_embeddings(prompts)).sum(-1)
+        return self.scale * cos.clamp(min=0.0)
+
+
+# ---- pickscore -------------------------------------------------------------------------------------
+
+
+@register_reward("pickscore")
+class PickScore(_CLIPScorer):
+    """PickScore: ``logit_scale.exp() * cos(image, prompt) / divide_by`` (see the module docstring).
+
+    Args:
+        model_id: the PickScore model (default ``yuvalkirstain/PickScore_v1``).
+        processor_id: its processor (default ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``).
+        divide_by: divide the score by this (1 = PickScore's own scale; 26 = Flow-GRPO's reference).
+        device, dtype, batch_size: placement and chunking of the CLIP forward passes.
+    """
+
+    def __init__(
+        self,
+        model_id: str = DEFAULT_PICKSCORE_MODEL,
+        processor_id: str | None = DEFAULT_PICKSCORE_PROCESSOR,
+        divide_by: float = 1.0,
+        device: str | None = None,
+        dtype: Any = None,
+        batch_size: int = 32,
+    ):
+        if divide_by == 0:
+            raise ValueError("divide_by must be non-zero")
+        super().__init__(model_id, processor_id, device, dtype, batch_size)
+        self.divide_by = float(divide_by)
+
+    def _score(self, prompts: list[str], images: list[Any]) -> Any:
+        model, _ = self.load()
+        cos = (self.image_embeddings(images) * self.text_embeddings(prompts)).sum(-1)
+        return model.logit_scale.exp().float() * cos / self.divide_by

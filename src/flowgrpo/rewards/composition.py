@@ -1,0 +1,406 @@
+"""Resolve reward specifications and combine several rewards into one weighted training reward.
+
+``resolve_reward_funcs(["ocr", my_fn, "my_pkg.rewards:Sharpness"], reward_weights=[1.0, 0.5, 0.1])``
+returns a `RewardSet`. Calling it scores a batch with every reward and returns a `RewardResult`:
+
+* ``per_reward[name]``: that reward's scores, one per image, ``None`` where it could not score;
+* ``total``: ``sum_k weight_k * score_k`` per image, ``None`` where any component with a non-zero weight is
+  ``None`` (a weight-0 reward is logged but does not enter the training reward).
+
+``None`` is "could not score": it is excluded from the statistics (`reward_statistics`) and never counted as 0.
+A reward that returns NaN (or +-inf) for an image gets ``None`` there, with a warning.
+
+Asynchronous scoring: ``RewardSet.submit(prompts, images, **columns)`` returns a
+`concurrent.futures.Future` and scores in a small background thread pool, so that scoring batch k
+(OCR on CPU, a CLIP model, an HTTP round trip to a reward server) overlaps with sampling batch k + 1 on
+the accelerator. The pool has ``num_workers`` threads (1 by default: batches are scored in submission
+order and one at a time, which keeps GPU scorers from competing with each other). Rewards called from the
+pool must be thread-safe with respect to the caller's thread; the built-in ones are. The pool is created on
+first use and shut down by `RewardSet.close` (also on ``with RewardSet(...)`` exit and at garbage collection).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import numbers
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .registry import get_reward, list_rewards
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RewardResult", "RewardSet", "resolve_reward_funcs", "reward_statistics"]
+
+RewardSpec = str | Callable[..., Any]
+
+
+def reward_statistics(
+    per_reward: Mapping[str, Sequence[float | None]], prefix: str = "rewards"
+) -> dict[str, float]:
+    """Mean and (population) std of every reward, ``None`` and NaN excluded.
+
+    Returns ``{f"{prefix}/{name}/mean": ..., f"{prefix}/{name}/std": ...}``; both are NaN for a reward with
+    no valid score. ``prefix=""`` gives ``"<name>/mean"``.
+    """
+    out: dict[str, float] = {}
+    head = f"{prefix}/" if prefix else ""
+    for name, values in per_reward.items():
+        valid = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+        if valid:
+            mean = math.fsum(valid) / len(valid)
+            std = math.sqrt(math.fsum((v - mean) ** 2 for v in valid) / len(valid))
+        else:
+            mean = std = math.nan
+        out[f"{head}{name}/mean"] = mean
+        out[f"{head}{name}/std"] = std
+    return out
+
+
+@dataclass
+class RewardResult:
+    """Scores of one batch: every component (``per_reward``) and the weighted ``total``."""
+
+    per_reward: dict[str, list[float | None]]
+    total: list[float | None]
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.total)
+
+    def statistics(self, prefix: str = "rewards") -> dict[str, float]:
+        """Logging statistics, ``None`` excluded: ``"<prefix>/<name>/mean"`` and ``"<prefix>/<name>/std"`` for
+        every component (see `reward_statistics`), plus ``"reward"`` and ``"reward_std"`` for the total."""
+        stats = reward_statistics(self.per_reward, prefix)
+        total = reward_statistics({"total": self.total}, "")
+        stats["reward"] = total["total/mean"]
+        stats["reward_std"] = total["total/std"]
+        return stats
+
+    @classmethod
+    def concatenate(cls, results: Sequence[RewardResult]) -> RewardResult:
+        """Join the results of consecutive batches (same rewards) into one."""
+        if not results:
+            raise ValueError("concatenate needs at least one RewardResult")
+        names = list(results[0].per_reward)
+        for r in results[1:]:
+            if list(r.per_reward) != names:
+                raise ValueError(f"cannot concatenate results of different rewards: {names} vs {list(r.per_reward)}")
+        return cls(
+            per_reward={n: [v for r in results for v in r.per_reward[n]] for n in names},
+            total=[v for r in results for v in r.total],
+            weights=dict(results[0].weights),
+        )
+
+
+def _callable_name(fn: Any) -> str:
+    inner = fn
+    while hasattr(inner, "func") and not hasattr(inner, "__name__"):  # functools.partial
+        inner = inner.func
+    name = getattr(inner, "__name__", None)
+    if not name:
+        name = type(inner).__name__
+    return name
+
+
+def _load_dotted(path: str, kwargs: Mapping[str, Any]) -> tuple[str, Callable]:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward path {path!r} must look like 'package.module:function' (or ':Class')")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward path {path!r}: cannot import module {module_name!r} ({e})") from e
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"reward path {path!r}: {module_name!r} has no attribute {attr!r}") from None
+    return attr.split(".")[-1], _instantiate(obj, kwargs, path)
+
+
+def _instantiate(obj: Any, kwargs: Mapping[str, Any], label: str) -> Callable:
+    if isinstance(obj, type):
+        return obj(**kwargs)
+    if not callable(obj):
+        raise TypeError(f"reward {label!r} is a {type(obj).__name__}, not a function or a class")
+    if kwargs:
+        import functools
+
+        bound = functools.partial(obj, **kwargs)
+        try:
+            functools.update_wrapper(bound, obj)
+        except AttributeError:
+            pass
+        return bound
+    return obj
+
+
+def _unique(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        if n in seen:
+            seen[n] += 1
+            candidate = f"{n}_{seen[n]}"
+            while candidate in seen:
+                seen[n] += 1
+                candidate = f"{n}_{seen[n]}"
+            seen[candidate] = 1
+            out.append(candidate)
+        else:
+            seen[n] = 1
+            out.append(n)
+    return out
+
+
+def resolve_reward_funcs(
+    reward_funcs: RewardSpec | Sequence[RewardSpec],
+    reward_weights: Sequence[float] | None = None,
+    reward_kwargs: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str, Any] | None] | None = None,
+    num_workers: int = 1,
+) -> RewardSet:
+    """Turn reward specifications into a `RewardSet`.
+
+    Args:
+        reward_funcs: one specification or a list of them (a `RewardSet` is returned as is). A
+            specification is a registry name (``"ocr"``), a ``"package.module:function"`` or
+            ``"package.module:Class"`` path (a class is instantiated), a callable, or a class (instantiated).
+            Names: the registry name, the attribute name of a path, a callable's ``__name__`` (its class name
+            for instances); repeated names get ``_2``, ``_3``...
+        reward_weights: one weight per reward (default 1.0 each); the weighted sum is the training reward.
+        reward_kwargs: constructor / keyword arguments per reward, either a mapping keyed by the reward's
+            specification string or name (``{"ocr": {"backend": "rapidocr"}}``) or a list aligned with
+            ``reward_funcs``. Keys that match no reward are an error (they are usually typos).
+        num_workers: threads of the background pool used by `RewardSet.submit`.
+
+    Raises:
+        ValueError: empty list, unknown name (the message lists the registered ones), bad path, weights or
+            kwargs of the wrong length, or kwargs for a reward that is not in the list.
+    """
+    if isinstance(reward_funcs, RewardSet):
+        if reward_weights is not None or reward_kwargs is not None:
+            raise ValueError("reward_weights / reward_kwargs cannot be applied to an already built RewardSet")
+        return reward_funcs
+    specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not specs:
+        raise ValueError("reward_funcs is empty; give at least one reward name, path or callable")
+    for s in specs:
+        if not (isinstance(s, str) or callable(s)):
+            raise TypeError(f"reward {s!r} is a {type(s).__name__}; expected a name, a 'module:function' path "
+                            f"or a callable")
+
+    if reward_weights is None:
+        weights = [1.0] * len(specs)
+    else:
+        weights = list(reward_weights)
+        if len(weights) != len(specs):
+            raise ValueError(f"reward_weights has {len(weights)} entries but reward_funcs has {len(specs)}; "
+                             f"give one weight per reward")
+        for w in weights:
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
+                raise ValueError(f"reward weight {w!r} is not a finite number")
+        weights = [float(w) for w in weights]
+
+    # Unknown registry names fail before anything is instantiated.
+    known = set(list_rewards())
+    for s in specs:
+        if isinstance(s, str) and ":" not in s and s not in known:
+            get_reward(s)  # raises ValueError listing the registered names
+
+    # Names before instantiation, so that kwargs can be matched and errors come before any model loads.
+    base_names = []
+    for s in specs:
+        if isinstance(s, str):
+            base_names.append(s.partition(":")[2].split(".")[-1] if ":" in s else s)
+        else:
+            base_names.append(_callable_name(s))
+    names = _unique(base_names)
+
+    per_kwargs: list[dict[str, Any]]
+    if reward_kwargs is None:
+        per_kwargs = [{} for _ in specs]
+    elif isinstance(reward_kwargs, Mapping):
+        keys = {}
+        for i, s in enumerate(specs):
+            for key in {names[i], base_names[i]} | ({s} if isinstance(s, str) else set()):
+                keys.setdefault(key, []).append(i)
+        unknown = [k for k in reward_kwargs if k not in keys]
+        if unknown:
+            raise ValueError(f"reward_kwargs has entries for {unknown} but the rewards are {names}")
+        per_kwargs = [{} for _ in specs]
+        for key, kw in reward_kwargs.items():
+            if kw is None:
+                continue
+            if not isinstance(kw, Mapping):
+                raise ValueError(f"reward_kwargs[{key!r}] must be a mapping of keyword arguments, got {kw!r}")
+            for i in keys[key]:
+                per_kwargs[i].update(kw)
+    else:
+        kw_list = list(reward_kwargs)
+        if len(kw_list) != len(specs):
+            raise ValueError(f"reward_kwargs has {len(kw_list)} entries but reward_funcs has {len(specs)}")
+        per_kwargs = [dict(kw or {}) for kw in kw_list]
+
+    funcs: list[Callable] = []
+    for s, kw in zip(specs, per_kwargs):
+        if isinstance(s, str):
+            if ":" in s:
+                funcs.append(_load_dotted(s, kw)[1])
+            else:
+                funcs.append(get_reward(s, **kw))
+        else:
+            funcs.append(_instantiate(s, kw, _callable_name(s)))
+    return RewardSet(funcs, names, weights, num_workers=num_workers)
+
+
+def _shutdown_pool(pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RewardSet:
+    """Several named, weighted rewards scored together. Usually built by `resolve_reward_funcs`.
+
+    ``reward_set(prompts, images, **columns)`` scores synchronously; ``reward_set.submit(...)`` scores in
+    the background pool and returns a ``Future[RewardResult]``. ``columns`` are the dataset's other columns,
+    lists aligned with ``prompts``; each reward receives all of them.
+    """
+
+    def __init__(
+        self,
+        funcs: Sequence[Callable],
+        names: Sequence[str],
+        weights: Sequence[float] | None = None,
+        num_workers: int = 1,
+    ):
+        self.funcs = list(funcs)
+        self.names = list(names)
+        self.weights = [1.0] * len(self.funcs) if weights is None else [float(w) for w in weights]
+        if not (len(self.funcs) == len(self.names) == len(self.weights)):
+            raise ValueError(f"{len(self.funcs)} rewards, {len(self.names)} names and {len(self.weights)} weights; "
+                             f"they must match")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"reward names must be unique, got {self.names}")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.num_workers = int(num_workers)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._finalizer: weakref.finalize | None = None
+
+    def __len__(self) -> int:
+        return len(self.funcs)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}*{w:g}" for n, w in zip(self.names, self.weights))
+        return f"RewardSet({parts})"
+
+    # ---- scoring ---------------------------------------------------------------------------------
+
+    def __call__(self, prompts: Sequence[str], images: Sequence[Any], **columns: Sequence[Any]) -> RewardResult:
+        """Score a batch with every reward; see the module docstring for ``None`` and the total."""
+        prompts = list(prompts)
+        images = list(images)
+        n = len(prompts)
+        if len(images) != n:
+            raise ValueError(f"{n} prompts but {len(images)} images; they must be aligned")
+        cols = {}
+        for key, values in columns.items():
+            values = list(values)
+            if len(values) != n:
+                raise ValueError(f"column {key!r} has {len(values)} values but there are {n} prompts")
+            cols[key] = values
+        per_reward: dict[str, list[float | None]] = {}
+        for name, fn in zip(self.names, self.funcs):
+            try:
+                raw = fn(prompts, images, **cols)
+            except Exception as e:
+                if hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(f"while computing reward {name!r}")
+                raise
+            per_reward[name] = self._check_scores(name, raw, n)
+        total: list[float | None] = []
+        for i in range(n):
+            acc = 0.0
+            for name, w in zip(self.names, self.weights):
+                v = per_reward[name][i]
+                if w == 0.0:
+                    continue
+                if v is None:
+                    acc = None
+                    break
+                acc += w * v
+            total.append(acc)
+        return RewardResult(per_reward=per_reward, total=total, weights=dict(zip(self.names, self.weights)))
+
+    @staticmethod
+    def _check_scores(name: str, raw: Any, n: int) -> list[float | None]:
+        if hasattr(raw, "tolist") and not isinstance(raw, list):  # tensors, numpy arrays
+            raw = raw.tolist()
+        if not isinstance(raw, (list, tuple)):
+            raise TypeError(f"reward {name!r} returned a {type(raw).__name__}; expected a list of {n} scores")
+        if len(raw) != n:
+            raise ValueError(f"reward {name!r} returned {len(raw)} scores for {n} images")
+        out: list[float | None] = []
+        bad = 0
+        for i, v in enumerate(raw):
+            if v is None:
+                out.append(None)
+                continue
+            if isinstance(v, bool):
+                raise TypeError(f"reward {name!r} returned a bool for image {i}; expected a number or None")
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                raise TypeError(f"reward {name!r} returned {v!r} for image {i}; expected a number or None") from None
+            if math.isfinite(f):
+                out.append(f)
+            else:
+                bad += 1
+                out.append(None)
+        if bad:
+            logger.warning("reward %r returned %d non-finite score(s) (NaN/inf) out of %d; treating them as "
+                           "unscored (None)", name, bad, n)
+        return out
+
+    # ---- asynchronous scoring ----------------------------------------------------------------------
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="flowgrpo-reward")
+                self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
+            return self._pool
+
+    def submit(self, prompts: Sequence[str], images: Sequence[Any], **columns: Sequence[Any]) -> Future[RewardResult]:
+        """Score in the background pool; returns a Future of the `RewardResult`.
+
+        The arguments are copied into new lists at once, so the caller may reuse its buffers. Exceptions
+        raised by a reward surface from ``future.result()``.
+        """
+        args = (list(prompts), list(images))
+        cols = {k: list(v) for k, v in columns.items()}
+        return self._executor().submit(self.__call__, *args, **cols)
+
+    def close(self, wait: bool = True) -> None:
+        """Shut the background pool down (pending batches are cancelled when ``wait=False``)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+            if self._finalizer is not None:
+                self._finalizer.detach()
+                self._finalizer = None
+        if pool is not None:
+            pool.shutdown(wait=wait, cancel_futures=not wait)
+
+    def __enter__(self) -> RewardSet:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
