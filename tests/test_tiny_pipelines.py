@@ -1,0 +1,216 @@
+"""The offline tiny SD3 / FLUX pipelines: build, save, reload with stock diffusers, generate, tokenize, determinism."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import threading
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
+
+from flowgrpo.testing import TINY_FAMILIES, build_tiny_pipeline, cached_tiny_pipeline_path, save_tiny_pipeline
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+PROMPTS = [
+    'a sign that says "OPEN 24 HOURS"',
+    "a chalkboard with the words 'Happy Birthday!' written on it",
+    "it's 10:45, isn't it? we'll see; they're late & you've 3.5% left...",
+    "a price tag: $19.99 (was $25), item #42 - 50% off [final] {sale} <new>",
+    "A Photo Of 2 Cats And 1 Dog, f/1.8, 85mm; e = mc^2 @ home ~ 100/100",
+    "zebra quokka xylophone jigsaw",
+]
+CURLY_PROMPTS = ["a storefront with “Bakery & Café” above the door", "a neon sign that says ‘Let’s dance…’"]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_sd3_path, tiny_flux_path):
+    """Both tiny pipelines as stock ``DiffusionPipeline.from_pretrained`` loads them from disk."""
+    return {
+        "sd3": DiffusionPipeline.from_pretrained(tiny_sd3_path),
+        "flux": DiffusionPipeline.from_pretrained(tiny_flux_path),
+    }
+
+
+def _squash(text: str) -> str:
+    return "".join(unicodedata.normalize("NFKC", text).lower().split())
+
+
+def _clip_tokenizers(loaded):
+    return [loaded["sd3"].tokenizer, loaded["sd3"].tokenizer_2, loaded["flux"].tokenizer]
+
+
+def _t5_tokenizers(loaded):
+    return [loaded["sd3"].tokenizer_3, loaded["flux"].tokenizer_2]
+
+
+def _state(pipe) -> dict[str, torch.Tensor]:
+    return {f"{name}.{key}": value for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)
+            for key, value in module.state_dict().items()}
+
+
+def _folder_bytes(path: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+# --- loading and generation -----------------------------------------------------------------------------------------
+
+
+def test_reloads_as_stock_pipelines(loaded):
+    sd3, flux = loaded["sd3"], loaded["flux"]
+    assert isinstance(sd3, StableDiffusion3Pipeline) and isinstance(flux, FluxPipeline)
+    t5_width = sd3.text_encoder_3.config.d_model
+    assert sd3.transformer.config.joint_attention_dim == t5_width
+    assert sd3.transformer.config.pooled_projection_dim == (
+        sd3.text_encoder.config.projection_dim + sd3.text_encoder_2.config.projection_dim)
+    assert sd3.text_encoder.config.hidden_size + sd3.text_encoder_2.config.hidden_size <= t5_width
+    assert flux.transformer.config.joint_attention_dim == flux.text_encoder_2.config.d_model
+    assert flux.transformer.config.pooled_projection_dim == flux.text_encoder.config.hidden_size
+    assert flux.scheduler.config.use_dynamic_shifting and sd3.scheduler.config.shift == 3.0
+    for pipe in (sd3, flux):
+        assert pipe.vae_scale_factor == 8
+        assert all(p.dtype == torch.float32 for _, m in pipe.components.items() if isinstance(m, torch.nn.Module)
+                   for p in m.parameters())
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_generates_finite_images_of_requested_size(loaded, family):
+    pipe = loaded[family]
+    pipe.set_progress_bar_config(disable=True)
+    images = pipe(["a red circle above a blue square", 'a sign that says "HELLO"'], height=64, width=64,
+                  num_inference_steps=2, guidance_scale=3.5, output_type="np",
+                  generator=torch.Generator().manual_seed(0)).images
+    assert images.shape == (2, 64, 64, 3)
+    assert np.isfinite(images).all()
+    assert np.abs(images[0] - images[1]).mean() > 1e-3  # different prompts and noise, different images
+
+    small = pipe("a green star", height=32, width=48, num_inference_steps=1, max_sequence_length=32,
+                 output_type="pt", generator=torch.Generator().manual_seed(1)).images
+    assert small.shape == (1, 3, 32, 48) and torch.isfinite(small).all()
+
+
+# --- tokenizers ------------------------------------------------------------------------------------------------------
+
+
+def test_clip_tokenizers_round_trip_without_unknowns(loaded):
+    for tokenizer in _clip_tokenizers(loaded):
+        assert tokenizer.model_max_length == 77
+        for prompt in PROMPTS + CURLY_PROMPTS:
+            ids = tokenizer(prompt).input_ids
+            assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+            assert tokenizer.unk_token_id not in ids[1:-1], prompt  # CLIP's unknown token is <|endoftext|>
+            assert len(ids) < len(prompt.encode("utf-8")) + 2  # merges were learned, not one token per byte
+            # Decode without dropping special tokens: SD3's second tokenizer pads with "!", which is a real character.
+            assert _squash(tokenizer.decode(ids[1:-1])) == _squash(prompt)
+
+
+def test_t5_tokenizers_round_trip_without_unknowns(loaded):
+    for tokenizer in _t5_tokenizers(loaded):
+        assert tokenizer.model_max_length == 512
+        assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+        for prompt in PROMPTS + CURLY_PROMPTS:
+            ids = tokenizer(prompt).input_ids
+            assert ids[-1] == tokenizer.eos_token_id
+            assert tokenizer.unk_token_id not in ids, (prompt, tokenizer.convert_ids_to_tokens(ids))
+            assert _squash(tokenizer.decode(ids, skip_special_tokens=True)) == _squash(prompt)
+        padded = tokenizer(PROMPTS[:2], padding="max_length", max_length=32, truncation=True).input_ids
+        assert all(len(row) == 32 for row in padded)
+
+
+def test_saved_tokenizers_match_in_memory_ones(loaded):
+    fresh = build_tiny_pipeline("sd3")
+    for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+        for prompt in PROMPTS:
+            assert getattr(fresh, name)(prompt).input_ids == getattr(loaded["sd3"], name)(prompt).input_ids
+
+
+# --- determinism -----------------------------------------------------------------------------------------------------
+
+
+def test_same_seed_gives_identical_weights_and_different_seed_different_weights():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    first = _state(build_tiny_pipeline("flux", seed=0))
+    assert torch.equal(torch.rand(3), expected)  # the caller's random stream is untouched
+
+    second = _state(build_tiny_pipeline("flux", seed=0))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[key], second[key]) for key in first)
+
+    other = _state(build_tiny_pipeline("flux", seed=1))
+    for component in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+        keys = [key for key in first if key.startswith(component + ".")]
+        assert any(not torch.equal(first[key], other[key]) for key in keys), component
+
+
+def test_cli_writes_the_same_folder_as_the_library(tiny_sd3_path, tmp_path):
+    output = tmp_path / "cli-sd3"
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "make_tiny_pipeline.py"),
+                             "--family", "sd3", "--output", str(output), "--seed", "0"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert str(output) in result.stdout and "MB" in result.stdout
+    # Another process, same seed: bit-identical weights, tokenizers and configs.
+    assert _folder_bytes(output) == _folder_bytes(tiny_sd3_path)
+
+
+
+def test_cli_refuses_a_non_empty_output(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("make_tiny_pipeline", REPO_ROOT / "scripts" / "make_tiny_pipeline.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    (tmp_path / "taken.txt").write_text("keep me")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--family", "flux", "--output", str(tmp_path)])
+    assert exit_info.value.code != 0 and "not empty" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["taken.txt"]
+
+
+def test_saved_folder_is_small(tiny_sd3_path, tiny_flux_path):
+    for path in (tiny_sd3_path, tiny_flux_path):
+        size = sum(len(data) for data in _folder_bytes(path).values())
+        assert size < 6 * 2**20, (path, size)
+
+
+# --- caching ---------------------------------------------------------------------------------------------------------
+
+
+def test_cache_is_reused_and_survives_a_race(tmp_path):
+    results: list[Path] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def worker():
+        try:
+            barrier.wait()
+            results.append(cached_tiny_pipeline_path("flux", seed=2, cache_dir=tmp_path))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert results[0] == results[1] and (results[0] / "model_index.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [results[0].name]  # no staging folders left behind
+
+    stamp = (results[0] / "model_index.json").stat().st_mtime_ns
+    assert cached_tiny_pipeline_path("flux", seed=2, cache_dir=tmp_path) == results[0]
+    assert (results[0] / "model_index.json").stat().st_mtime_ns == stamp
+    assert cached_tiny_pipeline_path("flux", seed=3, cache_dir=tmp_path) != results[0]
+
+
+def test_rejects_unknown_family_and_bad_seed(tmp_path):
+    with pytest.raises(ValueError, match="sd3"):
+        build_tiny_pipeline("sdxl")
+    with pytest.raises(ValueError, match="seed"):
+        save_tiny_pipeline("sd3", tmp_path / "x", seed=-1)
