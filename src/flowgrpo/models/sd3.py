@@ -1,0 +1,73 @@
+"""Stable Diffusion 3 / 3.5 (MMDiT with CLIP-L, CLIP-G and T5 text encoders)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+from diffusers.utils.torch_utils import randn_tensor
+
+from .base import ModelFamilyAdapter, PromptEmbeds
+
+
+class SD3Adapter(ModelFamilyAdapter):
+    """SD3/SD3.5: 4-D latents, true classifier-free guidance v = v_u + w (v_c - v_u) with a negative prompt."""
+
+    family = "sd3"
+    pipeline_class_names = ("StableDiffusion3Pipeline",)
+
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device) -> PromptEmbeds:
+        prompt_embeds, _, pooled, _ = self.pipeline.encode_prompt(
+            prompt=list(prompts), prompt_2=None, prompt_3=None, device=device, num_images_per_prompt=1,
+            do_classifier_free_guidance=False, max_sequence_length=max_sequence_length,
+        )
+        return PromptEmbeds({"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled})
+
+    def latent_shape(self, batch_size: int, height: int, width: int) -> tuple[int, ...]:
+        scale = self.pipeline.vae_scale_factor
+        channels = self.pipeline.transformer.config.in_channels
+        return (batch_size, channels, height // scale, width // scale)
+
+    def prepare_latents(self, batch_size, height, width, generator, device, dtype) -> torch.Tensor:
+        return randn_tensor(self.latent_shape(batch_size, height, width), generator=generator, device=device,
+                            dtype=dtype)
+
+    def set_timesteps(self, scheduler: Any, num_inference_steps: int, height: int, width: int,
+                      device: torch.device) -> None:
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", False):
+            scale = self.pipeline.vae_scale_factor
+            patch = self.pipeline.transformer.config.patch_size
+            seq_len = (height // scale // patch) * (width // scale // patch)
+            kwargs["mu"] = calculate_shift(
+                seq_len, scheduler.config.get("base_image_seq_len", 256),
+                scheduler.config.get("max_image_seq_len", 4096), scheduler.config.get("base_shift", 0.5),
+                scheduler.config.get("max_shift", 1.16),
+            )
+        scheduler.set_timesteps(num_inference_steps, device=device, **kwargs)
+
+    def predict_velocity(self, transformer: Callable[..., Any], latents, timestep, embeds, guidance_scale,
+                         negative_embeds, height, width) -> torch.Tensor:
+        cond = embeds.tensors
+        if self.uses_cfg(guidance_scale):
+            if negative_embeds is None:
+                raise ValueError("guidance_scale > 1 needs negative prompt embeddings for SD3")
+            neg = negative_embeds.tensors
+            model_input = torch.cat([latents, latents])
+            t = torch.cat([timestep, timestep])
+            prompt_embeds = torch.cat([neg["prompt_embeds"], cond["prompt_embeds"]])
+            pooled = torch.cat([neg["pooled_prompt_embeds"], cond["pooled_prompt_embeds"]])
+        else:
+            model_input, t = latents, timestep
+            prompt_embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
+        out = transformer(hidden_states=model_input, timestep=t, encoder_hidden_states=prompt_embeds,
+                          pooled_projections=pooled, return_dict=False)[0]
+        if self.uses_cfg(guidance_scale):
+            uncond, text = out.chunk(2)
+            out = uncond + guidance_scale * (text - uncond)
+        return out
+
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return self._vae_decode(latents)

@@ -1,0 +1,4 @@
+from .config import FlowGRPOConfig
+from .flow_grpo_trainer import FlowGRPOTrainer
+
+__all__ = ["FlowGRPOConfig", "FlowGRPOTrainer"]

@@ -1,0 +1,55 @@
+"""Exponential moving average of the trainable weights.
+
+    ema <- decay * ema + (1 - decay) * theta     (every ``update_interval`` optimizer steps)
+
+Kept in float32 on the parameters' device. ``swapped_in(params)`` temporarily loads the EMA weights into the
+model (evaluation, export) and restores the live weights afterwards.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+class EMAWeights:
+    def __init__(self, parameters: list[torch.nn.Parameter], decay: float = 0.9, update_interval: int = 1):
+        self.decay = decay
+        self.update_interval = max(1, int(update_interval))
+        self.shadow = [p.detach().float().clone() for p in parameters]
+        self.num_updates = 0
+
+    @torch.no_grad()
+    def update(self, parameters: list[torch.nn.Parameter], step: int) -> None:
+        if step % self.update_interval:
+            return
+        for s, p in zip(self.shadow, parameters):
+            s.mul_(self.decay).add_(p.detach().float(), alpha=1 - self.decay)
+        self.num_updates += 1
+
+    @contextmanager
+    def swapped_in(self, parameters: list[torch.nn.Parameter]):
+        backup = [p.detach().clone() for p in parameters]
+        with torch.no_grad():
+            for s, p in zip(self.shadow, parameters):
+                p.copy_(s.to(p.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, p in zip(backup, parameters):
+                    p.copy_(b)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "update_interval": self.update_interval, "num_updates": self.num_updates,
+                "shadow": [s.cpu() for s in self.shadow]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["shadow"]) != len(self.shadow):
+            raise ValueError(f"EMA state has {len(state['shadow'])} tensors, the model {len(self.shadow)} trainable "
+                             "ones: was it saved with another LoRA configuration?")
+        self.decay = state["decay"]
+        self.update_interval = state["update_interval"]
+        self.num_updates = state["num_updates"]
+        self.shadow = [s.to(d.device) for s, d in zip(state["shadow"], self.shadow)]

@@ -1,0 +1,709 @@
+"""FlowGRPOTrainer: Flow-GRPO (and its Fast / CPS variants) on ``transformers.Trainer``.
+
+One optimizer step (with the default ``steps_per_generation = gradient_accumulation_steps``):
+
+1. *Rollout.* The generation batch holds ``generation_batch_size / G`` prompts, each G times. Each unique prompt
+   is encoded once. Images are sampled in micro-batches with ``FlowMatchSDEScheduler`` steps: SDE inside the
+   rollout's window, ODE outside. For the window's steps we store x_j, x_{j+1}, log p_old(x_{j+1} | x_j), t_j.
+2. *Reward.* Each micro-batch is decoded once and handed to a background thread for scoring while the next
+   micro-batch is sampled. Rewards are gathered from all processes; group advantages as in ``advantages.py``.
+3. *Training.* For each micro-batch and each stored step j (one backward per step, so activation memory is
+   bounded by one step), recompute log p_theta(x_{j+1} | x_j) with the same guidance and negative embeddings:
+
+       ratio = exp(logp_theta - logp_old)
+       policy_loss = mean(max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)))
+       kl = mean((mu_theta - mu_ref)^2) / (2 std^2)          (std: the transition's std; only when beta > 0)
+       loss = (policy_loss + beta kl) / (num_steps * grad_accum)
+
+   On the first pass the ratio is exactly 1 (same inputs, dtype and batch composition as sampling).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from transformers import TrainerCallback
+from transformers.trainer_utils import set_seed
+from transformers.utils import logging
+
+from ..models import PromptEmbeds, get_family_adapter
+from ..rewards import RewardSet, resolve_reward_funcs
+from ..schedulers import FlowMatchSDEScheduler, gaussian_kl, sample_sde_window, sde_step_from_sigmas
+from .advantages import compute_group_advantages
+from .base import FlowBaseTrainer
+from .config import FlowGRPOConfig
+from .contact_sheet import make_contact_sheet
+from .datasets import INDEX_COLUMN, IndexedPromptDataset
+from .ema import EMAWeights
+from .lora_export import LORA_WEIGHTS_NAME, save_diffusers_lora
+from .sampler import RepeatSampler
+
+logger = logging.get_logger(__name__)
+
+EMA_STATE_NAME = "ema_state.pt"
+
+
+def _identity_collator(features: list[dict]) -> list[dict]:
+    return features
+
+
+def _to_pil(images: torch.Tensor) -> list:
+    from PIL import Image
+
+    arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    return [Image.fromarray(a) for a in arr]
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _seed_for(*parts: int) -> int:
+    """A 63-bit seed that depends on every part (deterministic, no Python hash randomisation)."""
+    value = 0x9E3779B97F4A7C15
+    for p in parts:
+        value = (value ^ (int(p) + 0x9E3779B97F4A7C15 + (value << 6) + (value >> 2))) & ((1 << 63) - 1)
+    return value
+
+
+class _JsonConfig(dict):
+    """A diffusers config (a FrozenDict) with the two methods reporting callbacks expect of a transformers config."""
+
+    def to_dict(self) -> dict:
+        return dict(self)
+
+    def to_json_string(self) -> str:
+        import json
+
+        return json.dumps(self, indent=2, sort_keys=True, default=str)
+
+
+class _CallbackModelView:
+    """What callbacks see as ``model``: the trained model, with a config that transformers' callbacks can log."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = model
+
+    @property
+    def config(self) -> _JsonConfig:
+        return _JsonConfig(getattr(self._model, "config", {}) or {})
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+class _StepHooks(TrainerCallback):
+    """Keeps the trainer's micro-step counter and EMA in step with Trainer's loop (also after resuming)."""
+
+    def __init__(self, trainer: FlowGRPOTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._micro_step = state.global_step * args.gradient_accumulation_steps
+        self.trainer._buffer = None
+        # Trainer re-points the handler at the raw model when training starts; diffusers configs lack
+        # ``to_json_string``, which the tensorboard callback calls.
+        handler = self.trainer.callback_handler
+        if not isinstance(handler.model, _CallbackModelView):
+            handler.model = _CallbackModelView(handler.model)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        if t.ema is not None:
+            t.ema.update(t._trainable_parameters(), state.global_step)
+        if args.log_images_steps and state.global_step % args.log_images_steps == 0 and t._last_samples:
+            t._log_images(*t._last_samples, step=state.global_step)
+
+
+class FlowGRPOTrainer(FlowBaseTrainer):
+    """Online RL of a flow-matching text-to-image pipeline with Flow-GRPO.
+
+    Args:
+        model: a hub id or local folder of a diffusers pipeline, or a loaded ``DiffusionPipeline``
+            (SD3/SD3.5 or FLUX.1). Its transformer is trained; everything else is frozen.
+        reward_funcs: a registry name, a callable ``fn(prompts, images, **columns) -> list[float | None]``, a
+            ``"package.module:function"`` path, or a list of those (weighted by ``args.reward_weights``).
+        args: a ``FlowGRPOConfig``.
+        train_dataset / eval_dataset: a ``datasets.Dataset`` (or list of dicts / strings) with a ``prompt``
+            column; other columns are passed to the rewards.
+        peft_config: a ``peft.LoraConfig`` for LoRA training; ``None`` fine-tunes the whole transformer.
+        callbacks, optimizers: as in ``transformers.Trainer``.
+        pipeline_kwargs: extra ``from_pretrained`` arguments (e.g. ``revision``) when ``model`` is a string.
+    """
+
+    _tag_names = ["flow-grpo", "flowgrpo", "lora", "text-to-image", "diffusers"]
+    _name = "Flow-GRPO"
+    _paper = {
+        "title": "Flow-GRPO: Training Flow Matching Models via Online RL",
+        "id": "2505.05470",
+        "citation": (
+            "@article{liu2025flowgrpo,\n  title={Flow-GRPO: Training Flow Matching Models via Online RL},\n"
+            "  author={Liu, Jie and others},\n  journal={arXiv preprint arXiv:2505.05470},\n  year={2025}\n}"
+        ),
+    }
+
+    def __init__(
+        self,
+        model: str | Any,
+        reward_funcs: str | Callable | list,
+        args: FlowGRPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        peft_config: Any = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        pipeline_kwargs: dict | None = None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else type(model).__name__
+            args = FlowGRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-Flow-GRPO")
+        if not isinstance(args, FlowGRPOConfig):
+            raise TypeError(f"args must be a FlowGRPOConfig, got {type(args).__name__}")
+        # Cheap validation first: rewards and datasets fail before any model is loaded.
+        self.reward_set: RewardSet = resolve_reward_funcs(reward_funcs, args.reward_weights, args.reward_kwargs,
+                                                          num_workers=args.reward_num_workers)
+        train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
+        eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
+        if args.quantization and not torch.cuda.is_available():
+            raise ValueError(f"quantization={args.quantization!r} loads the transformer with bitsandbytes, which "
+                             "needs a CUDA GPU; unset quantization on this machine.")
+        if args.quantization and peft_config is None:
+            raise ValueError("A quantized transformer cannot be fully fine-tuned; pass a LoRA peft_config.")
+
+        self.model_dtype = _torch_dtype(args.dtype)
+        pipeline = self._load_pipeline(model, args, pipeline_kwargs or {})
+        self.pipeline = pipeline
+        self.adapter = get_family_adapter(pipeline)
+        self._card_base_model = model if isinstance(model, str) else getattr(pipeline, "name_or_path", None)
+        self._card_rewards = list(self.reward_set.names)
+
+        for component in pipeline.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.requires_grad_(False)
+                component.eval()
+        transformer = pipeline.transformer
+
+        # Identical LoRA init on every rank: seed before building the adapter.
+        set_seed(args.seed)
+        self.ref_model = None
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            transformer = get_peft_model(transformer, peft_config)
+            for p in transformer.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+        else:
+            transformer.requires_grad_(True)
+            if args.beta > 0:
+                self.ref_model = copy.deepcopy(pipeline.transformer).requires_grad_(False).eval()
+        self.is_peft = peft_config is not None
+
+        self._transformer_checkpointing = bool(args.gradient_checkpointing or args.activation_checkpointing)
+        if self._transformer_checkpointing:
+            pipeline.transformer.enable_gradient_checkpointing()
+            args.gradient_checkpointing = args.activation_checkpointing = False
+
+        scheduler = FlowMatchSDEScheduler.from_config(
+            pipeline.scheduler.config, noise_level=args.noise_level, sde_type=args.sde_type,
+        )
+        pipeline.scheduler = scheduler
+        self.sde_scheduler = scheduler
+
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._buffer: list[dict] | None = None
+        self._micro_step = 0
+        self._last_samples: tuple | None = None
+        self._warned_off_policy = False
+        self._last_eval: dict | None = None
+
+        super().__init__(
+            model=transformer, args=args, data_collator=_identity_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=None, callbacks=callbacks, optimizers=optimizers,
+        )
+        # First in line, so that its on_train_begin swaps in the callback model view before the reporting
+        # callbacks (tensorboard, wandb) read ``model.config``.
+        self.callback_handler.callbacks.insert(0, _StepHooks(self))
+        self.callback_handler.model = _CallbackModelView(self.model)
+
+        device = self.accelerator.device
+        for name, component in pipeline.components.items():
+            if isinstance(component, torch.nn.Module) and name != "transformer":
+                component.to(device=device, dtype=self.model_dtype)
+        if self.ref_model is not None:
+            self.ref_model.to(device)
+        self.ema = None
+        if args.use_ema:
+            self.ema = EMAWeights(self._trainable_parameters(), args.ema_decay, args.ema_update_interval)
+        with torch.no_grad():
+            self._negative_embeds = self.adapter.encode_prompts([args.negative_prompt], args.max_sequence_length,
+                                                                device)
+
+    # ------------------------------------------------------------------------------------------------
+    # set-up helpers
+    # ------------------------------------------------------------------------------------------------
+    def _load_pipeline(self, model: Any, args: FlowGRPOConfig, pipeline_kwargs: dict):
+        from diffusers import DiffusionPipeline
+
+        if isinstance(model, DiffusionPipeline):
+            if args.quantization:
+                raise ValueError("quantization applies when loading from a hub id or folder; pass the model id, or "
+                                 "quantize the pipeline's transformer yourself.")
+            return model
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a hub id, a local folder or a DiffusionPipeline, got {type(model)}")
+        kwargs = {"torch_dtype": self.model_dtype, **pipeline_kwargs}
+        if args.quantization:
+            kwargs["transformer"] = self._load_quantized_transformer(str(model), args, pipeline_kwargs)
+        return DiffusionPipeline.from_pretrained(str(model), **kwargs)
+
+    def _load_quantized_transformer(self, model: str, args: FlowGRPOConfig, pipeline_kwargs: dict):
+        from diffusers import DiffusionPipeline
+
+        from .quantization import build_quantization_config
+
+        config = DiffusionPipeline.load_config(model, **{k: v for k, v in pipeline_kwargs.items()
+                                                          if k in ("revision", "cache_dir", "token")})
+        library, class_name = config["transformer"]
+        import diffusers
+
+        cls = getattr(diffusers, class_name)
+        return cls.from_pretrained(model, subfolder="transformer", torch_dtype=self.model_dtype,
+                                   quantization_config=build_quantization_config(args.quantization, self.model_dtype),
+                                   **pipeline_kwargs)
+
+    def _set_signature_columns_if_needed(self):
+        # Keep every column: the prompt column feeds generation, the others feed the rewards.
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt", INDEX_COLUMN]
+
+    def _get_train_sampler(self, train_dataset: Dataset | None = None):
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return RepeatSampler(
+            dataset, num_generations=self.args.num_generations,
+            prompts_per_generation=self.args.generation_batch_size // self.args.num_generations,
+            repeat_count=self.args.num_iterations * self.args.steps_per_generation, shuffle=True,
+            seed=self.args.seed,
+        )
+
+    def get_train_dataloader(self):
+        # One dataloader batch per process = that process's share of a generation batch.
+        original = self._train_batch_size
+        self._train_batch_size = self.args.per_device_train_batch_size * self.args.steps_per_generation
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self._train_batch_size = original
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.accelerator.unwrap_model(self.model).parameters() if p.requires_grad]
+
+    @contextmanager
+    def _generation_context(self):
+        """No grad, eval mode, mixed-precision autocast, and (ZeRO-3) parameters gathered once per rollout."""
+        model = self.model_wrapped
+        was_training = model.training
+        gather = nullcontext()
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+        model.eval()
+        try:
+            with torch.no_grad(), gather, self.accelerator.autocast():
+                yield model
+        finally:
+            model.train(was_training)
+
+    # ------------------------------------------------------------------------------------------------
+    # rollouts
+    # ------------------------------------------------------------------------------------------------
+    def _encode_unique(self, prompts: list[str], device) -> tuple[PromptEmbeds, torch.Tensor]:
+        """Encode each distinct prompt once; returns the embeddings and, per sample, its row."""
+        unique: dict[str, int] = {}
+        rows = [unique.setdefault(p, len(unique)) for p in prompts]
+        embeds = self.adapter.encode_prompts(list(unique), self.args.max_sequence_length, device)
+        return embeds, torch.tensor(rows, dtype=torch.long)
+
+    def _velocity(self, model, latents, timestep, embeds, guidance_scale, height, width):
+        neg = None
+        if self.adapter.uses_cfg(guidance_scale):
+            neg = self._negative_embeds.expand_to(latents.shape[0])
+        v = self.adapter.predict_velocity(model, latents.to(self.model_dtype), timestep, embeds, guidance_scale, neg,
+                                          height, width)
+        return v.float()
+
+    def _sample(self, model, embeds: PromptEmbeds, num_steps: int, guidance_scale: float, noise_level: float,
+                window: tuple[int, int], generator: torch.Generator, record: bool, progress=None):
+        """Sample one micro-batch. Returns the final latents and (if ``record``) the window's trajectory."""
+        args = self.args
+        height, width = args.image_size
+        device = self.accelerator.device
+        batch = len(embeds)
+        self.adapter.set_timesteps(self.sde_scheduler, num_steps, height, width, device)
+        sigmas = self.sde_scheduler.sigmas.to(device=device, dtype=torch.float32)
+        timesteps = self.sde_scheduler.timesteps.to(device)
+        latents = self.adapter.prepare_latents(batch, height, width, generator, device, torch.float32)
+        traj = {"latents": [], "next_latents": [], "log_probs": [], "timesteps": [], "sigmas": [], "sigmas_next": []}
+        for i in range(num_steps):
+            t = timesteps[i].expand(batch)
+            v = self._velocity(model, latents, t, embeds, guidance_scale, height, width)
+            in_window = window[0] <= i < window[1]
+            out = sde_step_from_sigmas(
+                v, latents, sigmas[i], sigmas[i + 1], noise_level=noise_level if in_window else 0.0,
+                sde_type=args.sde_type, generator=generator, sigma_max_fallback=float(sigmas[1]),
+            )
+            if record and in_window:
+                traj["latents"].append(latents)
+                traj["next_latents"].append(out.prev_sample)
+                traj["log_probs"].append(out.log_prob)
+                traj["timesteps"].append(t)
+                traj["sigmas"].append(sigmas[i].expand(batch))
+                traj["sigmas_next"].append(sigmas[i + 1].expand(batch))
+            latents = out.prev_sample
+            if progress is not None:
+                progress.update(1)
+        stacked = {k: torch.stack(v, dim=1) for k, v in traj.items()} if record else None
+        return latents, stacked
+
+    def _generation_index(self) -> int:
+        return self._micro_step // (self.args.steps_per_generation * self.args.num_iterations)
+
+    def _generate_and_score(self, inputs: list[dict]) -> list[dict]:
+        """Rollout + rewards + advantages for this process's share of a generation batch, split in micro-batches."""
+        args = self.args
+        device = self.accelerator.device
+        height, width = args.image_size
+        gen_index = self._generation_index()
+        prompts = [row["prompt"] for row in inputs]
+        group_ids = torch.tensor([row[INDEX_COLUMN] for row in inputs], dtype=torch.long)
+        columns = {k: [row[k] for row in inputs] for k in inputs[0] if k not in ("prompt", INDEX_COLUMN)}
+
+        window_gen = torch.Generator().manual_seed(_seed_for(args.seed, gen_index))
+        window = sample_sde_window(args.num_inference_steps, args.sde_window_size, args.sde_window_range,
+                                   generator=window_gen)
+        noise_gen = torch.Generator().manual_seed(_seed_for(args.seed, gen_index, self.accelerator.process_index))
+        micro = args.per_device_train_batch_size
+        chunks = [slice(s, s + micro) for s in range(0, len(prompts), micro)]
+
+        t0 = time.perf_counter()
+        timing = defaultdict(float)
+        futures, samples, decoded = [], [], []
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=len(chunks) * args.num_inference_steps, desc="rollout", leave=False,
+                        disable=args.disable_tqdm or not self.is_local_process_zero())
+        with self._generation_context() as model:
+            tic = time.perf_counter()
+            unique_embeds, rows = self._encode_unique(prompts, device)
+            embeds_all = unique_embeds.index_select(rows)
+            timing["text_encoding"] += time.perf_counter() - tic
+            for sl in chunks:
+                embeds = embeds_all[sl]
+                tic = time.perf_counter()
+                final, traj = self._sample(model, embeds, args.num_inference_steps, args.guidance_scale,
+                                           args.noise_level, window, noise_gen, record=True, progress=progress)
+                timing["rollout"] += time.perf_counter() - tic
+                tic = time.perf_counter()
+                images = self.adapter.decode(final.to(self.model_dtype), height, width)
+                pil = _to_pil(images)
+                timing["vae_decode"] += time.perf_counter() - tic
+                futures.append(self.reward_set.submit(prompts[sl], pil, **{k: v[sl] for k, v in columns.items()}))
+                traj["embeds"] = embeds
+                samples.append(traj)
+                decoded.append(pil)
+        progress.close()
+        tic = time.perf_counter()
+        results = [f.result() for f in futures]
+        timing["reward_wait"] = time.perf_counter() - tic
+        timing["sampling_total"] = time.perf_counter() - t0
+
+        # ---- gather rewards, advantages --------------------------------------------------------------
+        def as_tensor(values):
+            return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32,
+                                device=device)
+
+        totals = as_tensor([v for r in results for v in r.total])
+        per_reward = {name: as_tensor([v for r in results for v in r.per_reward[name]])
+                      for name in self.reward_set.names}
+        g_totals = self.accelerator.gather(totals).cpu()
+        g_groups = self.accelerator.gather(group_ids.to(device)).cpu()
+        g_per_reward = {n: self.accelerator.gather(t).cpu() for n, t in per_reward.items()}
+        advantages, stats = compute_group_advantages(g_totals, g_groups, args.scale_rewards, args.adv_clip_max)
+        n_local = len(prompts)
+        rank = self.accelerator.process_index
+        local_adv = advantages[rank * n_local:(rank + 1) * n_local].to(device)
+
+        m = self._metrics["train"]
+        m["reward"].append(stats.reward_mean)
+        m["reward_std"].append(stats.reward_std)
+        m["frac_reward_zero_std"].append(stats.frac_reward_zero_std)
+        for name, vals in g_per_reward.items():
+            valid = vals[~torch.isnan(vals)]
+            m[f"rewards/{name}/mean"].append(float(valid.mean()) if valid.numel() else math.nan)
+            m[f"rewards/{name}/std"].append(float(valid.std(unbiased=False)) if valid.numel() else math.nan)
+        m["timing/sampling"].append(timing["sampling_total"] - timing["reward_wait"])
+        m["timing/reward"].append(timing["reward_wait"])
+        for key in ("text_encoding", "rollout", "vae_decode"):
+            m[f"timing/{key}"].append(timing[key])
+        self._last_timing = dict(timing)
+
+        flat_images = [im for chunk in decoded for im in chunk]
+        totals_list = totals.cpu().tolist()
+        self._last_samples = (flat_images[: args.num_log_images], prompts[: args.num_log_images],
+                              totals_list[: args.num_log_images])
+
+        buffers = []
+        for i, (sl, traj) in enumerate(zip(chunks, samples)):
+            traj["advantages"] = local_adv[sl]
+            traj["window"] = window
+            buffers.append(traj)
+        return buffers
+
+    # ------------------------------------------------------------------------------------------------
+    # training
+    # ------------------------------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        args = self.args
+        period = args.steps_per_generation * args.num_iterations
+        if self._micro_step % period == 0 or self._buffer is None:
+            self._buffer = self._generate_and_score(inputs)
+        position = self._micro_step % period
+        first_pass = position < args.steps_per_generation
+        batch = self._buffer[position % args.steps_per_generation]
+        self._micro_step += 1
+
+        tic = time.perf_counter()
+        model.train()
+        loss = self._train_on_batch(model, batch, first_pass)
+        self._metrics["train"]["timing/training"].append(time.perf_counter() - tic)
+        return loss
+
+    def _reference_mean(self, model, x, t, embeds, sigma, sigma_next, height, width):
+        """Transition mean under the reference policy (LoRA disabled, or the frozen copy)."""
+        with torch.no_grad():
+            if self.is_peft:
+                peft_model = self.accelerator.unwrap_model(model)
+                with peft_model.disable_adapter():
+                    v_ref = self._velocity(model, x, t, embeds, self.args.guidance_scale, height, width)
+            else:
+                v_ref = self._velocity(self.ref_model, x, t, embeds, self.args.guidance_scale, height, width)
+            return sde_step_from_sigmas(v_ref, x, sigma, sigma_next, noise_level=self.args.noise_level,
+                                        sde_type=self.args.sde_type).prev_sample_mean
+
+    def _train_on_batch(self, model, batch: dict, first_pass: bool) -> torch.Tensor:
+        args = self.args
+        height, width = args.image_size
+        num_steps = batch["latents"].shape[1]
+        scale = 1.0 / (num_steps * self.current_gradient_accumulation_steps)
+        adv = batch["advantages"]
+        embeds = batch["embeds"]
+        total = torch.zeros((), device=self.accelerator.device)
+        m = self._metrics["train"]
+        backward_kwargs = {}
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            backward_kwargs["scale_wrt_gas"] = False
+        sigma_max_fallback = float(self.sde_scheduler.sigmas[1])
+        for j in range(num_steps):
+            x, x_next = batch["latents"][:, j], batch["next_latents"][:, j]
+            t, sigma, sigma_next = batch["timesteps"][:, j], batch["sigmas"][:, j], batch["sigmas_next"][:, j]
+            old_logp = batch["log_probs"][:, j]
+            # One backward per step; under DDP only the last one all-reduces.
+            ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            sync = model.no_sync() if ddp and j < num_steps - 1 else nullcontext()
+            with sync:
+                with self.accelerator.autocast():
+                    v = self._velocity(model, x, t, embeds, args.guidance_scale, height, width)
+                out = sde_step_from_sigmas(v, x, sigma, sigma_next, prev_sample=x_next, noise_level=args.noise_level,
+                                           sde_type=args.sde_type, sigma_max_fallback=sigma_max_fallback)
+                log_ratio = out.log_prob - old_logp
+                ratio = torch.exp(log_ratio)
+                unclipped = -adv * ratio
+                clipped = -adv * torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon)
+                policy_loss = torch.maximum(unclipped, clipped).mean()
+                loss = policy_loss
+                if args.beta > 0:
+                    with self.accelerator.autocast():
+                        ref_mean = self._reference_mean(model, x, t, embeds, sigma, sigma_next, height, width)
+                    kl = gaussian_kl(out.prev_sample_mean, ref_mean, out.std).mean()
+                    loss = loss + args.beta * kl
+                    m["kl"].append(float(kl.detach()))
+                self.accelerator.backward(loss * scale, **backward_kwargs)
+            total += loss.detach() * scale
+            with torch.no_grad():
+                m["policy_loss"].append(float(policy_loss))
+                m["approx_kl"].append(float(0.5 * (log_ratio**2).mean()))
+                m["clip_frac"].append(float(((ratio - 1).abs() > args.epsilon).float().mean()))
+                m["ratio_mean"].append(float(ratio.mean()))
+                if first_pass:
+                    drift = float((ratio - 1).abs().max())
+                    m["on_policy_ratio_max_dev"].append(drift)
+                    if drift > args.on_policy_tolerance and not self._warned_off_policy:
+                        self._warned_off_policy = True
+                        warnings.warn(
+                            f"On the first pass over a fresh batch the likelihood ratio should be exactly 1, but "
+                            f"max |ratio - 1| = {drift:.3g} > on_policy_tolerance={args.on_policy_tolerance}. Likely "
+                            "causes: dropout (e.g. lora_dropout > 0), a different dtype/autocast between sampling and "
+                            "training, micro-batches whose composition differs from sampling, or non-deterministic "
+                            "kernels.", stacklevel=2,
+                        )
+        return total
+
+    # ------------------------------------------------------------------------------------------------
+    # logging
+    # ------------------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
+        metrics = {k: float(np.nanmean(v)) if len(v) else math.nan for k, v in self._metrics[mode].items()}
+        if mode == "eval":
+            metrics = {f"eval_{k}": v for k, v in metrics.items()}
+        logs = {**logs, **metrics}
+        super().log(logs, start_time)
+        self._metrics[mode].clear()
+
+    def _log_images(self, images: list, prompts: list[str], rewards: list[float], step: int) -> None:
+        """Sample images with prompts and rewards to every image-capable ``report_to`` backend."""
+        if not self.is_world_process_zero() or not images:
+            return
+        from transformers.integrations import TensorBoardCallback, WandbCallback
+
+        captions = [f"{p[:120]} | reward={r:.3f}" for p, r in zip(prompts, rewards)]
+        for cb in self.callback_handler.callbacks:
+            if isinstance(cb, TensorBoardCallback) and getattr(cb, "tb_writer", None) is not None:
+                sheet = np.asarray(make_contact_sheet(images, captions))
+                cb.tb_writer.add_image("samples", sheet, global_step=step, dataformats="HWC")
+                cb.tb_writer.add_text("samples/prompts", "\n\n".join(captions), global_step=step)
+                cb.tb_writer.flush()
+            if isinstance(cb, WandbCallback) and getattr(cb, "_wandb", None) is not None and cb._wandb.run:
+                cb._wandb.log({"samples": [cb._wandb.Image(im, caption=c) for im, c in zip(images, captions)],
+                               "train/global_step": step})
+
+    # ------------------------------------------------------------------------------------------------
+    # evaluation
+    # ------------------------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """ODE sampling (noise 0) at the eval step count and guidance with fixed seeds; rewards on the eval set.
+
+        Logs ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/<name>/mean``; writes a contact sheet of
+        prompts, images and scores to ``output_dir/eval_step_<N>.png``.
+        """
+        dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset") if eval_dataset is not None else \
+            self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (pass one to the trainer or to evaluate()).")
+        args = self.args
+        height, width = args.image_size
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        indices = list(range(len(dataset)))[rank::world]
+        ema_ctx = self.ema.swapped_in(self._trainable_parameters()) if self.ema is not None else nullcontext()
+        records = []
+        with ema_ctx, self._generation_context() as model:
+            for start in range(0, len(indices), args.per_device_eval_batch_size):
+                idx = indices[start:start + args.per_device_eval_batch_size]
+                rows = [dataset[i] for i in idx]
+                prompts = [r["prompt"] for r in rows]
+                embeds, row_map = self._encode_unique(prompts, self.accelerator.device)
+                embeds = embeds.index_select(row_map)
+                gens = [torch.Generator().manual_seed(_seed_for(args.seed, 7919, i)) for i in idx]
+                final, _ = self._sample(model, embeds, args.eval_num_inference_steps, args.eval_guidance_scale, 0.0,
+                                        (0, 0), gens, record=False)
+                pil = _to_pil(self.adapter.decode(final.to(self.model_dtype), height, width))
+                cols = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", INDEX_COLUMN)}
+                result = self.reward_set(prompts, pil, **cols)
+                for j, i in enumerate(idx):
+                    records.append((i, prompts[j], pil[j], result.total[j],
+                                    {n: result.per_reward[n][j] for n in self.reward_set.names}))
+        gathered = self.accelerator.gather_for_metrics(records, use_gather_object=True) if world > 1 else records
+        gathered = sorted(gathered, key=lambda r: r[0])
+
+        def stat(values):
+            vals = [v for v in values if v is not None and not math.isnan(v)]
+            return (float(np.mean(vals)), float(np.std(vals))) if vals else (math.nan, math.nan)
+
+        metrics = {}
+        metrics[f"{metric_key_prefix}_reward"], metrics[f"{metric_key_prefix}_reward_std"] = stat(
+            [r[3] for r in gathered])
+        for name in self.reward_set.names:
+            mean, std = stat([r[4][name] for r in gathered])
+            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = mean
+            metrics[f"{metric_key_prefix}_rewards/{name}/std"] = std
+        if self.is_world_process_zero():
+            os.makedirs(args.output_dir, exist_ok=True)
+            captions = [f"{r[1][:60]} | {r[3]:.3f}" if r[3] is not None else f"{r[1][:60]} | n/a" for r in gathered]
+            sheet = make_contact_sheet([r[2] for r in gathered], captions)
+            path = Path(args.output_dir, f"eval_step_{self.state.global_step}.png")
+            sheet.save(path)
+            self._last_eval = {"metrics": metrics, "contact_sheet": str(path),
+                               "samples": [(r[1], r[2], r[3]) for r in gathered[:8]]}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------
+    # saving and resuming
+    # ------------------------------------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        output_dir = output_dir or self.args.output_dir
+        super()._save(output_dir, state_dict=state_dict)
+        if not self.args.should_save:
+            return
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        ema_ctx = self.ema.swapped_in(self._trainable_parameters()) if self.ema is not None else nullcontext()
+        # A gathered state dict (FSDP full state dict) is authoritative; otherwise the live (or EMA) weights.
+        ema_ctx = ema_ctx if state_dict is None else nullcontext()
+        with ema_ctx:
+            if self.is_peft:
+                save_diffusers_lora(type(self.pipeline), output_dir, unwrapped, state_dict=state_dict)
+            elif state_dict is not None:
+                from safetensors.torch import save_file
+
+                folder = os.path.join(output_dir, "transformer")
+                os.makedirs(folder, exist_ok=True)
+                unwrapped.save_config(folder)
+                save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
+                          os.path.join(folder, "diffusion_pytorch_model.safetensors"))
+            else:
+                unwrapped.save_pretrained(os.path.join(output_dir, "transformer"))
+        if self.ema is not None:
+            torch.save(self.ema.state_dict(), os.path.join(output_dir, EMA_STATE_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        path = os.path.join(resume_from_checkpoint, EMA_STATE_NAME)
+        if self.ema is not None and os.path.exists(path):
+            self.ema.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    def _card_extra_sections(self) -> str:
+        args = self.args
+        lines = [
+            "## Training setup", "",
+            f"- algorithm: {self._name} ({args.sde_type}, noise level {args.noise_level}, "
+            f"{'window ' + str(args.sde_window_size) if args.sde_window_size else 'all steps'})",
+            f"- group size {args.num_generations}, {args.num_inference_steps} sampling steps, guidance "
+            f"{args.guidance_scale}, {args.height}x{args.width}",
+            f"- beta (KL) {args.beta}, clip range {args.epsilon}, learning rate {args.learning_rate}",
+            f"- optimizer steps: {self.state.global_step}",
+        ]
+        if self._last_eval:
+            lines += ["", "## Evaluation (last run)", ""]
+            lines += [f"- {k}: {v:.4f}" for k, v in self._last_eval["metrics"].items()]
+        return "\n".join(lines)
+
+
+__all__ = ["FlowGRPOTrainer", "LORA_WEIGHTS_NAME"]
