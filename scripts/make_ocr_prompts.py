@@ -1,0 +1,42 @@
+#!/usr/bin/env python
+"""Write a small synthetic OCR prompt set (deterministic, offline): ``train.txt`` and ``test.txt``.
+
+    python scripts/make_ocr_prompts.py --output_dir data/ocr_synthetic            # what the repository ships
+    python scripts/make_ocr_prompts.py --output_dir /tmp/ocr --num_train 500 --format jsonl
+
+Prompts look like ``a wooden sign that says "OPEN"``; ``--format jsonl`` adds an ``ocr_text`` column with the target
+text. The same arguments always give the same files (see ``flowgrpo.cli.ocr_prompts``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output_dir", default="data/ocr_synthetic", help="folder for train.<ext> and test.<ext>")
+    parser.add_argument("--num_train", type=int, default=64, help="training prompts")
+    parser.add_argument("--num_test", type=int, default=8, help="evaluation prompts (disjoint from training)")
+    parser.add_argument("--seed", type=int, default=0, help="generator seed")
+    parser.add_argument("--format", choices=("txt", "jsonl"), default="txt", dest="file_format",
+                        help="txt: one prompt per line; jsonl: also the ocr_text target column")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flowgrpo.cli.ocr_prompts import write_ocr_prompt_files
+
+    args = build_arg_parser().parse_args(argv)
+    if args.num_train < 1:
+        print(f"error: --num_train={args.num_train} must be >= 1", file=sys.stderr)
+        return 2
+    written = write_ocr_prompt_files(args.output_dir, args.num_train, args.num_test, args.seed, args.file_format)
+    for split, path in written.items():
+        print(f"{split}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

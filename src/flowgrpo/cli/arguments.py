@@ -1,0 +1,122 @@
+"""Argument groups of the launch script besides `FlowGRPOConfig`: the data (`ScriptArguments`) and the model
+(`ModelArguments`).
+
+Every field can be set in a recipe (YAML, flat keys) or on the command line (``--key value``); see
+:func:`flowgrpo.cli.parse_recipe`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: LoRA targets of the published Flow-GRPO SD3.5 recipes: the joint attention's image and text projections.
+#: FLUX's blocks use the same names (its single-stream blocks have no ``add_*`` projections; peft skips them).
+DEFAULT_LORA_TARGET_MODULES = [
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+]
+
+#: Accepted values of ``lora_init`` and what peft's ``init_lora_weights`` receives.
+LORA_INITS = {
+    "gaussian": "gaussian",  # A ~ N(0, 1/r), B = 0 (Flow-GRPO): the adapter starts as the identity
+    "default": True,         # A Kaiming-uniform, B = 0 (peft's default): also the identity at start
+    "true": True,
+    "pissa": "pissa",
+    "olora": "olora",
+    "eva": "eva",
+    "false": False,          # A and B random: the adapter changes the model from the first step (rarely wanted)
+}
+
+#: ``build_tiny_pipeline_if_missing`` values: the random tiny pipelines of ``flowgrpo.testing`` and the pretrained
+#: toy world of ``flowgrpo.toy`` (a small SD3 pipeline that follows shape prompts).
+TINY_PIPELINE_FAMILIES = ("sd3", "flux", "toy")
+
+
+@dataclass
+class ScriptArguments:
+    """Where the prompts come from and which rewards score the images."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Prompt dataset: a Hub dataset id (e.g. 'user/ocr-prompts'), a local file (.txt with one "
+                          "prompt per line, .jsonl, .json, .csv or .parquet) used as the training split, or a local "
+                          "folder holding one such file per split ('train.txt', 'test.jsonl', ...). Local files are "
+                          "read relative to the working directory."},
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "Configuration (subset) name of a Hub dataset."},
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Split used for training."})
+    dataset_test_split: str | None = field(
+        default="test",
+        metadata={"help": "Split used for evaluation when it exists (a Hub dataset's split, or '<split>.<ext>' in a "
+                          "local folder). Set to null / 'none' to train without evaluation."},
+    )
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "A separate evaluation set (Hub id, file or folder, as dataset_name); when it is a Hub id "
+                          "or folder its dataset_test_split is used. Overrides dataset_test_split of dataset_name."},
+    )
+    prompt_column: str = field(
+        default="prompt",
+        metadata={"help": "Column holding the prompt text; renamed to 'prompt'. Other columns are kept and passed "
+                          "to the reward functions (e.g. the target text of OCR prompts)."},
+    )
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N training prompts (quick runs)."},
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N evaluation prompts (evaluation cost is per prompt)."},
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Reward functions: registry names (see flowgrpo.rewards.list_rewards(), e.g. 'ocr', "
+                          "'pickscore', 'remote') and/or 'package.module:function' paths (modules are imported from "
+                          "the working directory or the installed packages). Weights: reward_weights; options: "
+                          "reward_kwargs."},
+    )
+
+
+@dataclass
+class ModelArguments:
+    """Which pipeline is trained and how (LoRA or the full transformer)."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "A diffusers pipeline: Hub id (e.g. 'stabilityai/stable-diffusion-3.5-medium') or local "
+                          "folder saved with save_pretrained."},
+    )
+    model_revision: str | None = field(
+        default=None, metadata={"help": "Hub revision (branch, tag or commit) of model_name_or_path."},
+    )
+    build_tiny_pipeline_if_missing: str | None = field(
+        default=None,
+        metadata={"help": "'sd3', 'flux' or 'toy': when model_name_or_path is a local folder that does not exist "
+                          "yet, build it there first: the offline tiny random-weight pipeline of that family "
+                          "(flowgrpo.testing), or the pretrained toy world (flowgrpo.toy, a few CPU minutes). For the "
+                          "CPU recipes; leave unset for real models."},
+    )
+    tiny_pipeline_seed: int = field(
+        default=0, metadata={"help": "Seed of the tiny pipeline built by build_tiny_pipeline_if_missing."},
+    )
+    use_peft: bool = field(
+        default=True,
+        metadata={"help": "Train a LoRA on the transformer (the Flow-GRPO default). False fine-tunes the whole "
+                          "transformer."},
+    )
+    lora_r: int = field(default=32, metadata={"help": "LoRA rank (Flow-GRPO SD3.5-M: 32)."})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (Flow-GRPO SD3.5-M: 64)."})
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={"help": "LoRA dropout. Keep 0: dropout makes the first-pass likelihood ratio differ from 1."},
+    )
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Module names (or suffixes) that get a LoRA. Default: the attention projections of the "
+                          "Flow-GRPO recipes: " + ", ".join(DEFAULT_LORA_TARGET_MODULES) + "."},
+    )
+    lora_init: str = field(
+        default="gaussian",
+        metadata={"help": "LoRA initialisation (peft's init_lora_weights): " + ", ".join(LORA_INITS) + ". 'gaussian' "
+                          "(Flow-GRPO) and 'default' start as the identity (B = 0)."},
+    )

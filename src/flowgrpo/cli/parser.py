@@ -1,0 +1,321 @@
+"""Recipes: one YAML file sets every argument of a run; ``--key value`` flags on the command line override it.
+
+    python src/train.py recipes/ocr.yaml --max_steps 100 --output_dir runs/ocr
+    accelerate launch --config_file accelerate_configs/fsdp8.yaml src/train.py recipes/ocr.yaml
+
+A recipe is a flat YAML mapping whose keys are the fields of :class:`ScriptArguments`, :class:`ModelArguments` and
+:class:`~flowgrpo.FlowGRPOConfig` (``src/train.py --help`` lists them), plus an optional ``env`` mapping of
+environment variables set before anything else (as in TRL's recipes). The same parsing is importable::
+
+    from flowgrpo.cli import parse_recipe
+    script_args, model_args, training_args = parse_recipe("recipes/tiny_cpu.yaml", overrides={"max_steps": 2})
+
+Precedence: the recipe, then ``overrides``, then command-line flags. Unknown keys, in the recipe, in ``overrides``
+or on the command line, fail at once with the closest valid names; so does an unreadable recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .arguments import LORA_INITS, TINY_PIPELINE_FAMILIES, ModelArguments, ScriptArguments
+
+RECIPE_SUFFIXES = (".yaml", ".yml")
+#: Recipe keys that are not argument fields.
+SPECIAL_KEYS = ("env",)
+
+
+class RecipeError(ValueError):
+    """A recipe or command line that cannot be turned into arguments (the message says what to change)."""
+
+
+def _suggest(name: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
+    if close:
+        return "did you mean " + " or ".join(repr(c) for c in close) + "?"
+    return "run `python src/train.py --help` for the valid keys."
+
+
+def build_parser():
+    """The argument parser over the three argument groups (``HfArgumentParser``, no abbreviations)."""
+    from transformers import HfArgumentParser
+
+    from ..trainer.config import FlowGRPOConfig
+
+    return HfArgumentParser((ScriptArguments, ModelArguments, FlowGRPOConfig), allow_abbrev=False,
+                            description="Flow-GRPO training of a flow-matching text-to-image pipeline from a YAML "
+                                        "recipe; --key value flags override the recipe.",
+                            usage="%(prog)s [RECIPE.yaml] [--key value ...]")
+
+
+def _field_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """dest -> the action that parses it (the positive flag for booleans, not ``--no_*``)."""
+    actions: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        if action.dest in (argparse.SUPPRESS, "help") or not action.option_strings:
+            continue
+        if all(opt.startswith("--no_") for opt in action.option_strings) and action.dest in actions:
+            continue
+        actions.setdefault(action.dest, action)
+    return actions
+
+
+def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML recipe into a dict; a missing, unreadable or malformed file is a :class:`RecipeError`."""
+    import yaml
+
+    path = Path(path)
+    if not path.exists():
+        hint = ""
+        if not path.is_absolute():
+            hint = f" (looked in {Path.cwd()}; recipes ship in the repository's recipes/ folder, e.g. " \
+                   "recipes/tiny_cpu.yaml)"
+        raise RecipeError(f"Recipe file not found: {str(path)!r}{hint}.")
+    if path.is_dir():
+        raise RecipeError(f"Recipe {str(path)!r} is a directory; pass a YAML file such as recipes/tiny_cpu.yaml.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RecipeError(f"Cannot read recipe {str(path)!r}: {err}.") from err
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise RecipeError(f"Recipe {str(path)!r} is not valid YAML: {err}") from err
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        raise RecipeError(f"Recipe {str(path)!r} must be a YAML mapping of 'key: value' lines, got a "
+                          f"{type(config).__name__}.")
+    bad = [k for k in config if not isinstance(k, str)]
+    if bad:
+        raise RecipeError(f"Recipe {str(path)!r} has non-string keys {bad}; keys are argument names such as "
+                          "'learning_rate'.")
+    return config
+
+
+def _coerce(action: argparse.Action, key: str, value: Any, source: str) -> Any:
+    """Convert a YAML/override value with the flag's own type (YAML reads 3e-4 as a string, for example)."""
+    if value is None:
+        return None
+    convert = action.type if callable(action.type) else None
+
+    def one(v: Any) -> Any:
+        if convert is None or v is None:
+            return v
+        if isinstance(v, str) or (convert is float and isinstance(v, int) and not isinstance(v, bool)):
+            try:
+                return convert(v)
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as err:
+                raise RecipeError(f"{source}: {key}={v!r} is not a valid {getattr(convert, '__name__', 'value')} "
+                                  f"({err}).") from err
+        return v
+
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{source}: {key} takes a list, got {value!r}.")
+        value = [one(v) for v in value]
+        if action.choices is not None:
+            for v in value:
+                if v not in action.choices:
+                    raise RecipeError(f"{source}: {key} has {v!r}; choose from {list(action.choices)}.")
+        return value
+    value = one(value)
+    if action.choices is not None and value not in action.choices:
+        raise RecipeError(f"{source}: {key}={value!r} is not valid; choose one of {list(action.choices)}.")
+    return value
+
+
+def _apply_defaults(actions: dict[str, argparse.Action], values: Mapping[str, Any], source: str) -> None:
+    unknown = [k for k in values if k not in actions]
+    if unknown:
+        valid = sorted(actions)
+        lines = [f"  {k!r}: {_suggest(k, valid)}" for k in unknown]
+        raise RecipeError(f"{source} has unknown key(s):\n" + "\n".join(lines))
+    for key, value in values.items():
+        action = actions[key]
+        action.default = _coerce(action, key, value, source)
+        action.required = False
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Take the recipe path out of ``argv``: a leading positional argument or ``--config PATH``."""
+    argv = list(argv)
+    recipe = None
+    for flag in ("--config", "--recipe"):
+        for i, arg in enumerate(argv):
+            if arg == flag:
+                if i + 1 >= len(argv):
+                    raise RecipeError(f"{flag} needs a path, e.g. {flag} recipes/tiny_cpu.yaml.")
+                recipe = argv[i + 1]
+                del argv[i:i + 2]
+                break
+            if arg.startswith(flag + "="):
+                recipe = arg.split("=", 1)[1]
+                del argv[i]
+                break
+    if argv and not argv[0].startswith("-"):
+        if recipe is not None:
+            raise RecipeError(f"Two recipes given ({recipe!r} and {argv[0]!r}); pass one.")
+        recipe = argv.pop(0)
+    return recipe, argv
+
+
+def _unknown_cli(remaining: list[str], actions: dict[str, argparse.Action], parser) -> None:
+    if not remaining:
+        return
+    options = sorted({opt for a in parser._actions for opt in a.option_strings
+                      if opt.startswith("--") and "-" not in opt[2:]})
+    lines = []
+    for arg in remaining:
+        if arg.startswith("--"):
+            flag = arg.split("=", 1)[0]
+            lines.append(f"  {flag!r}: {_suggest(flag, options)}")
+        elif arg.startswith("-"):
+            lines.append(f"  {arg!r}: flags are written --key value.")
+    if not lines:
+        lines = [f"  unexpected value(s) {remaining}: give the recipe first and every setting as --key value."]
+    raise RecipeError("Unknown command-line argument(s):\n" + "\n".join(lines))
+
+
+def check_arguments(script_args: ScriptArguments, model_args: ModelArguments) -> None:
+    """Cheap consistency checks of the script and model arguments (nothing is loaded)."""
+    if not script_args.dataset_name:
+        raise RecipeError("No prompts: set dataset_name (a Hub dataset id, a .txt/.jsonl/.json/.csv/.parquet file or "
+                          "a folder with train/test files), e.g. --dataset_name data/ocr_synthetic.")
+    if not script_args.reward_funcs:
+        raise RecipeError("No reward: set reward_funcs, e.g. --reward_funcs ocr (flowgrpo.rewards.list_rewards() "
+                          "lists the built-in names; 'package.module:function' paths work too).")
+    if not model_args.model_name_or_path:
+        raise RecipeError("No model: set model_name_or_path, e.g. --model_name_or_path "
+                          "stabilityai/stable-diffusion-3.5-medium.")
+    if model_args.lora_init.lower() not in LORA_INITS:
+        raise RecipeError(f"lora_init={model_args.lora_init!r} is not valid; choose one of {list(LORA_INITS)} "
+                          f"({_suggest(model_args.lora_init.lower(), list(LORA_INITS))}).")
+    family = model_args.build_tiny_pipeline_if_missing
+    if family is not None and family not in TINY_PIPELINE_FAMILIES:
+        raise RecipeError(f"build_tiny_pipeline_if_missing={family!r} is not a tiny pipeline family; choose one of "
+                          f"{list(TINY_PIPELINE_FAMILIES)}, or leave it unset for real models.")
+    for name in ("max_train_samples", "max_eval_samples"):
+        value = getattr(script_args, name)
+        if value is not None and value < 1:
+            raise RecipeError(f"{name}={value} must be a positive number of prompts (or unset for all).")
+    if model_args.use_peft and (model_args.lora_r < 1 or model_args.lora_alpha <= 0):
+        raise RecipeError(f"lora_r={model_args.lora_r} and lora_alpha={model_args.lora_alpha} must be positive.")
+    if not 0 <= model_args.lora_dropout < 1:
+        raise RecipeError(f"lora_dropout={model_args.lora_dropout} must be in [0, 1).")
+    check_reward_names(script_args.reward_funcs)
+
+
+def check_reward_names(reward_funcs: Sequence[str]) -> None:
+    """Registry names must exist (closest names suggested); ``module:function`` paths are imported later."""
+    try:
+        from ..rewards import list_rewards
+    except ImportError:  # the registry is optional at parse time; the trainer resolves the names again
+        return
+    known = list(list_rewards())
+    for name in reward_funcs:
+        if ":" in name or "." in name:
+            continue
+        if name not in known:
+            raise RecipeError(f"reward_funcs: unknown reward {name!r}; {_suggest(name, known)} Registered: "
+                              f"{', '.join(sorted(known))}; or give a 'package.module:function' path.")
+
+
+def parse_recipe(recipe_or_argv: str | os.PathLike | Sequence[str] | None = None,
+                 overrides: Mapping[str, Any] | None = None):
+    """Parse a recipe and command-line flags into ``(script_args, model_args, training_args)``.
+
+    Args:
+        recipe_or_argv: a recipe path, or a command line (``["recipes/ocr.yaml", "--max_steps", "10"]``; the recipe
+            may also be given as ``--config PATH``). ``None`` reads ``sys.argv[1:]``.
+        overrides: ``{key: value}`` applied on top of the recipe (command-line flags still win).
+
+    Returns:
+        ``(ScriptArguments, ModelArguments, FlowGRPOConfig)``.
+
+    Raises:
+        RecipeError: unreadable recipe, unknown key (with the closest valid ones), bad value, missing dataset,
+            model or reward.
+    """
+    if recipe_or_argv is None:
+        argv = sys.argv[1:]
+    elif isinstance(recipe_or_argv, (str, os.PathLike)):
+        argv = [os.fspath(recipe_or_argv)]
+    else:
+        argv = [os.fspath(a) for a in recipe_or_argv]
+    recipe_path, cli = _split_argv(argv)
+
+    parser = build_parser()
+    actions = _field_actions(parser)
+    config: dict[str, Any] = {}
+    if recipe_path is not None:
+        config = load_recipe(recipe_path)
+        env = config.pop("env", None) or {}
+        if not isinstance(env, dict):
+            raise RecipeError(f"Recipe {recipe_path!r}: 'env' must be a mapping of environment variables, got "
+                              f"{env!r}.")
+        for key, value in env.items():
+            os.environ[str(key)] = str(value)
+        _apply_defaults(actions, config, f"Recipe {recipe_path!r}")
+    if overrides:
+        _apply_defaults(actions, dict(overrides), "overrides")
+    _default_to_cpu_ranks(actions, config, overrides)
+
+    # Unknown flags first: building the dataclasses runs TrainingArguments.__post_init__ (device set-up).
+    _, remaining = parser.parse_known_args(args=cli)
+    _unknown_cli(remaining, actions, parser)
+    try:
+        script_args, model_args, training_args = parser.parse_args_into_dataclasses(
+            args=cli, look_for_args_file=False)
+    except ValueError as err:  # __post_init__ checks of FlowGRPOConfig / TrainingArguments
+        raise RecipeError(f"Invalid training arguments: {err}") from err
+    check_arguments(script_args, model_args)
+    check_reward_weights(script_args, training_args)
+    _check_world(training_args)
+    return script_args, model_args, training_args
+
+
+def _launched_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _default_to_cpu_ranks(actions: dict[str, argparse.Action], config: Mapping[str, Any],
+                          overrides: Mapping[str, Any] | None) -> None:
+    """Under a multi-process launcher on a machine without CUDA, default ``use_cpu`` to true: otherwise accelerate
+    sets up no process group and every process silently trains on its own."""
+    if _launched_world_size() <= 1 or "use_cpu" in config or (overrides and "use_cpu" in overrides):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        actions["use_cpu"].default = True
+
+
+def _check_world(training_args: Any) -> None:
+    launched = _launched_world_size()
+    if launched > 1 and training_args.world_size != launched:
+        raise RecipeError(
+            f"The launcher started {launched} processes (WORLD_SIZE={launched}) but the training arguments see "
+            f"world_size={training_args.world_size}: the processes would train independently. On CPU set "
+            "use_cpu: true (accelerate_configs/cpu_ddp.yaml + a CPU recipe); on GPUs check the accelerate config.")
+
+
+def check_reward_weights(script_args: ScriptArguments, training_args: Any) -> None:
+    weights = getattr(training_args, "reward_weights", None)
+    if weights is not None and len(weights) != len(script_args.reward_funcs):
+        raise RecipeError(f"reward_weights has {len(weights)} value(s) {list(weights)} for {len(script_args.reward_funcs)} "
+                          f"reward(s) {list(script_args.reward_funcs)}; give one weight per reward.")
+
+
+__all__ = ["RecipeError", "build_parser", "check_arguments", "load_recipe", "parse_recipe"]

@@ -1,0 +1,218 @@
+"""The training run behind ``src/train.py``: recipe -> datasets -> pipeline -> FlowGRPOTrainer -> LoRA (+ Hub).
+
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml src/train.py recipes/tiny_cpu.yaml --max_steps 2
+
+Order of work, cheapest first, so that a mistake costs seconds: parse and check the recipe, read the prompt
+datasets, check the model path (or build the tiny pipeline a recipe asks for), then load the pipeline and train.
+At the end: evaluation when there is an evaluation set, ``trainer_state.json``, the diffusers LoRA
+(``pytorch_lora_weights.safetensors``) and the model card in ``output_dir``, and a Hub upload when ``push_to_hub``.
+
+Debugging distributed runs: when the environment variable ``FLOWGRPO_RANK_LOG_DIR`` names a folder, every process
+appends one JSON line per training log to ``<dir>/rank<N>.jsonl`` with the logged metrics (rewards, advantages'
+statistics: gathered over all processes, so equal on every rank), and its own samples: prompts, rewards, a digest
+of each image and its local advantages (different per rank: each process samples its own noise), and a digest of
+the trainable weights after the step (equal on every rank when gradients are synchronised).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from .arguments import ModelArguments, ScriptArguments
+from .parser import RecipeError, parse_recipe
+
+RANK_LOG_ENV = "FLOWGRPO_RANK_LOG_DIR"
+
+
+def _looks_like_local_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.endswith("/") or name.count("/") > 1 or os.path.exists(name)
+
+
+def prepare_model_path(model_args: ModelArguments, training_args: Any = None) -> str:
+    """The pipeline to load: checks a local folder exists, or builds the tiny pipeline there when asked.
+
+    With ``build_tiny_pipeline_if_missing`` set and no pipeline at ``model_name_or_path``, the local main process
+    writes the tiny pipeline of that family (``flowgrpo.testing.save_tiny_pipeline``), or the toy world
+    (``flowgrpo.toy.build.build_toy_world``), while the other processes wait; it is built in a temporary folder and renamed into place, so an interrupted build is never mistaken for
+    a pipeline.
+    """
+    name = str(model_args.model_name_or_path)
+    path = Path(name).expanduser()
+    family = model_args.build_tiny_pipeline_if_missing
+    if family is None:
+        if _looks_like_local_path(name) and not path.exists():
+            raise RecipeError(f"Model folder not found: {name!r} (relative paths are read from {Path.cwd()}). Give "
+                              "a Hub id or a folder written by save_pretrained.")
+        return name
+    if (path / "model_index.json").is_file():
+        return str(path)
+    if path.is_file() or (path.is_dir() and any(path.iterdir())):
+        raise RecipeError(f"{name!r} exists but holds no diffusers pipeline (no model_index.json); remove it or "
+                          "point model_name_or_path elsewhere so the tiny pipeline can be built there.")
+
+    from contextlib import nullcontext
+
+    context = training_args.main_process_first(local=True, desc="building the tiny pipeline") \
+        if training_args is not None else nullcontext()
+    with context:
+        if not (path / "model_index.json").is_file():
+            import shutil
+            import tempfile
+
+            seed = model_args.tiny_pipeline_seed
+            what = "the toy world" if family == "toy" else f"the tiny {family} pipeline"
+            print(f"[flowgrpo] building {what} (seed {seed}) in {path}", flush=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+            try:
+                if family == "toy":
+                    from ..toy.build import build_toy_world
+
+                    build_toy_world(staging / "pipeline", seed=seed)
+                else:
+                    from ..testing import save_tiny_pipeline
+
+                    save_tiny_pipeline(family, staging / "pipeline", seed=seed)
+                if path.is_dir() and not any(path.iterdir()):
+                    path.rmdir()
+                os.replace(staging / "pipeline", path)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return str(path)
+
+
+class RankLogCallback(TrainerCallback):
+    """Appends per-process training records to ``<log_dir>/rank<N>.jsonl`` (see the module docstring)."""
+
+    def __init__(self, trainer: Any, log_dir: str | os.PathLike):
+        self.trainer = trainer
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "reward" not in logs:  # evaluation and end-of-training summaries
+            return
+        trainer = self.trainer
+        rank = trainer.accelerator.process_index
+        record: dict[str, Any] = {
+            "rank": rank, "world_size": trainer.accelerator.num_processes, "step": state.global_step,
+            "logs": {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None)
+                     for k, v in logs.items() if isinstance(v, (int, float))},
+        }
+        samples = getattr(trainer, "_last_samples", None)
+        if samples:
+            images, prompts, rewards = samples
+            record["samples"] = [
+                {"prompt": p, "reward": r, "image_sha1": hashlib.sha1(im.tobytes()).hexdigest()}
+                for im, p, r in zip(images, prompts, rewards)
+            ]
+        buffer = getattr(trainer, "_buffer", None) or []
+        advantages = [float(a) for batch in buffer for a in batch.get("advantages", []).reshape(-1).tolist()] \
+            if buffer else []
+        record["local_advantages"] = advantages
+        digest = hashlib.sha1()
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        for name, param in sorted(model.named_parameters()):
+            if param.requires_grad:
+                digest.update(name.encode())
+                digest.update(param.detach().float().cpu().numpy().tobytes())
+        record["trainable_sha1"] = digest.hexdigest()
+        with open(self.log_dir / f"rank{rank}.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _check_eval_settings(training_args: Any, eval_dataset: Any) -> None:
+    if eval_dataset is not None:
+        return
+    strategy = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy))
+    if training_args.eval_on_start or strategy != "no":
+        raise RecipeError(f"eval_strategy={strategy!r} / eval_on_start={training_args.eval_on_start} need an "
+                          "evaluation set, but the dataset has none; set dataset_test_split or eval_dataset_name, or "
+                          "set eval_strategy: 'no' and eval_on_start: false.")
+
+
+def _prompts_come_with_model(script_args: ScriptArguments, model_args: ModelArguments) -> bool:
+    """True when a pipeline is to be built locally and the prompt files lie inside its folder."""
+    if not model_args.build_tiny_pipeline_if_missing or not model_args.model_name_or_path:
+        return False
+    model_dir = Path(str(model_args.model_name_or_path)).expanduser().resolve()
+    for name in (script_args.dataset_name, script_args.eval_dataset_name):
+        if name and Path(name).expanduser().resolve().is_relative_to(model_dir):
+            return True
+    return False
+
+
+def _hub_dataset_name(script_args: ScriptArguments) -> str | None:
+    from .data import _looks_local
+
+    name = script_args.dataset_name
+    return None if not name or _looks_local(name) else name
+
+
+def run(script_args: ScriptArguments, model_args: ModelArguments, training_args: Any) -> Any:
+    """Train, evaluate, save (and push) from parsed arguments; returns the trainer."""
+    from .data import load_prompt_dataset
+    from .lora import build_peft_config
+
+    # 'package.module:function' rewards next to the recipe are importable like installed ones.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+    peft_config = build_peft_config(model_args)
+    if _prompts_come_with_model(script_args, model_args):
+        # the toy world writes its prompt files next to the pipeline: build it before reading them
+        model = prepare_model_path(model_args, training_args)
+        train_dataset, eval_dataset = load_prompt_dataset(script_args)
+    else:
+        train_dataset, eval_dataset = load_prompt_dataset(script_args)
+        model = prepare_model_path(model_args, training_args)
+    _check_eval_settings(training_args, eval_dataset)
+
+    from ..trainer import FlowGRPOTrainer
+
+    pipeline_kwargs = {"revision": model_args.model_revision} if model_args.model_revision else None
+    trainer = FlowGRPOTrainer(
+        model=model, reward_funcs=list(script_args.reward_funcs), args=training_args, train_dataset=train_dataset,
+        eval_dataset=eval_dataset, peft_config=peft_config, pipeline_kwargs=pipeline_kwargs,
+    )
+    rank_log_dir = os.environ.get(RANK_LOG_ENV)
+    if rank_log_dir:
+        trainer.add_callback(RankLogCallback(trainer, rank_log_dir))
+
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if eval_dataset is not None:
+        trainer.evaluate()
+    trainer.save_state()
+    dataset_name = _hub_dataset_name(script_args)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=dataset_name)
+    else:
+        trainer.save_model(training_args.output_dir)
+        trainer.create_model_card(dataset_name=dataset_name)
+    if trainer.is_world_process_zero():
+        print(f"[flowgrpo] done: {trainer.state.global_step} steps; outputs in {training_args.output_dir}", flush=True)
+    return trainer
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    """``src/train.py``: parse ``argv`` (default ``sys.argv[1:]``) and run. Recipe mistakes exit with status 2 and a
+    one-paragraph message instead of a traceback."""
+    try:
+        script_args, model_args, training_args = parse_recipe(list(argv) if argv is not None else None)
+        return run(script_args, model_args, training_args)
+    except RecipeError as err:
+        print(f"flowgrpo: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from err
+
+
+__all__ = ["RANK_LOG_ENV", "RankLogCallback", "main", "prepare_model_path", "run"]

@@ -1,0 +1,15 @@
+"""Flow-GRPO training from a YAML recipe; ``--key value`` flags override the recipe.
+
+    python src/train.py recipes/tiny_cpu.yaml --max_steps 2
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml src/train.py recipes/tiny_cpu.yaml --max_steps 2
+    accelerate launch --config_file accelerate_configs/fsdp8.yaml src/train.py recipes/ocr.yaml
+
+``python src/train.py --help`` lists every key. The same code is importable: ``flowgrpo.cli.parse_recipe`` and
+``flowgrpo.cli.main``. Set ``FLOWGRPO_RANK_LOG_DIR=DIR`` to have every process write its own training records to
+``DIR/rank<N>.jsonl`` (see ``flowgrpo.cli.train``).
+"""
+
+from flowgrpo.cli import main
+
+if __name__ == "__main__":
+    main()
