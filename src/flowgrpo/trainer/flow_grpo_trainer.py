@@ -5,8 +5,10 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
 1. *Rollout.* The generation batch holds ``generation_batch_size / G`` prompts, each G times. Each unique prompt
    is encoded once. Images are sampled in micro-batches with ``FlowMatchSDEScheduler`` steps: SDE inside the
    rollout's window, ODE outside. For the window's steps we store x_j, x_{j+1}, log p_old(x_{j+1} | x_j), t_j.
-2. *Reward.* Each micro-batch is decoded once and handed to a background thread for scoring while the next
-   micro-batch is sampled. Rewards are gathered from all processes; group advantages as in ``advantages.py``.
+2. *Reward.* Each micro-batch is decoded once, in a background thread, and scored by the reward pool while the
+   next micro-batch is sampled. The last micro-batch's rewards are still being scored while the first training
+   forward runs; then rewards are gathered from all processes and turned into group advantages as in
+   ``advantages.py``.
 3. *Training.* For each micro-batch and each stored step j (one backward per step, so activation memory is
    bounded by one step), recompute log p_theta(x_{j+1} | x_j) with the same guidance and negative embeddings:
 
@@ -25,8 +27,10 @@ import math
 import os
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -64,6 +68,12 @@ def _to_pil(images: torch.Tensor) -> list:
 
     arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
     return [Image.fromarray(a) for a in arr]
+
+
+def _done_future(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -115,6 +125,7 @@ class _StepHooks(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._micro_step = state.global_step * args.gradient_accumulation_steps
         self.trainer._buffer = None
+        self.trainer._pending_scoring = None
         # Trainer re-points the handler at the raw model when training starts; diffusers configs lack
         # ``to_json_string``, which the tensorboard callback calls.
         handler = self.trainer.callback_handler
@@ -309,6 +320,23 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         finally:
             self._train_batch_size = original
 
+    # Overlaps (on by default; switchable for measuring what each buys, see docs/benchmarks.md): decode each
+    # rollout micro-batch in a background thread, and let the first training forward run while the last rewards
+    # are being scored (advantages are only needed by the loss).
+    _overlap_decode = True
+    _overlap_reward_with_training = True
+    _postprocess_pool: ThreadPoolExecutor | None = None
+    _pending_scoring: tuple | None = None
+
+    # Set by the benchmark harness on a GPU: synchronise before reading the clock, so that the phase timings are
+    # those of the kernels and not of their launches. Off by default (a synchronisation stalls the pipeline).
+    _timing_sync = False
+
+    def _clock(self) -> float:
+        if self._timing_sync and self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize(self.accelerator.device)
+        return time.perf_counter()
+
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.accelerator.unwrap_model(self.model).parameters() if p.requires_grad]
 
@@ -400,37 +428,74 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         micro = args.per_device_train_batch_size
         chunks = [slice(s, s + micro) for s in range(0, len(prompts), micro)]
 
-        t0 = time.perf_counter()
+        t0 = self._clock()
         timing = defaultdict(float)
-        futures, samples, decoded = [], [], []
+        jobs, samples = [], []
         from tqdm.auto import tqdm
 
         progress = tqdm(total=len(chunks) * args.num_inference_steps, desc="rollout", leave=False,
                         disable=args.disable_tqdm or not self.is_local_process_zero())
+        overlap_decode = self._overlap_decode
         with self._generation_context() as model:
-            tic = time.perf_counter()
+            tic = self._clock()
             unique_embeds, rows = self._encode_unique(prompts, device)
             embeds_all = unique_embeds.index_select(rows)
-            timing["text_encoding"] += time.perf_counter() - tic
+            timing["text_encoding"] += self._clock() - tic
             for sl in chunks:
                 embeds = embeds_all[sl]
-                tic = time.perf_counter()
+                tic = self._clock()
                 final, traj = self._sample(model, embeds, args.num_inference_steps, args.guidance_scale,
                                            args.noise_level, window, noise_gen, record=True, progress=progress)
-                timing["rollout"] += time.perf_counter() - tic
-                tic = time.perf_counter()
-                images = self.adapter.decode(final.to(self.model_dtype), height, width)
-                pil = _to_pil(images)
-                timing["vae_decode"] += time.perf_counter() - tic
-                futures.append(self.reward_set.submit(prompts[sl], pil, **{k: v[sl] for k, v in columns.items()}))
+                timing["rollout"] += self._clock() - tic
+                chunk_columns = {k: v[sl] for k, v in columns.items()}
+                if overlap_decode:
+                    # Decode and score in the background while the next micro-batch is sampled.
+                    jobs.append(self._postprocess_executor().submit(self._decode_and_submit, final, prompts[sl],
+                                                                    chunk_columns))
+                else:
+                    jobs.append(_done_future(self._decode_and_submit(final, prompts[sl], chunk_columns)))
                 traj["embeds"] = embeds
+                traj["window"] = window
                 samples.append(traj)
-                decoded.append(pil)
         progress.close()
-        tic = time.perf_counter()
-        results = [f.result() for f in futures]
-        timing["reward_wait"] = time.perf_counter() - tic
-        timing["sampling_total"] = time.perf_counter() - t0
+        timing["sampling_total"] = self._clock() - t0
+        self._pending_scoring = (jobs, samples, chunks, prompts, group_ids, timing)
+        if not self._overlap_reward_with_training:
+            self._resolve_scoring()
+        return samples
+
+    def _postprocess_executor(self) -> ThreadPoolExecutor:
+        if self._postprocess_pool is None:
+            self._postprocess_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowgrpo-decode")
+            weakref.finalize(self, self._postprocess_pool.shutdown, wait=False)
+        return self._postprocess_pool
+
+    def _decode_and_submit(self, final: torch.Tensor, prompts: list[str], columns: dict):
+        """Decode one micro-batch (once) and hand it to the reward pool; returns (images, reward future, seconds)."""
+        height, width = self.args.image_size
+        tic = self._clock()
+        # Grad mode and autocast are thread-local: set them here too (this may run in the decode thread).
+        with torch.no_grad(), self.accelerator.autocast():
+            pil = _to_pil(self.adapter.decode(final.to(self.model_dtype), height, width))
+        seconds = self._clock() - tic
+        return pil, self.reward_set.submit(prompts, pil, **columns), seconds
+
+    def _resolve_scoring(self) -> None:
+        """Wait for the pending rollout's rewards; gather them, compute advantages into its buffers, log metrics."""
+        if self._pending_scoring is None:
+            return
+        jobs, samples, chunks, prompts, group_ids, timing = self._pending_scoring
+        self._pending_scoring = None
+        args = self.args
+        device = self.accelerator.device
+        tic = self._clock()
+        decoded, results = [], []
+        for job in jobs:
+            pil, reward_future, decode_seconds = job.result()
+            decoded.append(pil)
+            timing["vae_decode"] += decode_seconds
+            results.append(reward_future.result())
+        timing["reward_wait"] = self._clock() - tic
 
         # ---- gather rewards, advantages --------------------------------------------------------------
         def as_tensor(values):
@@ -456,7 +521,9 @@ class FlowGRPOTrainer(FlowBaseTrainer):
             valid = vals[~torch.isnan(vals)]
             m[f"rewards/{name}/mean"].append(float(valid.mean()) if valid.numel() else math.nan)
             m[f"rewards/{name}/std"].append(float(valid.std(unbiased=False)) if valid.numel() else math.nan)
-        m["timing/sampling"].append(timing["sampling_total"] - timing["reward_wait"])
+        # sampling: the rollout phase (text encoding, sampling, decoding unless it runs in the background);
+        # reward: the time spent waiting for decoding and rewards that did not overlap anything.
+        m["timing/sampling"].append(timing["sampling_total"])
         m["timing/reward"].append(timing["reward_wait"])
         for key in ("text_encoding", "rollout", "vae_decode"):
             m[f"timing/{key}"].append(timing[key])
@@ -466,13 +533,8 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         totals_list = totals.cpu().tolist()
         self._last_samples = (flat_images[: args.num_log_images], prompts[: args.num_log_images],
                               totals_list[: args.num_log_images])
-
-        buffers = []
-        for i, (sl, traj) in enumerate(zip(chunks, samples)):
+        for sl, traj in zip(chunks, samples):
             traj["advantages"] = local_adv[sl]
-            traj["window"] = window
-            buffers.append(traj)
-        return buffers
 
     # ------------------------------------------------------------------------------------------------
     # training
@@ -510,7 +572,6 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         height, width = args.image_size
         num_steps = batch["latents"].shape[1]
         scale = 1.0 / (num_steps * self.current_gradient_accumulation_steps)
-        adv = batch["advantages"]
         embeds = batch["embeds"]
         total = torch.zeros((), device=self.accelerator.device)
         m = self._metrics["train"]
@@ -528,10 +589,17 @@ class FlowGRPOTrainer(FlowBaseTrainer):
             ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
             sync = model.no_sync() if ddp and j < num_steps - 1 else nullcontext()
             with sync:
+                tic = self._clock()
                 with self.accelerator.autocast():
                     v = self._velocity(model, x, t, embeds, args.guidance_scale, height, width)
                 out = sde_step_from_sigmas(v, x, sigma, sigma_next, prev_sample=x_next, noise_level=args.noise_level,
                                            sde_type=args.sde_type, sigma_max_fallback=sigma_max_fallback)
+                if j == 0:
+                    # The rewards of the last micro-batches were scored while this forward ran.
+                    wait = self._clock()
+                    self._resolve_scoring()
+                    tic += self._clock() - wait  # the wait is logged as timing/reward, not as forward time
+                    adv = batch["advantages"]
                 log_ratio = out.log_prob - old_logp
                 ratio = torch.exp(log_ratio)
                 unclipped = -adv * ratio
@@ -544,7 +612,11 @@ class FlowGRPOTrainer(FlowBaseTrainer):
                     kl = gaussian_kl(out.prev_sample_mean, ref_mean, out.std).mean()
                     loss = loss + args.beta * kl
                     m["kl"].append(float(kl.detach()))
+                tac = self._clock()
                 self.accelerator.backward(loss * scale, **backward_kwargs)
+                toc = self._clock()
+                m["timing/training_forward"].append(tac - tic)
+                m["timing/training_backward"].append(toc - tac)
             total += loss.detach() * scale
             with torch.no_grad():
                 m["policy_loss"].append(float(policy_loss))

@@ -1,0 +1,333 @@
+"""Analytic matmul FLOPs of the SD3 / FLUX transformers, from their configs and the token counts.
+
+A forward pass is enumerated layer by layer as the matmuls diffusers runs (``SD3Transformer2DModel``,
+``FluxTransformer2DModel``): every ``nn.Linear`` (and the patch-embedding convolution) as ``2 * rows * in * out``
+and the attention core as ``4 * tokens_q * tokens_kv * inner_dim`` (Q K^T and A V), per sample. Element-wise work
+(norms, activations, RoPE, softmax) is not counted, as is customary for model FLOPs. Per-sample layers (timestep /
+pooled-text embeddings, adaLN modulation) have one row per sample; per-token layers one row per token.
+
+LoRA adds ``2 * rows * r * (in + out)`` to each adapted linear; which linears are adapted follows peft's rule for a
+list of target names (the module's name equals the target or ends with ``"." + target``) or a regex string (full
+match).
+
+A backward pass is counted from what autograd actually runs (:meth:`ForwardFlops.backward`): the attention core
+costs twice its forward (dQ, dK and dV); a frozen linear costs once its forward (the input gradient only); a
+trained linear (full fine-tuning, or a LoRA branch) twice. Input gradients are left out where autograd skips them.
+With a frozen base (LoRA): the embedders, the per-sample adaLN modulation linears (the conditioning vector depends on
+no trained weight) and the first block's q/k/v projections (they read embedder outputs). With full fine-tuning: only
+the layers that read raw model inputs (patch / latent embedding, context embedder, the embedders' first linears).
+Gradient checkpointing recomputes one more forward.
+
+``tests/test_benchmark.py`` checks these counts against ``torch.utils.flop_counter.FlopCounterMode`` on the tiny
+models and on the full-size architectures (built on the meta device, where nothing is computed).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Matmul",
+    "ForwardFlops",
+    "StepFlops",
+    "transformer_forward_flops",
+    "sd3_forward_matmuls",
+    "flux_forward_matmuls",
+    "step_flops",
+    "count_flops",
+]
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One matmul of a forward pass, per sample.
+
+    ``name`` is the module path for linears (``transformer_blocks.3.attn.to_q``) and ends in ``.sdpa`` for the
+    attention core; ``flops`` counts a multiply-add as 2.
+    """
+
+    name: str
+    flops: int
+    rows: int = 0
+    in_features: int = 0
+    out_features: int = 0
+
+    @property
+    def is_linear(self) -> bool:
+        return self.in_features > 0
+
+
+def _linear(name: str, rows: int, in_features: int, out_features: int) -> Matmul:
+    return Matmul(name, 2 * rows * in_features * out_features, rows, in_features, out_features)
+
+
+def _attention(name: str, tokens_q: int, tokens_kv: int, inner_dim: int) -> Matmul:
+    return Matmul(f"{name}.sdpa", 4 * tokens_q * tokens_kv * inner_dim)
+
+
+def _cfg(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+    return default if value is None else value
+
+
+def sd3_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_tokens: int) -> list[Matmul]:
+    """The matmuls of one ``SD3Transformer2DModel`` forward for one sample.
+
+    ``image_tokens`` = (latent height / patch) x (latent width / patch); ``text_tokens`` = the length of
+    ``encoder_hidden_states`` (77 CLIP tokens + the T5 length for SD3 pipelines).
+    """
+    heads, head_dim = int(_cfg(config, "num_attention_heads")), int(_cfg(config, "attention_head_dim"))
+    d = heads * head_dim
+    layers = int(_cfg(config, "num_layers"))
+    patch = int(_cfg(config, "patch_size", 2))
+    c_in = int(_cfg(config, "in_channels", 16))
+    c_out = int(_cfg(config, "out_channels", None) or c_in)
+    caption = int(_cfg(config, "caption_projection_dim", d))
+    dual = set(int(i) for i in (_cfg(config, "dual_attention_layers", ()) or ()))
+    n_i, n_t = int(image_tokens), int(text_tokens)
+    n = n_i + n_t
+
+    mm = [
+        _linear("pos_embed.proj", n_i, c_in * patch * patch, d),
+        _linear("time_text_embed.timestep_embedder.linear_1", 1, 256, d),
+        _linear("time_text_embed.timestep_embedder.linear_2", 1, d, d),
+        _linear("time_text_embed.text_embedder.linear_1", 1, int(_cfg(config, "pooled_projection_dim")), d),
+        _linear("time_text_embed.text_embedder.linear_2", 1, d, d),
+        _linear("context_embedder", n_t, int(_cfg(config, "joint_attention_dim")), caption),
+    ]
+    for i in range(layers):
+        b = f"transformer_blocks.{i}"
+        pre_only = i == layers - 1  # the last block only feeds the text stream into attention
+        is_dual = i in dual
+        mm.append(_linear(f"{b}.norm1.linear", 1, d, (9 if is_dual else 6) * d))
+        mm.append(_linear(f"{b}.norm1_context.linear", 1, d, (2 if pre_only else 6) * d))
+        for proj in ("to_q", "to_k", "to_v"):
+            mm.append(_linear(f"{b}.attn.{proj}", n_i, d, d))
+        for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
+            mm.append(_linear(f"{b}.attn.{proj}", n_t, d, d))
+        mm.append(_attention(f"{b}.attn", n, n, d))
+        mm.append(_linear(f"{b}.attn.to_out.0", n_i, d, d))
+        if not pre_only:
+            mm.append(_linear(f"{b}.attn.to_add_out", n_t, d, d))
+        if is_dual:
+            for proj in ("to_q", "to_k", "to_v"):
+                mm.append(_linear(f"{b}.attn2.{proj}", n_i, d, d))
+            mm.append(_attention(f"{b}.attn2", n_i, n_i, d))
+            mm.append(_linear(f"{b}.attn2.to_out.0", n_i, d, d))
+        mm.append(_linear(f"{b}.ff.net.0.proj", n_i, d, 4 * d))
+        mm.append(_linear(f"{b}.ff.net.2", n_i, 4 * d, d))
+        if not pre_only:
+            mm.append(_linear(f"{b}.ff_context.net.0.proj", n_t, d, 4 * d))
+            mm.append(_linear(f"{b}.ff_context.net.2", n_t, 4 * d, d))
+    mm.append(_linear("norm_out.linear", 1, d, 2 * d))
+    mm.append(_linear("proj_out", n_i, d, patch * patch * c_out))
+    return mm
+
+
+def flux_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_tokens: int) -> list[Matmul]:
+    """The matmuls of one ``FluxTransformer2DModel`` forward for one sample.
+
+    ``image_tokens`` = packed latent sequence length ((H / 16) x (W / 16) for FLUX.1); ``text_tokens`` = the T5
+    length.
+    """
+    heads, head_dim = int(_cfg(config, "num_attention_heads")), int(_cfg(config, "attention_head_dim"))
+    d = heads * head_dim
+    patch = int(_cfg(config, "patch_size", 1))
+    c_in = int(_cfg(config, "in_channels", 64))
+    c_out = int(_cfg(config, "out_channels", None) or c_in)
+    n_i, n_t = int(image_tokens), int(text_tokens)
+    n = n_i + n_t
+    mlp = 4 * d
+
+    mm = [
+        _linear("x_embedder", n_i, c_in, d),
+        _linear("context_embedder", n_t, int(_cfg(config, "joint_attention_dim")), d),
+        _linear("time_text_embed.timestep_embedder.linear_1", 1, 256, d),
+        _linear("time_text_embed.timestep_embedder.linear_2", 1, d, d),
+    ]
+    if _cfg(config, "guidance_embeds", False):
+        mm.append(_linear("time_text_embed.guidance_embedder.linear_1", 1, 256, d))
+        mm.append(_linear("time_text_embed.guidance_embedder.linear_2", 1, d, d))
+    mm.append(_linear("time_text_embed.text_embedder.linear_1", 1, int(_cfg(config, "pooled_projection_dim")), d))
+    mm.append(_linear("time_text_embed.text_embedder.linear_2", 1, d, d))
+    for i in range(int(_cfg(config, "num_layers"))):
+        b = f"transformer_blocks.{i}"
+        mm.append(_linear(f"{b}.norm1.linear", 1, d, 6 * d))
+        mm.append(_linear(f"{b}.norm1_context.linear", 1, d, 6 * d))
+        for proj in ("to_q", "to_k", "to_v"):
+            mm.append(_linear(f"{b}.attn.{proj}", n_i, d, d))
+        for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
+            mm.append(_linear(f"{b}.attn.{proj}", n_t, d, d))
+        mm.append(_attention(f"{b}.attn", n, n, d))
+        mm.append(_linear(f"{b}.attn.to_out.0", n_i, d, d))
+        mm.append(_linear(f"{b}.attn.to_add_out", n_t, d, d))
+        mm.append(_linear(f"{b}.ff.net.0.proj", n_i, d, mlp))
+        mm.append(_linear(f"{b}.ff.net.2", n_i, mlp, d))
+        mm.append(_linear(f"{b}.ff_context.net.0.proj", n_t, d, mlp))
+        mm.append(_linear(f"{b}.ff_context.net.2", n_t, mlp, d))
+    for i in range(int(_cfg(config, "num_single_layers"))):
+        b = f"single_transformer_blocks.{i}"
+        mm.append(_linear(f"{b}.norm.linear", 1, d, 3 * d))
+        mm.append(_linear(f"{b}.proj_mlp", n, d, mlp))
+        for proj in ("to_q", "to_k", "to_v"):
+            mm.append(_linear(f"{b}.attn.{proj}", n, d, d))
+        mm.append(_attention(f"{b}.attn", n, n, d))
+        mm.append(_linear(f"{b}.proj_out", n, d + mlp, d))
+    mm.append(_linear("norm_out.linear", 1, d, 2 * d))
+    mm.append(_linear("proj_out", n_i, d, patch * patch * c_out))
+    return mm
+
+
+_FAMILIES = {"sd3": sd3_forward_matmuls, "flux": flux_forward_matmuls}
+
+
+def _lora_targets_match(name: str, targets: str | Iterable[str]) -> bool:
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+# Linears whose input never needs a gradient when the base model is frozen: the embedders (model inputs), and the
+# first block's q/k/v projections, which read the (normalised) embedder outputs.
+_NO_INPUT_GRAD = re.compile(
+    r"^(pos_embed\.proj|x_embedder|context_embedder|time_text_embed\..*"
+    r"|transformer_blocks\.0\.attn2?\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj))$"
+)
+
+
+# With every weight trained, only the layers that read the raw model inputs skip the input gradient.
+_READS_MODEL_INPUT = re.compile(r"^(pos_embed\.proj|x_embedder|context_embedder|time_text_embed\.\w+\.linear_1)$")
+
+
+def _needs_input_grad(m: Matmul) -> bool:
+    """Per-token linears whose input depends on trained weights (per-sample ones read the conditioning vector)."""
+    return m.is_linear and m.rows > 1 and _NO_INPUT_GRAD.match(m.name) is None
+
+
+@dataclass(frozen=True)
+class ForwardFlops:
+    """FLOPs of one transformer forward for one sample, split into base linears, attention core and LoRA.
+
+    ``linear_input_grad`` is the part of ``linear`` whose input gradient a backward computes (see the module
+    docstring).
+    """
+
+    linear: int
+    attention: int
+    lora: int = 0
+    linear_input_grad: int = 0
+    lora_backward: int = 0
+    linear_input_grad_full: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.attention + self.lora
+
+    @property
+    def base(self) -> int:
+        """Without the LoRA branches (the reference pass, adapters disabled)."""
+        return self.linear + self.attention
+
+    def backward(self, full_finetune: bool = False) -> int:
+        """FLOPs of the backward of one forward: LoRA training (frozen base) or full fine-tuning."""
+        if full_finetune:
+            return self.linear_input_grad_full + self.linear + 2 * self.attention + self.lora_backward
+        return self.linear_input_grad + 2 * self.attention + self.lora_backward
+
+
+def transformer_forward_flops(
+    family: str, config: Mapping[str, Any], image_tokens: int, text_tokens: int, lora_rank: int = 0,
+    lora_targets: str | Iterable[str] | None = None,
+) -> ForwardFlops:
+    """Matmul FLOPs of one forward of one sample of a ``family`` ("sd3" or "flux") transformer."""
+    if family not in _FAMILIES:
+        raise ValueError(f"No FLOP model for family {family!r}; choose one of {', '.join(_FAMILIES)}.")
+    matmuls = _FAMILIES[family](config, image_tokens, text_tokens)
+    linear = sum(m.flops for m in matmuls if m.is_linear)
+    attention = sum(m.flops for m in matmuls if not m.is_linear)
+    input_grad = sum(m.flops for m in matmuls if _needs_input_grad(m))
+    lora = lora_backward = 0
+    if lora_rank and lora_targets:
+        targets = lora_targets if isinstance(lora_targets, str) else list(lora_targets)
+        for m in matmuls:
+            if m.is_linear and _lora_targets_match(m.name, targets):
+                # forward: x A (in -> r), then B (r -> out); backward: both weight gradients, the gradient into
+                # B's input, and the one into A's input only where the layer's input needs it.
+                a, b = 2 * m.rows * lora_rank * m.in_features, 2 * m.rows * lora_rank * m.out_features
+                lora += a + b
+                lora_backward += a + 2 * b + (a if _needs_input_grad(m) else 0)
+    input_grad_full = sum(m.flops for m in matmuls if m.is_linear and _READS_MODEL_INPUT.match(m.name) is None)
+    return ForwardFlops(linear=linear, attention=attention, lora=lora, linear_input_grad=input_grad,
+                        lora_backward=lora_backward, linear_input_grad_full=input_grad_full)
+
+
+@dataclass
+class StepFlops:
+    """Transformer FLOPs of one optimizer step, by phase (see :func:`step_flops`)."""
+
+    per_forward_sample: ForwardFlops
+    rollout_forwards: int          # transformer calls during the rollout
+    training_passes: int           # forward + backward transformer calls during training
+    reference_forwards: int        # no-grad reference calls (beta > 0)
+    batch_per_call: int            # samples per transformer call (CFG doubles the micro-batch)
+    rollout: int = 0
+    training: int = 0
+    reference: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.rollout + self.training + self.reference
+
+    def as_dict(self) -> dict[str, Any]:
+        f = self.per_forward_sample
+        return {
+            "forward_per_sample": f.total,
+            "forward_per_sample_attention": f.attention,
+            "forward_per_sample_lora": f.lora,
+            "rollout_forwards": self.rollout_forwards,
+            "training_passes": self.training_passes,
+            "reference_forwards": self.reference_forwards,
+            "batch_per_call": self.batch_per_call,
+            "rollout": self.rollout,
+            "training": self.training,
+            "reference": self.reference,
+            "total": self.total,
+        }
+
+
+def step_flops(
+    forward: ForwardFlops, *, micro_batches: int, micro_batch_size: int, num_inference_steps: int,
+    trained_steps: int, cfg: bool, beta: float = 0.0, full_finetune: bool = False,
+    gradient_checkpointing: bool = False,
+) -> StepFlops:
+    """Transformer FLOPs of one Flow-GRPO optimizer step (one generation batch, ``num_iterations = 1``).
+
+    Rollout: ``micro_batches x num_inference_steps`` calls. Training: ``micro_batches x trained_steps`` forward +
+    backward calls (plus a recomputed forward with gradient checkpointing); with ``beta > 0`` as many no-grad
+    reference calls without LoRA. Each call holds ``micro_batch_size`` samples, twice that with classifier-free
+    guidance.
+    """
+    batch = micro_batch_size * (2 if cfg else 1)
+    rollout_calls = micro_batches * num_inference_steps
+    train_calls = micro_batches * trained_steps
+    ref_calls = train_calls if beta > 0 else 0
+    per_train_call = forward.total * (2 if gradient_checkpointing else 1) + forward.backward(full_finetune)
+    return StepFlops(
+        per_forward_sample=forward, rollout_forwards=rollout_calls, training_passes=train_calls,
+        reference_forwards=ref_calls, batch_per_call=batch,
+        rollout=rollout_calls * batch * forward.total,
+        training=train_calls * batch * per_train_call,
+        reference=ref_calls * batch * forward.base,
+    )
+
+
+def count_flops(fn, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of ``fn(*args, **kwargs)`` as ``torch.utils.flop_counter.FlopCounterMode`` counts them (runs ``fn``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn(*args, **kwargs)
+    return int(counter.get_total_flops())

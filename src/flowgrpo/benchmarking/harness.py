@@ -1,0 +1,419 @@
+"""The benchmark run: full FlowGRPOTrainer steps, their time breakdown, and the FLOP floor measured alongside.
+
+One run = ``warmup_steps + steps`` optimizer steps of ``FlowGRPOTrainer.train()`` on a preset (see
+:mod:`flowgrpo.benchmarking.presets`). After every step a callback times the **floor**: the bare transformer passes
+that step needed, with the same number and shapes (the rollout's ``micro-batches x inference steps`` no-grad
+forwards of ``micro-batch`` rows, doubled with classifier-free guidance; the training's ``micro-batches x trained
+steps`` forward + backward passes; the reference forwards when ``beta > 0``), on the same model (LoRA included),
+dtype, autocast and thread count, with random inputs and nothing else around them. Interleaving floor and step
+measurements makes their ratio robust to a machine whose load drifts. The floor's time is not counted in the step.
+
+Reported (medians over the measured steps): ``step_time_s``, ``images_per_s``, ``peak_memory_mb``, ``breakdown``
+(text encoding, rollout, VAE decode, exposed reward wait, training forward, training backward, optimizer, other),
+``floor_time_s`` and ``overhead_ratio = step_time_s / floor_time_s``, plus the analytic transformer FLOPs of a step
+(:mod:`flowgrpo.benchmarking.flops`) and the FLOP/s achieved by the step and by the floor.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from .flops import step_flops, transformer_forward_flops
+from .presets import OCR_PROMPTS, BenchmarkPreset, build_preset_pipeline, check_device, get_preset
+
+__all__ = ["run_benchmark", "format_report", "BREAKDOWN_KEYS", "RESULT_KEYS"]
+
+BREAKDOWN_KEYS = ("text_encoding", "rollout", "vae_decode", "reward", "training_forward", "training_backward",
+                  "optimizer", "other")
+RESULT_KEYS = ("step_time_s", "images_per_s", "peak_memory_mb", "breakdown", "floor_time_s", "overhead_ratio")
+
+# trainer metric -> breakdown key (summed over the step's micro-steps)
+_TRAINER_TIMINGS = {
+    "timing/text_encoding": "text_encoding",
+    "timing/rollout": "rollout",
+    "timing/vae_decode": "vae_decode",
+    "timing/reward": "reward",
+    "timing/training_forward": "training_forward",
+    "timing/training_backward": "training_backward",
+}
+
+
+# ``--ab NAME``: the trainer overlaps switched on and off on alternate measured steps, to measure what they buy.
+AB_SWITCHES = {
+    "decode": ("_overlap_decode",),
+    "reward": ("_overlap_reward_with_training",),
+    "all": ("_overlap_decode", "_overlap_reward_with_training"),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _TimedReward:
+    """Wraps a reward function to add up the time spent inside it (it runs in the reward thread, overlapped)."""
+
+    def __init__(self, fn: Callable, sink: list[float], lock: threading.Lock):
+        self.fn, self.sink, self.lock = fn, sink, lock
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        tic = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            with self.lock:
+                self.sink.append(time.perf_counter() - tic)
+
+    def __getattr__(self, name: str):
+        return getattr(self.fn, name)
+
+
+class FloorRunner:
+    """Times the bare transformer passes of one optimizer step of ``trainer`` (see the module docstring)."""
+
+    def __init__(self, trainer, seed: int = 1234):
+        args = trainer.args
+        self.trainer = trainer
+        self.device = trainer.accelerator.device
+        self.adapter = trainer.adapter
+        self.height, self.width = args.image_size
+        self.cfg = self.adapter.uses_cfg(args.guidance_scale)
+        # A pass with the doubled batch and no guidance arithmetic; a guidance-embedding model keeps its scale.
+        self.pass_guidance = 1.0 if self.cfg else args.guidance_scale
+        micro = args.per_device_train_batch_size
+        self.rows = micro * (2 if self.cfg else 1)
+        self.micro_batches = args.steps_per_generation
+        self.rollout_calls = self.micro_batches * args.num_inference_steps
+        self.trained_steps = args.sde_window_size if args.sde_window_size > 0 else args.num_inference_steps - 1
+        self.train_calls = self.micro_batches * self.trained_steps * args.num_iterations
+        self.ref_calls = self.train_calls if args.beta > 0 else 0
+
+        dtype = trainer.model_dtype
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            shapes = self.adapter.encode_prompts(["a"], args.max_sequence_length, self.device)
+        from ..models import PromptEmbeds
+
+        self.embeds = PromptEmbeds({
+            k: torch.randn((self.rows, *v.shape[1:]), generator=gen).to(self.device, dtype)
+            for k, v in shapes.tensors.items()
+        })
+        self.latents = self.adapter.prepare_latents(self.rows, self.height, self.width, gen, torch.device("cpu"),
+                                                    torch.float32).to(self.device, dtype)
+        self.timestep = torch.full((self.rows,), 500.0, device=self.device)
+        self.text_tokens = int(shapes.tensors["prompt_embeds"].shape[1])
+        if self.adapter.family == "flux":
+            self.image_tokens = int(self.latents.shape[1])
+        else:
+            patch = int(trainer.pipeline.transformer.config.patch_size)
+            self.image_tokens = int(self.latents.shape[-2] // patch) * int(self.latents.shape[-1] // patch)
+
+    def _pass(self, model):
+        return self.adapter.predict_velocity(model, self.latents, self.timestep, self.embeds, self.pass_guidance,
+                                             None, self.height, self.width)
+
+    def measure(self) -> dict[str, float]:
+        trainer = self.trainer
+        model = trainer.model
+        accelerator = trainer.accelerator
+        was_training = model.training
+        params = trainer._trainable_parameters()
+        saved_grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        _sync(self.device)
+        t0 = time.perf_counter()
+        model.eval()
+        with torch.no_grad(), accelerator.autocast():
+            for _ in range(self.rollout_calls):
+                self._pass(model)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        model.train()
+        for _ in range(self.train_calls):
+            with accelerator.autocast():
+                out = self._pass(model)
+            out.float().square().mean().backward()
+            if self.ref_calls:
+                ctx = accelerator.unwrap_model(model).disable_adapter() if trainer.is_peft else nullcontext()
+                ref_model = model if trainer.is_peft else trainer.ref_model
+                with torch.no_grad(), accelerator.autocast(), ctx:
+                    self._pass(ref_model)
+        _sync(self.device)
+        t2 = time.perf_counter()
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+        model.train(was_training)
+        return {"rollout": t1 - t0, "training": t2 - t1, "total": t2 - t0}
+
+
+class _BenchmarkClock(TrainerCallback):
+    """Step times (between consecutive step ends, the floor excluded), the trainer's timings, optimizer time."""
+
+    def __init__(self, trainer, floor: bool, reward_times: list[float], reward_lock: threading.Lock,
+                 ab: str | None = None):
+        self.trainer = trainer
+        self.ab_switches = AB_SWITCHES[ab] if ab else ()
+        self.floor_enabled = floor
+        self.floor: FloorRunner | None = None
+        self.reward_times, self.reward_lock = reward_times, reward_lock
+        self.records: list[dict[str, Any]] = []
+        self._t_last = 0.0
+        self._t_opt = 0.0
+        self._optimizer = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer.accelerator.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self._t_last = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        _sync(self.trainer.accelerator.device)
+        self._t_opt = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        _sync(self.trainer.accelerator.device)
+        self._optimizer += time.perf_counter() - self._t_opt
+
+    def on_step_end(self, args, state, control, **kwargs):
+        device = self.trainer.accelerator.device
+        _sync(device)
+        now = time.perf_counter()
+        metrics = self.trainer._metrics["train"]
+        record: dict[str, Any] = {"step": state.global_step, "step_time_s": now - self._t_last}
+        parts = {key: 0.0 for key in BREAKDOWN_KEYS}
+        for metric, key in _TRAINER_TIMINGS.items():
+            parts[key] = float(sum(metrics.get(metric, []) or [0.0]))
+        parts["optimizer"] = self._optimizer
+        if self.trainer._overlap_decode:  # decoded in the background: its wait is part of "reward"
+            record["vae_decode_background_s"] = parts["vae_decode"]
+            parts["vae_decode"] = 0.0
+        if self.ab_switches:
+            record["ab_arm"] = "on" if getattr(self.trainer, self.ab_switches[0]) else "off"
+        parts["other"] = record["step_time_s"] - sum(v for k, v in parts.items() if k != "other")
+        record["breakdown"] = parts
+        record["sampling_s"] = float(sum(metrics.get("timing/sampling", []) or [0.0]))
+        record["training_s"] = float(sum(metrics.get("timing/training", []) or [0.0]))
+        with self.reward_lock:
+            record["reward_compute_s"] = float(sum(self.reward_times))
+            self.reward_times.clear()
+        self._optimizer = 0.0
+        if self.floor_enabled:
+            if self.floor is None:
+                self.floor = FloorRunner(self.trainer)
+            record["floor"] = self.floor.measure()
+        self.records.append(record)
+        if self.ab_switches:  # the next step: "on" on even step numbers, "off" on odd ones
+            for name in self.ab_switches:
+                setattr(self.trainer, name, (state.global_step + 1) % 2 == 0)
+        _sync(device)
+        self._t_last = time.perf_counter()
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _peak_memory_mb(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, "rss"  # Linux: kilobytes
+
+
+def _machine() -> dict[str, Any]:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    import diffusers
+    import transformers
+
+    info["versions"] = {"torch": torch.__version__, "diffusers": diffusers.__version__,
+                        "transformers": transformers.__version__}
+    return info
+
+
+def build_trainer(preset: BenchmarkPreset, max_steps: int, output_dir: str, seed: int = 0):
+    """A FlowGRPOTrainer on the preset's random-weight pipeline, LoRA, OCR prompts; nothing saved or reported."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from ..trainer import FlowGRPOConfig, FlowGRPOTrainer
+
+    pipeline = build_preset_pipeline(preset, seed=seed)
+    args = FlowGRPOConfig(
+        output_dir=output_dir, report_to=[], max_steps=max_steps, save_strategy="no", logging_steps=1,
+        disable_tqdm=True, log_images_steps=0, seed=seed, **preset.config_kwargs(),
+    )
+    lora = LoraConfig(r=preset.lora_rank, lora_alpha=2 * preset.lora_rank, init_lora_weights="gaussian",
+                      target_modules=list(preset.lora_targets))
+    prompts = OCR_PROMPTS[: max(preset.num_prompts, min(len(OCR_PROMPTS), 2 * preset.num_prompts))]
+    return FlowGRPOTrainer(model=pipeline, reward_funcs=preset.reward, args=args,
+                           train_dataset=Dataset.from_dict({"prompt": prompts}), peft_config=lora)
+
+
+def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, warmup_steps: int | None = None,
+                  threads: int | None = None, measure_floor: bool = True, seed: int = 0, ab: str | None = None,
+                  output_dir: str | None = None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
+    """Run the benchmark and return its results as a JSON-ready dict (see the module docstring)."""
+    preset = get_preset(preset) if isinstance(preset, str) else preset
+    check_device(preset)
+    steps = preset.default_steps if steps is None else int(steps)
+    warmup = preset.warmup_steps if warmup_steps is None else int(warmup_steps)
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps must be >= 1 and warmup_steps >= 0, got steps={steps}, warmup_steps={warmup}.")
+    if ab is not None and (ab not in AB_SWITCHES or not measure_floor):
+        raise ValueError(f"ab={ab!r} must be one of {', '.join(AB_SWITCHES)} and needs the floor measurement.")
+    threads = threads if threads is not None else preset.threads
+    if threads:
+        torch.set_num_threads(int(threads))
+    say = log or (lambda _msg: None)
+
+    tmp = tempfile.TemporaryDirectory(prefix="flowgrpo-bench-") if output_dir is None else None
+    try:
+        t_build = time.perf_counter()
+        say(f"[benchmark] building preset {preset.name!r} ({preset.description})")
+        trainer = build_trainer(preset, warmup + steps, output_dir or tmp.name, seed=seed)
+        build_s = time.perf_counter() - t_build
+        reward_times: list[float] = []
+        lock = threading.Lock()
+        reward_set = trainer.reward_set
+        reward_set.funcs = [_TimedReward(f, reward_times, lock) for f in reward_set.funcs]
+        trainer._timing_sync = trainer.accelerator.device.type == "cuda"
+        clock = _BenchmarkClock(trainer, measure_floor, reward_times, lock, ab=ab)
+        trainer.add_callback(clock)
+        say(f"[benchmark] built in {build_s:.1f}s; running {warmup} warm-up + {steps} measured steps")
+        trainer.train()
+        device = trainer.accelerator.device
+        peak_mb, peak_kind = _peak_memory_mb(device)
+        result = _summarize(preset, trainer, clock, warmup, steps, build_s)
+        result["peak_memory_mb"], result["peak_memory_kind"] = peak_mb, peak_kind
+        reward_set.close()
+        return result
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _summarize(preset: BenchmarkPreset, trainer, clock: _BenchmarkClock, warmup: int, steps: int,
+               build_s: float) -> dict[str, Any]:
+    records = clock.records[warmup:]
+    if not records:
+        raise RuntimeError(f"The run recorded {len(clock.records)} steps, none after the {warmup} warm-up steps.")
+    step_times = [r["step_time_s"] for r in records]
+    step_time = _median(step_times)
+    breakdown = {k: _median([r["breakdown"][k] for r in records]) for k in BREAKDOWN_KEYS}
+    result: dict[str, Any] = {
+        "preset": preset.name,
+        "description": preset.description,
+        "device": str(trainer.accelerator.device),
+        "dtype": preset.dtype,
+        "steps": steps,
+        "warmup_steps": warmup,
+        "images_per_step": preset.images_per_step,
+        "step_time_s": step_time,
+        "step_times_s": step_times,
+        "images_per_s": preset.images_per_step / step_time,
+        "breakdown": breakdown,
+        "overlapped": {
+            "reward_compute_s": _median([r["reward_compute_s"] for r in records]),
+            "vae_decode_s": _median([r.get("vae_decode_background_s", 0.0) for r in records]),
+            "sampling_s": _median([r["sampling_s"] for r in records]),
+            "training_s": _median([r["training_s"] for r in records]),
+        },
+        "build_time_s": build_s,
+        "machine": _machine(),
+    }
+    transformer = trainer.accelerator.unwrap_model(trainer.model)
+    result["parameters"] = {
+        "transformer": sum(p.numel() for n, p in transformer.named_parameters() if "lora_" not in n),
+        "trainable": sum(p.numel() for p in trainer._trainable_parameters()),
+    }
+    floor = clock.floor
+    if floor is not None:
+        floors = [r["floor"]["total"] for r in records]
+        floor_time = _median(floors)
+        result["floor_time_s"] = floor_time
+        result["floor_times_s"] = floors
+        result["floor_breakdown"] = {k: _median([r["floor"][k] for r in records]) for k in ("rollout", "training")}
+        result["overhead_ratio"] = step_time / floor_time
+        result["overhead_ratio_per_step"] = [s / f for s, f in zip(step_times, floors)]
+        args = trainer.args
+        config = trainer.pipeline.transformer.config
+        fwd = transformer_forward_flops(preset.family, config, floor.image_tokens, floor.text_tokens,
+                                        preset.lora_rank, list(preset.lora_targets))
+        flops = step_flops(fwd, micro_batches=floor.micro_batches, micro_batch_size=args.per_device_train_batch_size,
+                           num_inference_steps=args.num_inference_steps,
+                           trained_steps=floor.trained_steps * args.num_iterations, cfg=floor.cfg, beta=args.beta,
+                           full_finetune=not trainer.is_peft,
+                           gradient_checkpointing=bool(preset.gradient_checkpointing))
+        result["flops"] = {**flops.as_dict(), "image_tokens": floor.image_tokens, "text_tokens": floor.text_tokens}
+        result["achieved_flops_per_s"] = flops.total / step_time
+        result["floor_flops_per_s"] = flops.total / floor_time
+        if clock.ab_switches:
+            result["ab"] = {"switches": list(clock.ab_switches)}
+            for arm in ("on", "off"):
+                rs = [r for r in records if r.get("ab_arm") == arm]
+                st, fl = _median([r["step_time_s"] for r in rs]), _median([r["floor"]["total"] for r in rs])
+                per_step = [r["step_time_s"] / r["floor"]["total"] for r in rs]
+                # Each step against its own floor (robust to load changes between steps), then the median.
+                result["ab"][arm] = {
+                    "steps": len(rs), "step_time_s": st, "floor_time_s": fl, "overhead_ratio": _median(per_step),
+                    "overhead_ratio_per_step": per_step,
+                    "breakdown": {k: _median([r["breakdown"][k] for r in rs]) for k in BREAKDOWN_KEYS},
+                }
+    else:
+        result["floor_time_s"] = None
+        result["overhead_ratio"] = None
+    return result
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """A plain-text table of a :func:`run_benchmark` result."""
+    lines = [f"preset {result['preset']} on {result['device']} ({result['dtype']}), {result['steps']} measured "
+             f"steps after {result['warmup_steps']} warm-up, {result['machine']['torch_threads']} torch threads"]
+
+    def row(name: str, value: str) -> None:
+        lines.append(f"  {name:<26} {value}")
+
+    row("step_time_s (median)", f"{result['step_time_s']:.3f}")
+    row("images_per_s", f"{result['images_per_s']:.3f}")
+    row("peak_memory_mb", f"{result['peak_memory_mb']:.0f} ({result.get('peak_memory_kind', '')})")
+    if result.get("floor_time_s"):
+        row("floor_time_s (median)", f"{result['floor_time_s']:.3f}  (rollout "
+            f"{result['floor_breakdown']['rollout']:.3f}, training {result['floor_breakdown']['training']:.3f})")
+        row("overhead_ratio", f"{result['overhead_ratio']:.3f}  (per step: "
+            + ", ".join(f"{r:.3f}" for r in result["overhead_ratio_per_step"]) + ")")
+        row("transformer TFLOP / step", f"{result['flops']['total'] / 1e12:.4f}")
+        row("achieved TFLOP/s", f"{result['achieved_flops_per_s'] / 1e12:.4f} (step), "
+            f"{result['floor_flops_per_s'] / 1e12:.4f} (floor)")
+    lines.append("  breakdown (median s):")
+    total = result["step_time_s"]
+    for key, value in result["breakdown"].items():
+        lines.append(f"    {key:<24} {value:8.3f}  {100 * value / total:5.1f}%")
+    ov = result["overlapped"]
+    lines.append(f"  in the background: reward compute {ov['reward_compute_s']:.3f} s, VAE decode "
+                 f"{ov['vae_decode_s']:.3f} s")
+    if "ab" in result:
+        ab = result["ab"]
+        lines.append(f"  A/B of {', '.join(ab['switches'])} (alternate steps):")
+        for arm in ("on", "off"):
+            a = ab[arm]
+            lines.append(f"    {arm:<4} {a['steps']} steps: step {a['step_time_s']:.3f} s, floor {a['floor_time_s']:.3f} s, "
+                         f"median per-step overhead_ratio {a['overhead_ratio']:.3f}  (reward wait "
+                         f"{a['breakdown']['reward']:.3f} s, decode {a['breakdown']['vae_decode']:.3f} s)")
+    return "\n".join(lines)

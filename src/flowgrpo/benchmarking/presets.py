@@ -1,0 +1,279 @@
+"""Benchmark presets: a model architecture (random weights, built from config, nothing downloaded) plus a run.
+
+=================  =======  ======================================================================================
+preset             device   what it runs
+=================  =======  ======================================================================================
+``tiny``           CPU      the tiny SD3 test pipeline (:func:`flowgrpo.testing.build_tiny_pipeline`), 64 px,
+                            2 prompts x G=2, 4 steps, SDE window 2, OCR reward: a smoke test of the harness.
+``small-cpu``      CPU      an SD3-style MMDiT of ~34 M parameters (6 blocks, 6 heads of 64, dual attention in
+                            blocks 0-2, RMS q/k norm) with the tiny text encoders and VAE, float32, 128 px,
+                            2 prompts x G=4 (micro-batches of 4), 6 steps, SDE window 2, no CFG, LoRA r=32,
+                            OCR reward: large enough for the transformer to dominate a step on a CPU.
+``sd35m-random``   CUDA     Stable Diffusion 3.5 Medium at full size (24 blocks, 24 heads of 64, joint attention
+                            dim 4096, caption projection 1536, pooled projection 2048, dual attention in blocks
+                            0-12, RMS q/k norm; CLIP-L, CLIP-G and T5-XXL encoders; the SD3 VAE), bf16, 512 px,
+                            8 prompts x G=8, 10 steps, SDE window 3, CFG 4.5, LoRA r=32, KL beta 0.04, gradient
+                            checkpointing (as recipes/ocr.yaml), OCR reward.
+``flux-random``    CUDA     FLUX.1-dev at full size (19 double + 38 single blocks, 24 heads of 128, guidance
+                            embedding; CLIP-L and T5-XXL; the FLUX VAE), bf16, 512 px, 8 prompts x G=8,
+                            10 steps, SDE window 3, guidance 3.5 (embedded, one pass), LoRA r=32, OCR reward.
+=================  =======  ======================================================================================
+
+The tokenizers are always the small locally made ones of :mod:`flowgrpo.testing.tiny_tokenizers` (their ids
+fit any vocabulary); the full-size text encoders keep their real vocabulary sizes. Full-size models are built
+directly on the GPU in bf16 (``torch.device("cuda")`` as the default device), so nothing of their size is ever
+allocated on a CPU; on a machine without CUDA, :func:`build_preset_pipeline` raises before building anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["BenchmarkPreset", "PRESETS", "get_preset", "build_preset_pipeline", "OCR_PROMPTS"]
+
+# Prompts with quoted text for the OCR reward (each unique prompt is one GRPO group).
+OCR_PROMPTS = [
+    'a storefront sign that says "OPEN"',
+    'a poster with the word "SALE" in bold red letters',
+    'a coffee mug printed with "GOOD MORNING"',
+    'a street sign reading "MAIN ST"',
+    'a chalkboard with "MENU" written at the top',
+    'a t-shirt with the slogan "HELLO WORLD"',
+    'a book cover titled "FLOW"',
+    'a neon sign that reads "BAR"',
+    'a birthday cake with "HAPPY 30" in icing',
+    'a license plate reading "ABC 123"',
+    'a banner saying "WELCOME"',
+    'a price tag showing "$19"',
+]
+
+# ---- full-size architectures (public configs of the released checkpoints) ------------------------------------
+CLIP_L_FULL = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+               "projection_dim": 768, "hidden_act": "quick_gelu", "max_position_embeddings": 77, "vocab_size": 49408}
+CLIP_G_FULL = {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 20,
+               "projection_dim": 1280, "hidden_act": "gelu", "max_position_embeddings": 77, "vocab_size": 49408}
+T5_XXL_FULL = {"d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64,
+               "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
+               "relative_attention_max_distance": 128, "dropout_rate": 0.0, "tie_word_embeddings": False,
+               "vocab_size": 32128}
+VAE_FULL = {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4,
+            "up_block_types": ["UpDecoderBlock2D"] * 4, "block_out_channels": [128, 256, 512, 512],
+            "layers_per_block": 2, "latent_channels": 16, "norm_num_groups": 32, "sample_size": 1024,
+            "use_quant_conv": False, "use_post_quant_conv": False}
+SD35M_TRANSFORMER = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
+                     "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
+                     "caption_projection_dim": 1536, "pooled_projection_dim": 2048, "pos_embed_max_size": 384,
+                     "dual_attention_layers": list(range(13)), "qk_norm": "rms_norm"}
+FLUX_DEV_TRANSFORMER = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+                        "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+                        "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}
+SD3_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
+FLUX_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                  "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096}
+
+# ---- the small CPU transformer: SD3.5-Medium's block design, shrunk to ~34 M parameters ------------------------
+SMALL_CPU_TRANSFORMER = {"sample_size": 16, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 6,
+                         "attention_head_dim": 64, "num_attention_heads": 6, "joint_attention_dim": 96,
+                         "caption_projection_dim": 384, "pooled_projection_dim": 80, "pos_embed_max_size": 32,
+                         "dual_attention_layers": [0, 1, 2], "qk_norm": "rms_norm"}
+
+
+@dataclass(frozen=True)
+class BenchmarkPreset:
+    """One benchmark configuration: which model to build and how to train it."""
+
+    name: str
+    description: str
+    family: str                      # "sd3" | "flux"
+    architecture: str                # "tiny" | "small-cpu" | "sd35m" | "flux-dev"
+    device: str                      # "cpu" | "cuda"
+    dtype: str                       # FlowGRPOConfig.dtype
+    resolution: int
+    num_prompts: int
+    num_generations: int
+    per_device_train_batch_size: int
+    num_inference_steps: int
+    sde_window_size: int
+    guidance_scale: float
+    max_sequence_length: int
+    reward: str = "ocr"
+    lora_rank: int = 32
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    gradient_checkpointing: bool = False
+    beta: float = 0.0
+    threads: int | None = None       # torch intra-op threads (CPU presets); None: leave torch's default
+    reward_threads: int | None = 1   # onnxruntime threads of the OCR reward
+    default_steps: int = 5
+    warmup_steps: int = 1
+    extra_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def images_per_step(self) -> int:
+        return self.num_prompts * self.num_generations
+
+    def config_kwargs(self) -> dict[str, Any]:
+        """``FlowGRPOConfig`` keyword arguments of this preset (without output_dir / max_steps)."""
+        if self.images_per_step % self.per_device_train_batch_size:
+            raise ValueError(f"preset {self.name!r}: {self.images_per_step} images per step is not a multiple of the "
+                             f"micro-batch {self.per_device_train_batch_size}")
+        # One optimizer step = one generation batch: accumulate over all of its micro-batches.
+        kwargs = dict(
+            per_device_train_batch_size=self.per_device_train_batch_size, num_generations=self.num_generations,
+            gradient_accumulation_steps=self.images_per_step // self.per_device_train_batch_size,
+            resolution=self.resolution, num_inference_steps=self.num_inference_steps,
+            eval_num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
+            sde_window_size=self.sde_window_size, max_sequence_length=self.max_sequence_length, beta=self.beta,
+            dtype=self.dtype, learning_rate=1e-4, noise_level=0.7, use_cpu=self.device == "cpu",
+        )
+        if self.gradient_checkpointing:
+            kwargs["activation_checkpointing"] = True
+        if self.device == "cuda" and self.dtype == "bfloat16":
+            kwargs["bf16"] = True  # autocast, as in the recipes
+        if self.reward == "ocr":
+            kwargs["reward_kwargs"] = {"ocr": {"num_threads": self.reward_threads}} if self.reward_threads else None
+        kwargs.update(self.extra_args)
+        return kwargs
+
+
+PRESETS: dict[str, BenchmarkPreset] = {
+    "tiny": BenchmarkPreset(
+        name="tiny", description="tiny SD3 test pipeline, 64 px, 2x2 images, 4 steps (smoke test)",
+        family="sd3", architecture="tiny", device="cpu", dtype="float32", resolution=64, num_prompts=2,
+        num_generations=2, per_device_train_batch_size=2, num_inference_steps=4, sde_window_size=2,
+        guidance_scale=1.0, max_sequence_length=16, lora_rank=4, threads=1, default_steps=2,
+    ),
+    "small-cpu": BenchmarkPreset(
+        name="small-cpu", description="~34M-parameter SD3-style MMDiT, 128 px, 2 prompts x G=4, 6 steps, window 2",
+        family="sd3", architecture="small-cpu", device="cpu", dtype="float32", resolution=128, num_prompts=2,
+        num_generations=4, per_device_train_batch_size=4, num_inference_steps=6, sde_window_size=2,
+        guidance_scale=1.0, max_sequence_length=32, lora_rank=32, threads=1, default_steps=5,
+    ),
+    "sd35m-random": BenchmarkPreset(
+        name="sd35m-random", description="SD3.5-Medium architecture, random weights, bf16, 512 px, 8x8, 10 steps",
+        family="sd3", architecture="sd35m", device="cuda", dtype="bfloat16", resolution=512, num_prompts=8,
+        num_generations=8, per_device_train_batch_size=8, num_inference_steps=10, sde_window_size=3,
+        guidance_scale=4.5, max_sequence_length=256, lora_rank=32,
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        gradient_checkpointing=True, beta=0.04, threads=None, reward_threads=None, default_steps=5,
+    ),
+    "flux-random": BenchmarkPreset(
+        name="flux-random", description="FLUX.1-dev architecture, random weights, bf16, 512 px, 8x8, 10 steps",
+        family="flux", architecture="flux-dev", device="cuda", dtype="bfloat16", resolution=512, num_prompts=8,
+        num_generations=8, per_device_train_batch_size=8, num_inference_steps=10, sde_window_size=3,
+        guidance_scale=3.5, max_sequence_length=256, lora_rank=32,
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        gradient_checkpointing=True, threads=None, reward_threads=None, default_steps=5,
+    ),
+}
+
+
+def get_preset(name: str) -> BenchmarkPreset:
+    if name not in PRESETS:
+        raise ValueError(f"Unknown benchmark preset {name!r}; choose one of {', '.join(PRESETS)}.")
+    return PRESETS[name]
+
+
+def check_device(preset: BenchmarkPreset) -> None:
+    """Fail early, with the fix, when the preset needs a GPU this machine does not have."""
+    if preset.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"Preset {preset.name!r} builds full-size models in bf16 on a CUDA GPU, but torch.cuda.is_available() is "
+            f"False on this machine (torch {torch.__version__}). Run it on a GPU machine with a CUDA build of torch "
+            f"(make install TORCH=cuda), or use a CPU preset: {', '.join(p for p, v in PRESETS.items() if v.device == 'cpu')}."
+        )
+
+
+@contextlib.contextmanager
+def _building(device: str, dtype: torch.dtype, seed: int) -> Iterator[None]:
+    """Construct modules directly on ``device`` in ``dtype`` (random init happens there), with a fixed seed."""
+    default_dtype = torch.get_default_dtype()
+    devices = [torch.cuda.current_device()] if device == "cuda" else []  # the CUDA RNG is forked too
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                yield
+        finally:
+            torch.set_default_dtype(default_dtype)
+
+
+def _clip_config(arch: dict[str, Any], tokenizer):
+    from transformers import CLIPTextConfig
+
+    arch = dict(arch)
+    vocab = max(int(arch.pop("vocab_size", 0)), len(tokenizer))
+    return CLIPTextConfig(vocab_size=vocab, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id, **arch)
+
+
+def _t5_config(arch: dict[str, Any], tokenizer):
+    from transformers import T5Config
+
+    arch = dict(arch)
+    vocab = max(int(arch.pop("vocab_size", 0)), len(tokenizer))
+    return T5Config(vocab_size=vocab, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                    decoder_start_token_id=tokenizer.pad_token_id, **arch)
+
+
+def _build_full_size(preset: BenchmarkPreset, seed: int, device: str = "cuda"):
+    """The full-size pipeline, built on ``device`` in bf16 ("meta" builds the structure only, for tests)."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
+
+    from ..testing.tiny_tokenizers import build_clip_tokenizer, build_t5_tokenizer
+
+    dtype = torch.bfloat16
+    clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
+    parts: dict[str, Any] = {}
+    with _building(device, dtype, seed):
+        if preset.architecture == "sd35m":
+            clip_g_tok = build_clip_tokenizer(pad_token="!")
+            parts["text_encoder"] = CLIPTextModelWithProjection(_clip_config(CLIP_L_FULL, clip_tok))
+            parts["text_encoder_2"] = CLIPTextModelWithProjection(_clip_config(CLIP_G_FULL, clip_g_tok))
+            parts["text_encoder_3"] = T5EncoderModel(_t5_config(T5_XXL_FULL, t5_tok))
+            parts["transformer"] = SD3Transformer2DModel(**SD35M_TRANSFORMER)
+            parts["vae"] = AutoencoderKL(**VAE_FULL, scaling_factor=1.5305, shift_factor=0.0609)
+            return StableDiffusion3Pipeline(
+                scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER), tokenizer=clip_tok,
+                tokenizer_2=clip_g_tok, tokenizer_3=t5_tok, **{k: v.eval() for k, v in parts.items()})
+        parts["text_encoder"] = CLIPTextModel(_clip_config(CLIP_L_FULL, clip_tok))
+        parts["text_encoder_2"] = T5EncoderModel(_t5_config(T5_XXL_FULL, t5_tok))
+        parts["transformer"] = FluxTransformer2DModel(**FLUX_DEV_TRANSFORMER)
+        parts["vae"] = AutoencoderKL(**VAE_FULL, scaling_factor=0.3611, shift_factor=0.1159)
+        return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER), tokenizer=clip_tok,
+                            tokenizer_2=t5_tok, **{k: v.eval() for k, v in parts.items()})
+
+
+def build_preset_pipeline(preset: BenchmarkPreset, seed: int = 0):
+    """Build the preset's pipeline with random weights (nothing is downloaded).
+
+    CPU presets come out in float32 on the CPU; the full-size presets in bf16 on the current CUDA device.
+    """
+    check_device(preset)
+    if preset.architecture in ("tiny", "small-cpu"):
+        from ..testing import build_tiny_pipeline
+
+        pipe = build_tiny_pipeline(preset.family, seed=seed)
+        if preset.architecture == "small-cpu":
+            from diffusers import SD3Transformer2DModel
+
+            with _building("cpu", torch.float32, seed * 1009 + 104):
+                transformer = SD3Transformer2DModel(**SMALL_CPU_TRANSFORMER).eval()
+            pipe.register_modules(transformer=transformer)
+        return pipe
+    if preset.architecture in ("sd35m", "flux-dev"):
+        return _build_full_size(preset, seed)
+    raise ValueError(f"Preset {preset.name!r} has an unknown architecture {preset.architecture!r}.")

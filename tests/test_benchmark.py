@@ -1,0 +1,210 @@
+"""The benchmark harness: analytic FLOPs against torch's counter, the presets, and a one-step smoke run.
+
+No test asserts a time.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flowgrpo.benchmarking import PRESETS, get_preset, step_flops, transformer_forward_flops
+from flowgrpo.benchmarking.flops import count_flops
+from flowgrpo.benchmarking.presets import FLUX_DEV_TRANSFORMER, SD35M_TRANSFORMER, build_preset_pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def _inputs(family, batch, device="cpu"):
+    """Transformer inputs for a 64 px tiny model: 16 image tokens, 93 (SD3) or 16 (FLUX) text tokens."""
+    if family == "sd3":
+        return 16, 93, dict(hidden_states=torch.randn(batch, 16, 8, 8, device=device),
+                            timestep=torch.full((batch,), 500.0, device=device),
+                            encoder_hidden_states=torch.randn(batch, 93, 96, device=device),
+                            pooled_projections=torch.randn(batch, 80, device=device))
+    return 16, 16, dict(hidden_states=torch.randn(batch, 16, 64, device=device),
+                        timestep=torch.full((batch,), 0.5, device=device),
+                        guidance=torch.full((batch,), 3.5, device=device),
+                        pooled_projections=torch.randn(batch, 32, device=device),
+                        encoder_hidden_states=torch.randn(batch, 16, 96, device=device),
+                        txt_ids=torch.zeros(16, 3, device=device), img_ids=torch.zeros(16, 3, device=device))
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_analytic_flops_match_torch_counter_on_tiny_models_with_lora(family):
+    from peft import LoraConfig, get_peft_model
+
+    from flowgrpo.testing import build_tiny_pipeline
+
+    transformer = build_tiny_pipeline(family).transformer
+    config = dict(transformer.config)
+    model = get_peft_model(transformer, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS))
+    batch = 2
+    n_img, n_txt, kwargs = _inputs(family, batch)
+    expected = transformer_forward_flops(family, config, n_img, n_txt, lora_rank=4, lora_targets=LORA_TARGETS)
+    assert expected.lora > 0
+    with sdpa_kernel(SDPBackend.MATH):  # the math backend decomposes into matmuls that the counter sees
+        with torch.no_grad():
+            assert count_flops(model, **kwargs) == batch * expected.total
+        out = {}
+        assert count_flops(lambda: out.setdefault("v", model(**kwargs)[0])) == batch * expected.total
+        backward = count_flops(lambda: out["v"].float().square().mean().backward())
+    assert backward == batch * expected.backward(full_finetune=False)
+
+
+def test_analytic_flops_full_finetune_backward_on_tiny_sd3():
+    from flowgrpo.testing import build_tiny_pipeline
+
+    transformer = build_tiny_pipeline("sd3").transformer.requires_grad_(True)
+    n_img, n_txt, kwargs = _inputs("sd3", 1)
+    expected = transformer_forward_flops("sd3", dict(transformer.config), n_img, n_txt)
+    with sdpa_kernel(SDPBackend.MATH):
+        out = transformer(**kwargs)[0]
+        backward = count_flops(lambda: out.square().mean().backward())
+    # Weight gradients of every linear (the embedders' too) plus input gradients where autograd needs them.
+    assert backward == expected.backward(full_finetune=True)
+
+
+@pytest.mark.parametrize("family, config", [("sd3", SD35M_TRANSFORMER), ("flux", FLUX_DEV_TRANSFORMER)])
+def test_analytic_flops_match_torch_counter_on_full_size_architectures(family, config):
+    """The full-size SD3.5-Medium / FLUX.1-dev transformers, built on the meta device (nothing is computed)."""
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    cls = SD3Transformer2DModel if family == "sd3" else FluxTransformer2DModel
+    with torch.device("meta"):
+        model = cls(**config)
+    batch = 1
+    if family == "sd3":  # 512 px: 64x64 latents, patch 2 -> 1024 image tokens; 77 CLIP + 256 T5 text tokens
+        n_img, n_txt = 1024, 333
+        kwargs = dict(hidden_states=torch.empty(batch, 16, 64, 64, device="meta"),
+                      timestep=torch.empty(batch, device="meta"),
+                      encoder_hidden_states=torch.empty(batch, n_txt, 4096, device="meta"),
+                      pooled_projections=torch.empty(batch, 2048, device="meta"))
+    else:
+        n_img, n_txt = 1024, 256
+        kwargs = dict(hidden_states=torch.empty(batch, n_img, 64, device="meta"),
+                      timestep=torch.empty(batch, device="meta"), guidance=torch.empty(batch, device="meta"),
+                      pooled_projections=torch.empty(batch, 768, device="meta"),
+                      encoder_hidden_states=torch.empty(batch, n_txt, 4096, device="meta"),
+                      txt_ids=torch.zeros(n_txt, 3, device="meta"), img_ids=torch.zeros(n_img, 3, device="meta"))
+    expected = transformer_forward_flops(family, dict(model.config), n_img, n_txt)
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        assert count_flops(model, **kwargs) == expected.total
+    params = sum(p.numel() for p in model.parameters())
+    assert (params > 2.2e9) if family == "sd3" else (params > 11e9)
+
+
+def test_step_flops_counts_calls_and_cfg():
+    fwd = transformer_forward_flops("sd3", dict(SD35M_TRANSFORMER), 1024, 333, 32, LORA_TARGETS)
+    plain = step_flops(fwd, micro_batches=8, micro_batch_size=8, num_inference_steps=10, trained_steps=3, cfg=False)
+    assert (plain.rollout_forwards, plain.training_passes, plain.reference_forwards) == (80, 24, 0)
+    assert plain.rollout == 80 * 8 * fwd.total
+    assert plain.training == 24 * 8 * (fwd.total + fwd.backward())
+    cfg = step_flops(fwd, micro_batches=8, micro_batch_size=8, num_inference_steps=10, trained_steps=3, cfg=True,
+                     beta=0.04, gradient_checkpointing=True)
+    assert cfg.batch_per_call == 16 and cfg.rollout == 2 * plain.rollout
+    assert cfg.training == 24 * 16 * (2 * fwd.total + fwd.backward())
+    assert cfg.reference == 24 * 16 * fwd.base
+    assert cfg.total == cfg.rollout + cfg.training + cfg.reference
+    # LoRA training: the backward is well under the "2 x forward" of full training, more than one forward.
+    assert fwd.total < fwd.backward() < fwd.backward(full_finetune=True)
+
+
+def test_gpu_presets_match_the_issue():
+    sd = get_preset("sd35m-random")
+    cfg = SD35M_TRANSFORMER
+    assert (cfg["num_layers"], cfg["num_attention_heads"], cfg["attention_head_dim"]) == (24, 24, 64)
+    assert (cfg["joint_attention_dim"], cfg["caption_projection_dim"], cfg["pooled_projection_dim"]) == (4096, 1536,
+                                                                                                          2048)
+    assert cfg["dual_attention_layers"] == list(range(13)) and cfg["qk_norm"] == "rms_norm"
+    for preset in (sd, get_preset("flux-random")):
+        assert preset.device == "cuda" and preset.dtype == "bfloat16" and preset.resolution == 512
+        assert (preset.num_prompts, preset.num_generations, preset.num_inference_steps) == (8, 8, 10)
+        assert preset.sde_window_size == 3 and preset.reward == "ocr"
+        kwargs = preset.config_kwargs()
+        assert kwargs["gradient_accumulation_steps"] * kwargs["per_device_train_batch_size"] == 64
+    small = get_preset("small-cpu")
+    assert (small.resolution, small.num_prompts, small.num_generations, small.num_inference_steps,
+            small.sde_window_size, small.reward) == (128, 2, 4, 6, 2, "ocr")
+    assert set(PRESETS) == {"tiny", "small-cpu", "sd35m-random", "flux-random"}
+
+
+def test_gpu_presets_fail_clearly_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("sd35m-random", "flux-random"):
+        with pytest.raises(RuntimeError, match=r"CUDA GPU.*small-cpu"):
+            build_preset_pipeline(get_preset(name))
+
+
+@pytest.mark.parametrize("name", ["sd35m-random", "flux-random"])
+def test_full_size_pipelines_build_on_the_meta_device(name):
+    """The GPU presets' build code, on the meta device: the configs make valid pipelines of the real sizes."""
+    from flowgrpo.benchmarking.presets import _build_full_size
+    from flowgrpo.models import get_family_adapter
+
+    pipe = _build_full_size(get_preset(name), seed=0, device="meta")
+    sizes = {k: sum(p.numel() for p in v.parameters()) / 1e9 for k, v in pipe.components.items()
+             if isinstance(v, torch.nn.Module)}
+    assert get_family_adapter(pipe).family == get_preset(name).family
+    assert all(p.dtype == torch.bfloat16 for p in pipe.transformer.parameters())
+    if name == "sd35m-random":
+        assert 2.2 < sizes["transformer"] < 2.6 and 4.6 < sizes["text_encoder_3"] < 4.9  # SD3.5-M, T5-XXL encoder
+        assert 0.6 < sizes["text_encoder_2"] < 0.75 and 0.1 < sizes["text_encoder"] < 0.15  # CLIP-G, CLIP-L
+    else:
+        assert 11.5 < sizes["transformer"] < 12.2 and 4.6 < sizes["text_encoder_2"] < 4.9
+    assert pipe.vae_scale_factor == 8
+
+
+def test_small_cpu_transformer_size():
+    from diffusers import SD3Transformer2DModel
+
+    from flowgrpo.benchmarking.presets import SMALL_CPU_TRANSFORMER
+
+    with torch.device("meta"):
+        model = SD3Transformer2DModel(**SMALL_CPU_TRANSFORMER)
+    assert 30e6 <= sum(p.numel() for p in model.parameters()) <= 50e6
+
+
+def _run_script(*args, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_script_refuses_gpu_preset_without_cuda():
+    proc = _run_script("--preset", "sd35m-random", "--steps", "1")
+    assert proc.returncode == 2
+    assert "CUDA" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_tiny_preset_smoke(tmp_path):
+    """One measured step of the tiny preset through the script; the JSON is complete and self-consistent."""
+    out = tmp_path / "bench.json"
+    proc = _run_script("--preset", "tiny", "--steps", "1", "--warmup-steps", "0", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "overhead_ratio" in proc.stdout
+    result = json.loads(out.read_text())
+    for key in ("step_time_s", "images_per_s", "peak_memory_mb", "breakdown", "floor_time_s", "overhead_ratio"):
+        assert key in result, key
+    assert result["preset"] == "tiny" and result["steps"] == 1 and len(result["step_times_s"]) == 1
+    step = result["step_time_s"]
+    assert step > 0 and result["floor_time_s"] > 0 and result["peak_memory_mb"] > 0
+    assert result["images_per_s"] == pytest.approx(result["images_per_step"] / step)
+    assert result["overhead_ratio"] == pytest.approx(step / result["floor_time_s"])
+    breakdown = result["breakdown"]
+    assert set(breakdown) == {"text_encoding", "rollout", "vae_decode", "reward", "training_forward",
+                              "training_backward", "optimizer", "other"}
+    assert sum(breakdown.values()) == pytest.approx(step, rel=1e-6)  # one step: "other" closes the sum
+    assert all(v >= 0 for k, v in breakdown.items() if k != "other")
+    assert result["breakdown"]["rollout"] > 0 and result["breakdown"]["training_backward"] > 0
+    flops = result["flops"]
+    assert flops["rollout_forwards"] == 2 * 4 and flops["training_passes"] == 2 * 2
+    assert flops["total"] == flops["rollout"] + flops["training"] + flops["reference"]
+    assert result["achieved_flops_per_s"] == pytest.approx(flops["total"] / step)
