@@ -30,3 +30,8 @@ for _module in BUILTIN_REWARD_MODULES:
     if importlib.util.find_spec(f"{__name__}.{_module}") is not None:
         importlib.import_module(f"{__name__}.{_module}")
 del _module
+
+# The toy world's rewards (toy_color, toy_shape, toy_position, toy_count, toy_geneval, toy_shape_score) live
+# with the world in flowgrpo.toy (numpy + PIL only) and register here too, so `get_reward("toy_shape")` needs no
+# extra import.
+importlib.import_module("flowgrpo.toy.rewards")
