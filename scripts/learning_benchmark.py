@@ -43,8 +43,8 @@ except ImportError:  # running from a checkout without the package installed
 def settings_grid(reward: list[str] | None, steps: int) -> list[RLSettings]:
     """The compared settings. The base is the recipe (``RLSettings()``: Flow-GRPO-Fast, an SDE window of 2 of the
     first 4 steps); each other setting changes one thing: SDE on every step, CPS, the noise level, the group
-    size at a fixed batch, the binary ``toy_shape`` reward instead of the dense score, LoRA instead of full
-    fine-tuning."""
+    size at a fixed batch, the binary ``toy_shape`` reward instead of the dense score, attention-only LoRA, full
+    fine-tuning instead of LoRA."""
     base = RLSettings(max_steps=steps)
     if reward:
         base = dataclasses.replace(base, reward=reward, reward_weights=None)
@@ -60,7 +60,9 @@ def settings_grid(reward: list[str] | None, steps: int) -> list[RLSettings]:
         dataclasses.replace(base, name="binary-reward", reward=[
             "toy_shape" if r == "toy_shape_score" else r for r in ([base.reward] if isinstance(base.reward, str)
                                                                     else base.reward)]),
-        dataclasses.replace(base, name="lora-r8", use_lora=True, lora_r=8, learning_rate=1e-3),
+        dataclasses.replace(base, name="lora-attn-r16", lora_r=16, lora_target_modules=[
+            "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]),
+        dataclasses.replace(base, name="full-ft", use_lora=False, learning_rate=4e-5),
     ]
 
 

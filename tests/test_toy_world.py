@@ -216,8 +216,30 @@ def test_presets_share_the_architecture():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-# A short run of the recipe's algorithm (RLSettings' defaults: Flow-GRPO-Fast windows on the dense shape score
-# plus colour), at a constant learning rate, sized for CI.
+def test_recipe_and_rl_settings_describe_the_same_run():
+    """``recipes/toy.yaml`` (the demo) and ``RLSettings()`` (the learning test and benchmark) must not drift apart."""
+    from flowgrpo.cli import parse_recipe
+    from flowgrpo.toy.learning import RLSettings
+
+    script, model, args = parse_recipe([str(REPO / "recipes" / "toy.yaml")])
+    settings = RLSettings()
+    expected = settings.config_kwargs()
+    expected.pop("per_device_train_batch_size")  # the recipe's per-process batch; checked below
+    expected.pop("reward_weights")  # the recipe adds a zero-weight monitor; checked below
+    for key, value in expected.items():
+        actual = getattr(args, key)
+        actual = getattr(actual, "value", actual)  # enums (lr_scheduler_type)
+        assert actual == value, (key, actual, value)
+    assert args.per_device_train_batch_size == settings.num_generations * settings.prompts_per_step
+    rewards = [name for name, weight in zip(script.reward_funcs, args.reward_weights) if weight]
+    assert rewards == settings.reward and [w for w in args.reward_weights if w] == settings.reward_weights
+    assert model.use_peft == settings.use_lora and model.lora_r == settings.lora_r
+    assert model.lora_alpha == 2 * settings.lora_r and model.lora_target_modules == settings.lora_target_modules
+
+
+# A short run of the recipe's algorithm (RLSettings' defaults: a LoRA trained with Flow-GRPO-Fast windows on the
+# dense shape score plus colour), at a constant learning rate, sized for CI (about 80 s of training on 2 cores; on
+# this machine it raised the held-out score by 0.105 against a seed-to-seed spread of 0.019).
 CI_RL_SETTINGS = dict(name="ci", max_steps=150, lr_scheduler_type="constant")
 CI_EVAL_STEPS = 10
 CI_EVAL_IMAGES = 4
