@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """``make demo``: train on the embedded CPU default under ``accelerate launch`` and show what changed.
 
-    python scripts/demo.py                                   # the default recipe, two CPU processes
+    python scripts/demo.py                                   # the toy world (recipes/toy.yaml), two CPU processes
     python scripts/demo.py --recipe recipes/tiny_cpu.yaml --num_processes 1 --max_steps 4
 
-Steps: build the recipe's model folder if it is missing (the recipe's ``build_tiny_pipeline_if_missing``), run
-``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml src/train.py RECIPE --output_dir OUT`` with its
-progress on the terminal, then write ``reward_curve.png`` and ``before_after.png`` next to the LoRA
-(``pytorch_lora_weights.safetensors``) in OUT and print where everything is. A previous demo's folder is kept as
-``OUT.previous`` rather than overwritten.
+Steps: build the recipe's model folder if it is missing (the recipe's ``build_tiny_pipeline_if_missing``: the toy
+world takes about 2.5 minutes on 2 cores), run ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml
+src/train.py RECIPE --output_dir OUT`` with its progress on the terminal, then write ``reward_curve.png`` and
+``before_after.png`` next to the trained weights in OUT and print where everything is. The recipe's batch is the
+batch of one process; with N processes each takes 1/N of it (when it divides), so the run trains what the recipe
+describes. A previous demo's folder is kept as ``OUT.previous`` rather than overwritten.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_RECIPE = "recipes/tiny_cpu.yaml"
+DEFAULT_RECIPE = "recipes/toy.yaml"
 DEFAULT_OUTPUT = "outputs/demo"
 
 
@@ -65,11 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"output_dir": args.output_dir}
     if args.max_steps is not None:
         overrides["max_steps"] = args.max_steps
+    extra = [a for a in args.extra if a != "--"]
     try:
-        parse_recipe([args.recipe, *[a for a in args.extra if a != "--"]], overrides=overrides)
+        _, _, training_args = parse_recipe([args.recipe, *extra], overrides=overrides)
     except RecipeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    batch = training_args.per_device_train_batch_size
+    if (args.num_processes > 1 and "--per_device_train_batch_size" not in extra
+            and batch % args.num_processes == 0
+            and (batch // args.num_processes) % training_args.num_generations == 0):
+        extra += ["--per_device_train_batch_size", str(batch // args.num_processes)]
 
     out = Path(args.output_dir)
     if out.exists() and any(out.iterdir()):
@@ -82,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    cmd = launch_command(args.recipe, str(out), args.num_processes, args.max_steps, args.extra)
+    cmd = launch_command(args.recipe, str(out), args.num_processes, args.max_steps, extra)
     print("[demo] " + " ".join(cmd[1:]), flush=True)
     start = time.perf_counter()
     result = subprocess.run(cmd, env=env)
@@ -95,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = summarize_run(out, title=f"Flow-GRPO demo ({Path(args.recipe).stem})")
     print(f"\n[demo] finished in {minutes:.1f} min. In {out}/:")
-    print("  pytorch_lora_weights.safetensors  the LoRA; pipe.load_lora_weights('" + str(out) + "') loads it")
+    if (out / "pytorch_lora_weights.safetensors").is_file():
+        print("  pytorch_lora_weights.safetensors  the LoRA; pipe.load_lora_weights('" + str(out) + "') loads it")
+    if (out / "transformer").is_dir():
+        print("  transformer/                      the fine-tuned transformer; "
+              "SD3Transformer2DModel.from_pretrained(OUT, subfolder='transformer') loads it")
     print("  reward_curve.png                  training and evaluation reward per step")
     if summary["before_after"]:
         print("  before_after.png                  evaluation samples before and after training (same seeds)")
@@ -105,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if summary["eval_first"] and summary["eval_last"] and summary["eval_first"][0] != summary["eval_last"][0]:
         (s0, r0), (s1, r1) = summary["eval_first"], summary["eval_last"]
         print(f"  eval reward:  {r0:.4f} (step {s0}) -> {r1:.4f} (step {s1})")
+    for name, (first, last) in summary.get("eval_components", {}).items():
+        print(f"  eval {name}: {first:.4f} -> {last:.4f}")
     return 0
 
 

@@ -257,15 +257,16 @@ def test_lora_config_from_model_arguments():
 def test_summarize_run_plots_the_curve_and_puts_sheets_side_by_side(tmp_path):
     from flowgrpo.cli.report import summarize_run
 
-    history = [{"eval_reward": 0.1, "step": 0}]
+    history = [{"eval_reward": 0.1, "eval_rewards/toy_shape/mean": 0.3, "eval_rewards/ocr/mean": 0.5, "step": 0}]
     history += [{"reward": 0.1 + 0.01 * s, "step": s} for s in range(1, 21)]
-    history += [{"eval_reward": 0.4, "step": 20}]
+    history += [{"eval_reward": 0.4, "eval_rewards/toy_shape/mean": 0.6, "step": 20}]
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
     Image.new("RGB", (40, 30), "red").save(tmp_path / "eval_step_0.png")
     Image.new("RGB", (40, 30), "blue").save(tmp_path / "eval_step_20.png")
     Image.new("RGB", (40, 30), "green").save(tmp_path / "eval_step_5.png")
     summary = summarize_run(tmp_path)
     assert summary["eval_first"] == (0, 0.1) and summary["eval_last"] == (20, 0.4)
+    assert summary["eval_components"] == {"toy_shape": (0.3, 0.6)}  # a reward evaluated once has no before/after
     assert summary["train_reward_first"] == pytest.approx(0.115) and summary["train_reward_last"] == pytest.approx(0.295)
     curve = Image.open(summary["reward_curve"])
     assert curve.size[0] > 300

@@ -113,7 +113,9 @@ def summarize_run(output_dir: str | os.PathLike, title: str = "Flow-GRPO") -> di
 
     The returned dict holds ``reward_curve`` and ``before_after`` (paths or ``None``), the first and last training
     rewards (``train_reward_first``, ``train_reward_last``: means over the first and last tenth of the steps) and
-    the first and last evaluation rewards with their steps (``eval_first``, ``eval_last``: ``(step, reward)``).
+    the first and last evaluation rewards with their steps (``eval_first``, ``eval_last``: ``(step, reward)``),
+    and ``eval_components``: ``{reward name: (first, last)}`` of each reward's evaluation mean
+    (``eval_rewards/<name>/mean``), zero-weight monitors included.
     """
     out = Path(output_dir)
     history = read_log_history(out)
@@ -122,7 +124,7 @@ def summarize_run(output_dir: str | os.PathLike, title: str = "Flow-GRPO") -> di
     summary: dict[str, Any] = {
         "reward_curve": str(plot_reward_curve(history, out / REWARD_CURVE_FILE, title=title)),
         "before_after": None, "train_reward_first": None, "train_reward_last": None,
-        "eval_first": None, "eval_last": None,
+        "eval_first": None, "eval_last": None, "eval_components": {},
     }
     sheet = before_after_sheet(out)
     summary["before_after"] = str(sheet) if sheet is not None else None
@@ -133,6 +135,12 @@ def summarize_run(output_dir: str | os.PathLike, title: str = "Flow-GRPO") -> di
     if eval_rewards:
         summary["eval_first"] = (eval_steps[0], eval_rewards[0])
         summary["eval_last"] = (eval_steps[-1], eval_rewards[-1])
+    keys = sorted({k for entry in history for k in entry
+                   if k.startswith("eval_rewards/") and k.endswith("/mean")})
+    for key in keys:
+        _, values = reward_series(history, key)
+        if len(values) >= 2:
+            summary["eval_components"][key[len("eval_rewards/"):-len("/mean")]] = (values[0], values[-1])
     return summary
 
 
