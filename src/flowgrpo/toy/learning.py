@@ -3,7 +3,8 @@
 ::
 
     from flowgrpo.toy.learning import RLSettings, run_toy_rl
-    result = run_toy_rl(".cache/toy-world", RLSettings(reward="toy_count", max_steps=60), "outputs/toy-rl")
+    settings = RLSettings(reward="toy_count", reward_weights=None, max_steps=60)  # defaults: recipes/toy.yaml
+    result = run_toy_rl(".cache/toy-world", settings, "outputs/toy-rl")
     result["before"]["count"], result["after"]["count"]
 
 The run uses :class:`~flowgrpo.trainer.FlowGRPOTrainer` on the world's ``prompts_train.txt``; accuracy is
