@@ -73,14 +73,16 @@ def quick_grid(reward: list[str] | None, steps: int) -> list[RLSettings]:
 
 def write_table(results: list[dict], path: Path) -> str:
     lines = [
-        "| setting | sampler | window | noise | G x prompts | steps | train s | s/step | before | after | gain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | trained | sampler | window | noise | G x prompts | steps | train s | s/step | before | after "
+        "| gain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         s, a = r["settings"], r["target_attribute"]
         window = "all" if not s["sde_window_size"] else f"{s['sde_window_size']} in {s['sde_window_range']}"
+        trained = f"LoRA r{s['lora_r']}" if s["use_lora"] else "all weights"
         lines.append(
-            f"| {s['name']} | {s['sde_type']} | {window} | {s['noise_level']} | {s['num_generations']} x "
+            f"| {s['name']} | {trained}, lr {s['learning_rate']:g} | {s['sde_type']} | {window} | {s['noise_level']} | {s['num_generations']} x "
             f"{s['prompts_per_step']} | {s['max_steps']} | {r['train_seconds']:.0f} | "
             f"{r['train_seconds'] / max(1, s['max_steps']):.2f} | {r['before'][a]:.1%} | {r['after'][a]:.1%} | "
             f"{100 * r['gain']:+.1f} pts |")
