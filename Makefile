@@ -19,7 +19,7 @@ PIP := $(PY) -m pip
 TORCH ?= auto
 CPU_TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX_URL ?=
-EXTRAS ?= dev,ocr,bnb
+EXTRAS ?= dev,ocr,bnb,deepspeed
 PYTEST_ARGS ?=
 PRESET ?= small-cpu
 STEPS ?= 5
@@ -35,7 +35,7 @@ STAMP := $(VENV)/.flowgrpo-installed
 
 install: $(STAMP)
 
-$(STAMP): setup.py
+$(STAMP): setup.py Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	@torch_kind="$(TORCH)"; \
