@@ -13,6 +13,7 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
+from PIL import Image
 from transformers import TrainerCallback
 
 from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
@@ -171,6 +172,35 @@ def test_full_finetune_and_evaluate(tiny_sd3_path, tmp_path):
     reloaded = SD3Transformer2DModel.from_pretrained(os.path.join(trainer.args.output_dir, "transformer"))
     for (name, p), q in zip(trainer.model.named_parameters(), reloaded.parameters()):
         torch.testing.assert_close(p.detach(), q, msg=name)
+
+
+def test_evaluate_draws_several_seeded_images_per_prompt(tiny_sd3_path, tmp_path):
+    seen = []
+
+    def recording_reward(prompts, images, **columns):
+        seen.append((list(prompts), [np.asarray(im).copy() for im in images]))
+        return brightness_reward(prompts, images)
+
+    trainer = make_trainer(tiny_sd3_path, tmp_path, reward=recording_reward, eval_num_inference_steps=3,
+                           per_device_eval_batch_size=4, eval_images_per_prompt=3)
+    eval_set = Dataset.from_dict({"prompt": PROMPTS[:2]})
+    metrics = trainer.evaluate(eval_set)
+    prompts = [p for batch, _ in seen for p in batch]
+    images = [im for _, batch in seen for im in batch]
+    assert prompts == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    assert not np.array_equal(images[0], images[1]) and not np.array_equal(images[1], images[2])
+    assert metrics["eval_reward"] == pytest.approx(np.mean([im.astype(np.float32).mean() / 255 for im in images]))
+    sheet = Image.open(os.path.join(trainer.args.output_dir, "eval_step_0.png"))
+    assert sheet.width == 2 * 192  # one cell per prompt (its first image), not one per sample
+    trainer.args.eval_images_per_prompt = 1  # sample 0 keeps its seed: the same first image
+    seen.clear()
+    trainer.evaluate(eval_set)
+    first = seen[0][1][0].astype(np.int16)
+    assert len(seen[0][1]) == 2
+    assert np.abs(first - images[0]).max() <= 2  # other batch shapes: float rounding only
+    assert np.abs(first - images[1]).max() > 20
+    with pytest.raises(ValueError, match="eval_images_per_prompt=0"):
+        make_args(tmp_path, eval_images_per_prompt=0)
 
 
 class StopAfter(TrainerCallback):

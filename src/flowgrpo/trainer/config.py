@@ -66,6 +66,12 @@ class FlowGRPOConfig(TrainingArguments):
     eval_num_inference_steps: int = field(
         default=40, metadata={"help": "ODE sampling steps for evaluation (Flow-GRPO: 40)."},
     )
+    eval_images_per_prompt: int = field(
+        default=1,
+        metadata={"help": "Images per eval prompt, each from its own fixed seed. More images average out the "
+                          "sampling noise of the eval metrics (a small eval set with one image per prompt moves by "
+                          "several points between seeds)."},
+    )
     guidance_scale: float = field(
         default=4.5,
         metadata={"help": "Classifier-free guidance scale of rollouts (SD3.5-M recipes: 4.5). 1.0 disables CFG: "
@@ -214,6 +220,8 @@ class FlowGRPOConfig(TrainingArguments):
         if self.num_generations < 2:
             raise ValueError(f"num_generations={self.num_generations}: a group needs at least 2 images to compute "
                              "advantages; set num_generations >= 2.")
+        if self.eval_images_per_prompt < 1:
+            raise ValueError(f"eval_images_per_prompt={self.eval_images_per_prompt} must be >= 1.")
         if self.noise_level < 0:
             raise ValueError(f"noise_level={self.noise_level} must be >= 0.")
         if self.num_inference_steps < 2:

@@ -673,7 +673,9 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         """ODE sampling (noise 0) at the eval step count and guidance with fixed seeds; rewards on the eval set.
 
         Logs ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/<name>/mean``; writes a contact sheet of
-        prompts, images and scores to ``output_dir/eval_step_<N>.png``.
+        prompts, images and scores to ``output_dir/eval_step_<N>.png``. With ``eval_images_per_prompt = k``,
+        sample ``i`` is image ``i % k`` of prompt ``i // k`` and is drawn from its own seed, so evaluations at
+        different steps compare the same noise; the metrics use every image, the sheet each prompt's first.
         """
         dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset") if eval_dataset is not None else \
             self.eval_dataset
@@ -682,13 +684,14 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         args = self.args
         height, width = args.image_size
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        indices = list(range(len(dataset)))[rank::world]
+        per_prompt = args.eval_images_per_prompt
+        indices = list(range(len(dataset) * per_prompt))[rank::world]
         ema_ctx = self.ema.swapped_in(self._trainable_parameters()) if self.ema is not None else nullcontext()
         records = []
         with ema_ctx, self._generation_context() as model:
             for start in range(0, len(indices), args.per_device_eval_batch_size):
                 idx = indices[start:start + args.per_device_eval_batch_size]
-                rows = [dataset[i] for i in idx]
+                rows = [dataset[i // per_prompt] for i in idx]
                 prompts = [r["prompt"] for r in rows]
                 embeds, row_map = self._encode_unique(prompts, self.accelerator.device)
                 embeds = embeds.index_select(row_map)
@@ -717,12 +720,13 @@ class FlowGRPOTrainer(FlowBaseTrainer):
             metrics[f"{metric_key_prefix}_rewards/{name}/std"] = std
         if self.is_world_process_zero():
             os.makedirs(args.output_dir, exist_ok=True)
-            captions = [f"{r[1][:60]} | {r[3]:.3f}" if r[3] is not None else f"{r[1][:60]} | n/a" for r in gathered]
-            sheet = make_contact_sheet([r[2] for r in gathered], captions)
+            shown = [r for r in gathered if r[0] % per_prompt == 0]  # the sheet: each prompt's first image
+            captions = [f"{r[1][:60]} | {r[3]:.3f}" if r[3] is not None else f"{r[1][:60]} | n/a" for r in shown]
+            sheet = make_contact_sheet([r[2] for r in shown], captions)
             path = Path(args.output_dir, f"eval_step_{self.state.global_step}.png")
             sheet.save(path)
             self._last_eval = {"metrics": metrics, "contact_sheet": str(path),
-                               "samples": [(r[1], r[2], r[3]) for r in gathered[:8]]}
+                               "samples": [(r[1], r[2], r[3]) for r in shown[:8]]}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
