@@ -4,8 +4,8 @@
     python scripts/benchmark.py --preset small-cpu --steps 5 --json outputs/bench-small-cpu.json
     make bench PRESET=small-cpu STEPS=5
 
-Presets: tiny (smoke test), small-cpu (~34M-parameter MMDiT on CPU), sd35m-random and flux-random (full-size
-architectures with random weights, bf16, CUDA only). Models are built from config with random weights; nothing is
+Presets: tiny (smoke test), small-cpu (~34M-parameter MMDiT on CPU), toy (the toy world with recipes/toy.yaml),
+sd35m-random and flux-random (full-size architectures with random weights, bf16, CUDA only). Models are built from config with random weights; nothing is
 downloaded. See docs/benchmarks.md for the figures and flowgrpo/benchmarking/ for the definitions.
 """
 
@@ -32,8 +32,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="measured optimizer steps after the warm-up (default: the preset's, 5 or 2 for tiny)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="unmeasured steps first (default 1)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: the preset's; 2 for the CPU presets)")
+    parser.add_argument("--threads", default=None,
+                        help="the trainer's cpu_threads: 'auto' (the thread policy, the CPU presets' default), 'keep' "
+                             "(no policy) or the main thread's torch threads")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch's process-wide intra-op threads before anything is built; with --threads keep "
+                             "this is a fixed setting like OMP_NUM_THREADS=N")
     parser.add_argument("--no-floor", action="store_true", help="skip the FLOP-floor measurement")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ab", choices=["decode", "reward", "all"], default=None,
@@ -45,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = run_benchmark(args.preset, args.steps, warmup_steps=args.warmup_steps, threads=args.threads,
-                               measure_floor=not args.no_floor, seed=args.seed, ab=args.ab,
+                               torch_threads=args.torch_threads, measure_floor=not args.no_floor, seed=args.seed, ab=args.ab,
                                log=lambda m: print(m, file=sys.stderr, flush=True))
     except RuntimeError as e:
         if "torch.cuda.is_available()" in str(e):

@@ -132,7 +132,12 @@ def test_gpu_presets_match_the_issue():
     small = get_preset("small-cpu")
     assert (small.resolution, small.num_prompts, small.num_generations, small.num_inference_steps,
             small.sde_window_size, small.reward) == (128, 2, 4, 6, 2, "ocr")
-    assert set(PRESETS) == {"tiny", "small-cpu", "sd35m-random", "flux-random"}
+    assert set(PRESETS) >= {"tiny", "small-cpu", "toy", "sd35m-random", "flux-random"}
+    toy = get_preset("toy")  # the settings of recipes/toy.yaml
+    assert (toy.resolution, toy.num_prompts, toy.num_generations, toy.num_inference_steps, toy.sde_window_size,
+            toy.guidance_scale, toy.reward, toy.reward_weights) == (32, 4, 8, 8, 2, 3.0,
+                                                                    ("toy_shape_score", "toy_color"), (1.0, 0.5))
+    assert all(p.threads == "auto" for p in PRESETS.values())
 
 
 def test_gpu_presets_fail_clearly_without_cuda(monkeypatch):

@@ -235,8 +235,12 @@ def _peak_memory_mb(device: torch.device) -> tuple[float, str]:
 
 
 def _machine() -> dict[str, Any]:
+    from ..cpu_threads import current_cpu_thread_plan
+
+    plan = current_cpu_thread_plan()
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(),
+            "thread_plan": plan.describe() if plan is not None else "none (torch's and onnxruntime's own settings)"}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     import diffusers
@@ -261,15 +265,27 @@ def build_trainer(preset: BenchmarkPreset, max_steps: int, output_dir: str, seed
     )
     lora = LoraConfig(r=preset.lora_rank, lora_alpha=2 * preset.lora_rank, init_lora_weights="gaussian",
                       target_modules=list(preset.lora_targets))
-    prompts = OCR_PROMPTS[: max(preset.num_prompts, min(len(OCR_PROMPTS), 2 * preset.num_prompts))]
-    return FlowGRPOTrainer(model=pipeline, reward_funcs=preset.reward, args=args,
+    if preset.architecture == "toy":
+        from ..toy.build import read_prompts
+
+        prompts = read_prompts(pipeline.name_or_path, "train")
+    else:
+        prompts = OCR_PROMPTS[: max(preset.num_prompts, min(len(OCR_PROMPTS), 2 * preset.num_prompts))]
+    reward = preset.reward if isinstance(preset.reward, str) else list(preset.reward)
+    return FlowGRPOTrainer(model=pipeline, reward_funcs=reward, args=args,
                            train_dataset=Dataset.from_dict({"prompt": prompts}), peft_config=lora)
 
 
 def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, warmup_steps: int | None = None,
-                  threads: int | None = None, measure_floor: bool = True, seed: int = 0, ab: str | None = None,
-                  output_dir: str | None = None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
-    """Run the benchmark and return its results as a JSON-ready dict (see the module docstring)."""
+                  threads: str | int | None = None, torch_threads: int | None = None, measure_floor: bool = True,
+                  seed: int = 0, ab: str | None = None, output_dir: str | None = None,
+                  log: Callable[[str], None] | None = print) -> dict[str, Any]:
+    """Run the benchmark and return its results as a JSON-ready dict (see the module docstring).
+
+    ``threads`` is the trainer's ``cpu_threads`` (``"auto"``: the thread policy, ``"keep"``: no policy, or the main
+    thread's count; default: the preset's). ``torch_threads`` sets torch's process-wide intra-op threads before
+    anything is built: with ``threads="keep"`` it reproduces a fixed setting such as ``OMP_NUM_THREADS=N``.
+    """
     preset = get_preset(preset) if isinstance(preset, str) else preset
     check_device(preset)
     steps = preset.default_steps if steps is None else int(steps)
@@ -278,9 +294,16 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
         raise ValueError(f"steps must be >= 1 and warmup_steps >= 0, got steps={steps}, warmup_steps={warmup}.")
     if ab is not None and (ab not in AB_SWITCHES or not measure_floor):
         raise ValueError(f"ab={ab!r} must be one of {', '.join(AB_SWITCHES)} and needs the floor measurement.")
-    threads = threads if threads is not None else preset.threads
-    if threads:
-        torch.set_num_threads(int(threads))
+    if threads is not None:
+        from dataclasses import replace
+
+        from ..cpu_threads import parse_cpu_threads
+
+        preset = replace(preset, threads=parse_cpu_threads(threads, "threads"))
+    if torch_threads is not None:
+        if int(torch_threads) < 1:
+            raise ValueError(f"torch_threads={torch_threads} must be >= 1.")
+        torch.set_num_threads(int(torch_threads))
     say = log or (lambda _msg: None)
 
     tmp = tempfile.TemporaryDirectory(prefix="flowgrpo-bench-") if output_dir is None else None

@@ -17,6 +17,10 @@ preset             device   what it runs
 ``flux-random``    CUDA     FLUX.1-dev at full size (19 double + 38 single blocks, 24 heads of 128, guidance
                             embedding; CLIP-L and T5-XXL; the FLUX VAE), bf16, 512 px, 8 prompts x G=8,
                             10 steps, SDE window 3, guidance 3.5 (embedded, one pass), LoRA r=32, OCR reward.
+``toy``            CPU      the toy world (:func:`flowgrpo.toy.build.cached_toy_world`, pretrained, built on first
+                            use) with the settings of ``recipes/toy.yaml``: 32 px, 4 prompts x G=8 in one
+                            micro-batch, 8 steps with CFG 3, SDE window 2 in steps 0-3, LoRA r=32 on every linear
+                            layer, ``toy_shape_score`` + 0.5 ``toy_color``.
 =================  =======  ======================================================================================
 
 The tokenizers are always the small locally made ones of :mod:`flowgrpo.testing.tiny_tokenizers` (their ids
@@ -33,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ..toy.learning import TOY_LORA_TARGET_MODULES
 
 __all__ = ["BenchmarkPreset", "PRESETS", "get_preset", "build_preset_pipeline", "OCR_PROMPTS"]
 
@@ -90,7 +96,7 @@ class BenchmarkPreset:
     name: str
     description: str
     family: str                      # "sd3" | "flux"
-    architecture: str                # "tiny" | "small-cpu" | "sd35m" | "flux-dev"
+    architecture: str                # "tiny" | "small-cpu" | "sd35m" | "flux-dev" | "toy"
     device: str                      # "cpu" | "cuda"
     dtype: str                       # FlowGRPOConfig.dtype
     resolution: int
@@ -101,13 +107,14 @@ class BenchmarkPreset:
     sde_window_size: int
     guidance_scale: float
     max_sequence_length: int
-    reward: str = "ocr"
+    reward: str | tuple[str, ...] = "ocr"
+    reward_weights: tuple[float, ...] | None = None
     lora_rank: int = 32
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     gradient_checkpointing: bool = False
     beta: float = 0.0
-    threads: int | None = None       # torch intra-op threads (CPU presets); None: leave torch's default
-    reward_threads: int | None = 1   # onnxruntime threads of the OCR reward
+    threads: str | int = "auto"      # FlowGRPOConfig.cpu_threads: the thread policy (flowgrpo.cpu_threads)
+    reward_threads: int | None = None  # onnxruntime threads of the OCR reward; None: the thread policy's
     default_steps: int = 5
     warmup_steps: int = 1
     extra_args: dict[str, Any] = field(default_factory=dict)
@@ -129,7 +136,10 @@ class BenchmarkPreset:
             eval_num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             sde_window_size=self.sde_window_size, max_sequence_length=self.max_sequence_length, beta=self.beta,
             dtype=self.dtype, learning_rate=1e-4, noise_level=0.7, use_cpu=self.device == "cpu",
+            cpu_threads=str(self.threads),
         )
+        if self.reward_weights is not None:
+            kwargs["reward_weights"] = list(self.reward_weights)
         if self.gradient_checkpointing:
             kwargs["activation_checkpointing"] = True
         if self.device == "cuda" and self.dtype == "bfloat16":
@@ -145,13 +155,13 @@ PRESETS: dict[str, BenchmarkPreset] = {
         name="tiny", description="tiny SD3 test pipeline, 64 px, 2x2 images, 4 steps (smoke test)",
         family="sd3", architecture="tiny", device="cpu", dtype="float32", resolution=64, num_prompts=2,
         num_generations=2, per_device_train_batch_size=2, num_inference_steps=4, sde_window_size=2,
-        guidance_scale=1.0, max_sequence_length=16, lora_rank=4, threads=1, default_steps=2,
+        guidance_scale=1.0, max_sequence_length=16, lora_rank=4, default_steps=2,
     ),
     "small-cpu": BenchmarkPreset(
         name="small-cpu", description="~34M-parameter SD3-style MMDiT, 128 px, 2 prompts x G=4, 6 steps, window 2",
         family="sd3", architecture="small-cpu", device="cpu", dtype="float32", resolution=128, num_prompts=2,
         num_generations=4, per_device_train_batch_size=4, num_inference_steps=6, sde_window_size=2,
-        guidance_scale=1.0, max_sequence_length=32, lora_rank=32, threads=1, default_steps=5,
+        guidance_scale=1.0, max_sequence_length=32, lora_rank=32, default_steps=5,
     ),
     "sd35m-random": BenchmarkPreset(
         name="sd35m-random", description="SD3.5-Medium architecture, random weights, bf16, 512 px, 8x8, 10 steps",
@@ -159,7 +169,7 @@ PRESETS: dict[str, BenchmarkPreset] = {
         num_generations=8, per_device_train_batch_size=8, num_inference_steps=10, sde_window_size=3,
         guidance_scale=4.5, max_sequence_length=256, lora_rank=32,
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
-        gradient_checkpointing=True, beta=0.04, threads=None, reward_threads=None, default_steps=5,
+        gradient_checkpointing=True, beta=0.04, default_steps=5,
     ),
     "flux-random": BenchmarkPreset(
         name="flux-random", description="FLUX.1-dev architecture, random weights, bf16, 512 px, 8x8, 10 steps",
@@ -167,7 +177,15 @@ PRESETS: dict[str, BenchmarkPreset] = {
         num_generations=8, per_device_train_batch_size=8, num_inference_steps=10, sde_window_size=3,
         guidance_scale=3.5, max_sequence_length=256, lora_rank=32,
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
-        gradient_checkpointing=True, threads=None, reward_threads=None, default_steps=5,
+        gradient_checkpointing=True, default_steps=5,
+    ),
+    "toy": BenchmarkPreset(
+        name="toy", description="the toy world with recipes/toy.yaml: 32 px, 4x8 images, 8 steps, CFG 3, window 2",
+        family="sd3", architecture="toy", device="cpu", dtype="float32", resolution=32, num_prompts=4,
+        num_generations=8, per_device_train_batch_size=32, num_inference_steps=8, sde_window_size=2,
+        guidance_scale=3.0, max_sequence_length=16, reward=("toy_shape_score", "toy_color"), reward_weights=(1.0, 0.5),
+        lora_rank=32, lora_targets=TOY_LORA_TARGET_MODULES, default_steps=10, warmup_steps=2,
+        extra_args={"sde_window_range": [0, 3], "scale_rewards": "group", "epsilon": 1e-3, "learning_rate": 3e-4},
     ),
 }
 
@@ -276,4 +294,10 @@ def build_preset_pipeline(preset: BenchmarkPreset, seed: int = 0):
         return pipe
     if preset.architecture in ("sd35m", "flux-dev"):
         return _build_full_size(preset, seed)
+    if preset.architecture == "toy":
+        from diffusers import DiffusionPipeline
+
+        from ..toy.build import cached_toy_world
+
+        return DiffusionPipeline.from_pretrained(cached_toy_world("full", seed=seed))
     raise ValueError(f"Preset {preset.name!r} has an unknown architecture {preset.architecture!r}.")

@@ -375,7 +375,10 @@ class RewardSet:
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="flowgrpo-reward")
+                from ..cpu_threads import limit_worker_threads
+
+                self._pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="flowgrpo-reward",
+                                                initializer=limit_worker_threads)
                 self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
             return self._pool
 

@@ -242,7 +242,8 @@ class OCRReward:
     Args:
         backend: ``"rapidocr"`` (default, offline, bundled PP-OCR ONNX models) or ``"paddleocr"``.
         target_column: the dataset column that, when present, gives the targets instead of the quotes.
-        num_threads: onnxruntime intra-op threads for ``rapidocr`` (``None``: onnxruntime's default).
+        num_threads: onnxruntime intra-op threads for ``rapidocr`` (``None``: the trainer's CPU thread plan, see
+            ``flowgrpo.cpu_threads``; onnxruntime's default when no plan was applied).
         use_cuda: run ``rapidocr``'s ONNX models with the CUDA execution provider (needs onnxruntime-gpu).
         lang: recognition language for ``paddleocr``.
         params: extra backend parameters: for ``rapidocr`` its dotted config keys (e.g.
@@ -273,7 +274,13 @@ class OCRReward:
 
     @property
     def engine(self) -> _Engine:
-        return _get_engine(self.backend, self._options)
+        options = self._options
+        if self.backend == "rapidocr" and not options.get("num_threads"):
+            # Unset: the process's thread plan decides (flowgrpo.cpu_threads), else onnxruntime's default.
+            from ..cpu_threads import reward_thread_count
+
+            options = {**options, "num_threads": reward_thread_count()}
+        return _get_engine(self.backend, options)
 
     def targets_for(self, prompt: str, column_value: Any = None) -> list[str]:
         """The targets of one row: the ``ocr_text`` column value when given, else the prompt's quoted spans."""

@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
-
 from .build import evaluate_pipeline, read_prompts
 
 __all__ = ["RLSettings", "run_toy_rl", "plot_accuracy_curve", "before_after_sheet"]
@@ -84,8 +82,19 @@ class RLSettings:
         )
 
 
-class _WallClock(TrainerCallback):
-    """Sums optimizer-step durations and runs the held-out evaluation every ``eval_every`` steps."""
+def _wall_clock(evaluate, eval_every: int, log: Any = print):
+    """A ``_WallClock`` callback (built here so that importing this module stays free of transformers)."""
+    from transformers import TrainerCallback
+
+    class _WallClockCallback(_WallClock, TrainerCallback):
+        pass
+
+    return _WallClockCallback(evaluate, eval_every, log)
+
+
+class _WallClock:
+    """Sums optimizer-step durations and runs the held-out evaluation every ``eval_every`` steps (the methods of a
+    ``transformers.TrainerCallback``; :func:`_wall_clock` makes the callback)."""
 
     def __init__(self, evaluate, eval_every: int, log: Any = print):
         self.evaluate = evaluate
@@ -164,7 +173,7 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
     before = evaluate(return_images=True)
     before_images = before.pop("images")
     log(f"[toy rl] {settings.name}: before " + _fmt(before))
-    clock = _WallClock(lambda: evaluate(), eval_every, log)
+    clock = _wall_clock(lambda: evaluate(), eval_every, log)
     trainer.add_callback(clock)
     clock.curve.append({"step": 0, "train_seconds": 0.0, **before})
     trainer.train()

@@ -173,6 +173,14 @@ class FlowGRPOConfig(TrainingArguments):
         default=1,
         metadata={"help": "Background threads that score decoded images while the next chunk is sampled."},
     )
+    cpu_threads: str = field(
+        default="auto",
+        metadata={"help": "Threads of each process when the transformer runs on the CPU. 'auto': this process's share "
+                          "of the cores (cores / processes on the machine, or $FLOWGRPO_CPU_THREADS) minus one for the "
+                          "background decode and reward threads, which get one thread each (onnxruntime too), so the "
+                          "run never oversubscribes its cores; an integer fixes the main thread's torch threads; "
+                          "'keep' applies no policy (torch's and onnxruntime's own settings everywhere). See flowgrpo.cpu_threads and docs/benchmarks.md."},
+    )
 
     # ---- TrainingArguments defaults that differ for this trainer -------------------------------------
     learning_rate: float = field(default=3e-4, metadata={"help": "AdamW learning rate (Flow-GRPO LoRA: 3e-4)."})
@@ -186,6 +194,13 @@ class FlowGRPOConfig(TrainingArguments):
         default=8, metadata={"help": "Images per micro-batch per process, for sampling and for training."},
     )
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Images per evaluation batch per process."})
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={"help": "DDP's find_unused_parameters. False (default): every trainable weight (LoRA or the whole "
+                          "transformer) takes part in every training forward, so DDP skips the extra graph traversal "
+                          "per step that True costs. Set True only for a model with trainable weights that some "
+                          "steps do not use."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -198,6 +213,9 @@ class FlowGRPOConfig(TrainingArguments):
 
             self.reward_kwargs = json.loads(self.reward_kwargs)
         self._check_choices()
+        from ..cpu_threads import parse_cpu_threads
+
+        self.cpu_threads = str(parse_cpu_threads(self.cpu_threads))
         self._derive_generation_batch()
         self._check_window()
         if self.remove_unused_columns:

@@ -42,6 +42,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import set_seed
 from transformers.utils import logging
 
+from ..cpu_threads import apply_cpu_thread_plan, limit_worker_threads, plan_cpu_threads
 from ..models import PromptEmbeds, get_family_adapter
 from ..rewards import RewardSet, resolve_reward_funcs
 from ..schedulers import FlowMatchSDEScheduler, gaussian_kl, sample_sde_window, sde_step_from_sigmas
@@ -252,6 +253,9 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         self.callback_handler.model = _CallbackModelView(self.model)
 
         device = self.accelerator.device
+        self.cpu_thread_plan = apply_cpu_thread_plan(plan_cpu_threads(args.cpu_threads, on_cpu=device.type == "cpu"))
+        if self.cpu_thread_plan is not None:
+            logger.info("CPU threads: %s", self.cpu_thread_plan.describe())
         for name, component in pipeline.components.items():
             if isinstance(component, torch.nn.Module) and name != "transformer":
                 component.to(device=device, dtype=self.model_dtype)
@@ -466,7 +470,8 @@ class FlowGRPOTrainer(FlowBaseTrainer):
 
     def _postprocess_executor(self) -> ThreadPoolExecutor:
         if self._postprocess_pool is None:
-            self._postprocess_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowgrpo-decode")
+            self._postprocess_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowgrpo-decode",
+                                                        initializer=limit_worker_threads)
             weakref.finalize(self, self._postprocess_pool.shutdown, wait=False)
         return self._postprocess_pool
 

@@ -1,0 +1,144 @@
+"""The CPU thread policy (flowgrpo.cpu_threads) and the build-once cache (flowgrpo.build_cache)."""
+
+import multiprocessing
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowgrpo.build_cache import build_folder_once
+from flowgrpo.cpu_threads import (
+    CPU_THREADS_ENV,
+    apply_cpu_thread_plan,
+    current_cpu_thread_plan,
+    limit_worker_threads,
+    parse_cpu_threads,
+    plan_cpu_threads,
+    reward_thread_count,
+    usable_cores,
+)
+
+
+@pytest.fixture
+def restore_threads():
+    previous, plan = torch.get_num_threads(), current_cpu_thread_plan()
+    yield
+    torch.set_num_threads(previous)
+    apply_cpu_thread_plan(plan)
+
+
+def test_auto_plan_leaves_one_core_of_the_process_share_for_background_threads(monkeypatch):
+    monkeypatch.delenv(CPU_THREADS_ENV, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cores = usable_cores()
+    plan = plan_cpu_threads("auto")
+    assert plan.cores_per_process == cores and plan.torch_threads == max(1, cores - 1)
+    assert plan.worker_torch_threads == 1 and plan.reward_threads == 1
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))  # more processes than cores: one thread each
+    assert plan_cpu_threads("auto").torch_threads == 1
+    monkeypatch.setenv(CPU_THREADS_ENV, "6")  # an explicit share wins over the machine's
+    plan = plan_cpu_threads("auto")
+    assert (plan.cores_per_process, plan.torch_threads) == (6, 5) and CPU_THREADS_ENV in plan.source
+    assert plan_cpu_threads(3).torch_threads == 3 and plan_cpu_threads("3").worker_torch_threads == 1
+    assert plan_cpu_threads("keep") is None
+    gpu = plan_cpu_threads("auto", on_cpu=False)  # the transformer is elsewhere: the rewards get the cores
+    assert gpu.reward_threads == 6 and gpu.torch_threads == torch.get_num_threads()
+
+
+@pytest.mark.parametrize("bad", ["fast", "0", -2, 0, True, "1.5"])
+def test_bad_settings_name_the_value_and_the_choices(bad):
+    with pytest.raises(ValueError, match="auto"):
+        parse_cpu_threads(bad)
+
+
+def test_config_validates_cpu_threads(tmp_path):
+    from flowgrpo import FlowGRPOConfig
+
+    assert FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], cpu_threads="2").cpu_threads == "2"
+    assert FlowGRPOConfig(output_dir=str(tmp_path), report_to=[]).cpu_threads == "auto"
+    with pytest.raises(ValueError, match="cpu_threads='many'"):
+        FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], cpu_threads="many")
+
+
+def test_applied_plan_sets_main_and_worker_threads_separately(monkeypatch, restore_threads):
+    monkeypatch.setenv(CPU_THREADS_ENV, "3")
+    plan = apply_cpu_thread_plan(plan_cpu_threads("auto"))
+    assert torch.get_num_threads() == 2 and current_cpu_thread_plan() is plan and reward_thread_count() == 1
+    seen = []
+
+    def worker():
+        limit_worker_threads()
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [1] and torch.get_num_threads() == 2  # the worker's setting is its own
+    apply_cpu_thread_plan(None)
+    assert current_cpu_thread_plan() is None and reward_thread_count(7) == 7
+
+
+def test_trainer_applies_the_policy_to_itself_and_its_background_pools(tiny_sd3_path, tmp_path, monkeypatch,
+                                                                          restore_threads):
+    from datasets import Dataset
+
+    from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
+
+    monkeypatch.setenv(CPU_THREADS_ENV, "3")
+    seen = []
+
+    def reward(prompts, images, **columns):
+        seen.append(torch.get_num_threads())
+        return [0.0] * len(images)
+
+    args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=2, num_generations=2,
+                          resolution=32, num_inference_steps=2, guidance_scale=1.0, max_steps=1, beta=0.0,
+                          max_sequence_length=8, save_strategy="no", disable_tqdm=True, log_images_steps=0,
+                          dtype="float32", use_cpu=True)
+    trainer = FlowGRPOTrainer(model=str(tiny_sd3_path), reward_funcs=reward, args=args,
+                              train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}))
+    assert trainer.cpu_thread_plan.torch_threads == 2 and torch.get_num_threads() == 2
+    trainer.train()
+    assert seen == [1]  # the reward ran in a background worker with one thread
+    assert torch.get_num_threads() == 2
+
+
+def _build_counting(args):
+    target, counter = args
+    counter = Path(counter)
+
+    def build(path: Path) -> None:
+        with open(counter, "a") as f:
+            f.write("x")
+        path.mkdir()
+        (path / "model_index.json").write_text("{}")
+
+    return str(build_folder_once(target, build, what="test folder"))
+
+
+def test_concurrent_processes_build_a_folder_once(tmp_path):
+    target, counter = tmp_path / "cache" / "thing", tmp_path / "builds.txt"
+    with multiprocessing.get_context("fork").Pool(3) as pool:
+        paths = pool.map(_build_counting, [(str(target), str(counter))] * 6)
+    assert set(paths) == {str(target)} and counter.read_text() == "x"  # one build, six callers
+    assert sorted(p.name for p in target.parent.iterdir()) == ["thing"]  # no staging folder, no lock left
+
+
+def test_a_failed_build_leaves_nothing_and_an_occupied_target_is_refused(tmp_path):
+    target = tmp_path / "thing"
+
+    def failing(path: Path) -> None:
+        path.mkdir()
+        (path / "half.bin").write_text("partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        build_folder_once(target, failing)
+    assert not target.exists() and not [p for p in tmp_path.iterdir() if p.suffix != ".lock"]  # no staging left
+    target.mkdir()
+    (target / "mine.txt").write_text("keep")
+    with pytest.raises(RuntimeError, match="holds no model_index.json"):
+        build_folder_once(target, failing)
+    assert (target / "mine.txt").read_text() == "keep"
