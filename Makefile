@@ -1,7 +1,7 @@
 # flowgrpo developer commands.
 #
 #   make install   create $(VENV) and install flowgrpo with the extras the tests need
-#   make test      install if needed, then run the test suite
+#   make test      install if needed, then run the test suite (parallel workers; the ten slowest tests listed)
 #   make demo      install if needed, then run the main job on the embedded tiny default
 #   make lint      ruff
 #   make bench     the benchmark harness (PRESET=small-cpu by default)
@@ -21,6 +21,9 @@ CPU_TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX_URL ?=
 EXTRAS ?= dev,ocr,bnb,deepspeed
 PYTEST_ARGS ?=
+# Parallel test workers (pytest-xdist): one per core, at most 8. Tests that share an expensive artefact (the toy
+# world) run in one worker (xdist_group), the rest spread over the others.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 8 ] && n=8; echo $$n)
 PRESET ?= small-cpu
 STEPS ?= 5
 
@@ -52,7 +55,7 @@ $(STAMP): setup.py Makefile
 	@touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(PYTEST_ARGS)
 
 demo: install
 	$(PY) scripts/demo.py

@@ -36,23 +36,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, data, initialisation (default 0)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full",
                         help="'full' (the recipes' world) or 'light' (seconds, for tests); default full")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the build (default 1: the same world on every machine)")
     parser.add_argument("--no-eval", action="store_true", help="skip measuring the accuracies on the eval prompts")
     args = parser.parse_args(argv)
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.output.exists() and (args.output.is_file() or any(args.output.iterdir())):
         parser.error(f"--output {args.output} exists and is not empty; choose a new or empty folder")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
 
     start = time.perf_counter()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{args.output.name}-", dir=args.output.parent))
     try:  # build beside the target and rename into place: an interrupted build leaves no half-written world
-        build_toy_world(staging / "world", seed=args.seed, config=args.preset, evaluate=not args.no_eval)
+        build_toy_world(staging / "world", seed=args.seed, config=args.preset, evaluate=not args.no_eval,
+                        threads=args.threads)
         if args.output.is_dir():
             args.output.rmdir()
         os.replace(staging / "world", args.output)

@@ -1,4 +1,10 @@
-"""Shared test set-up: everything offline, small thread counts, session-cached tiny pipelines."""
+"""Shared test set-up: everything offline, one core's worth of threads per test worker, cached tiny pipelines.
+
+The suite runs in parallel pytest-xdist workers (``make test``: one per core). Each worker gets its share of the
+cores through ``FLOWGRPO_CPU_THREADS`` (the trainers' thread policy, ``flowgrpo.cpu_threads``) and torch's own
+setting, so that two workers never oversubscribe the machine. Tiny pipelines live in the user cache
+(``flowgrpo.testing.cached_tiny_pipeline_path``: fingerprinted, built once under a lock, shared by the workers).
+"""
 
 import os
 
@@ -13,10 +19,28 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _cores_per_worker() -> int:
+    from flowgrpo.cpu_threads import usable_cores
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    return max(1, usable_cores() // max(1, workers))
+
+
+os.environ.setdefault("FLOWGRPO_CPU_THREADS", str(_cores_per_worker()))
+os.environ.setdefault("OMP_NUM_THREADS", os.environ["FLOWGRPO_CPU_THREADS"])
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(int(os.environ["FLOWGRPO_CPU_THREADS"]))
+
+
 @pytest.fixture(scope="session")
-def tiny_pipeline_cache(tmp_path_factory):
-    """Folder holding the tiny pipelines saved during this test session."""
-    return tmp_path_factory.mktemp("tiny-pipelines")
+def tiny_pipeline_cache():
+    """Folder of the cached tiny pipelines: the user cache (``$FLOWGRPO_TINY_PIPELINE_CACHE`` or
+    ``~/.cache/flowgrpo/tiny-pipelines``), shared by parallel workers and by later runs."""
+    return None
 
 
 @pytest.fixture(scope="session")

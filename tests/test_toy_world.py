@@ -33,6 +33,9 @@ from flowgrpo.toy import (
 )
 from flowgrpo.toy.build import PRESETS, build_toy_world, evaluate_pipeline, read_prompts
 
+# One worker runs this module: the full world is built once and the learning test runs beside its build.
+pytestmark = pytest.mark.xdist_group("toy_world")
+
 TOY_REWARDS = ("toy_color", "toy_shape", "toy_position", "toy_count", "toy_geneval")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -163,7 +166,6 @@ def test_detection_recovers_centroids_and_counts_of_noisy_images():
 
 @pytest.fixture(scope="module")
 def light_world(tmp_path_factory):
-    torch.set_num_threads(min(2, torch.get_num_threads()))
     path = tmp_path_factory.mktemp("toy") / "world"
     build_toy_world(path, seed=0, config="light", log=lambda message: None)
     return path
@@ -281,7 +283,6 @@ def learning_world():
     """The recipe's world (preset ``full``), cached across runs by fingerprint (see the module docstring)."""
     from flowgrpo.toy.build import cached_toy_world
 
-    torch.set_num_threads(min(2, torch.get_num_threads()))
     return cached_toy_world("full", seed=0, log=lambda message: None)
 
 

@@ -16,21 +16,17 @@ the trainable weights after the step (equal on every rank when gradients are syn
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
-
 from .arguments import ModelArguments, ScriptArguments
 from .parser import RecipeError, parse_recipe
 
 RANK_LOG_ENV = "FLOWGRPO_RANK_LOG_DIR"
+"""Set to a folder to have every process append its training records there (``flowgrpo.cli.rank_log``)."""
 
 
 def _looks_like_local_path(name: str) -> bool:
@@ -41,9 +37,10 @@ def prepare_model_path(model_args: ModelArguments, training_args: Any = None) ->
     """The pipeline to load: checks a local folder exists, or builds the tiny pipeline there when asked.
 
     With ``build_tiny_pipeline_if_missing`` set and no pipeline at ``model_name_or_path``, the local main process
-    writes the tiny pipeline of that family (``flowgrpo.testing.save_tiny_pipeline``), or the toy world
-    (``flowgrpo.toy.build.build_toy_world``), while the other processes wait; it is built in a temporary folder and renamed into place, so an interrupted build is never mistaken for
-    a pipeline.
+    writes the tiny pipeline of that family (``flowgrpo.testing.save_tiny_pipeline``), or copies the toy world from
+    its cache (``flowgrpo.toy.build.cached_toy_world``, built there on first use and shared with the tests and
+    benchmarks), while the other processes wait. The folder is written beside its target and renamed into place
+    (``flowgrpo.build_cache``), so an interrupted build is never mistaken for a pipeline.
     """
     name = str(model_args.model_name_or_path)
     path = Path(name).expanduser()
@@ -55,6 +52,35 @@ def prepare_model_path(model_args: ModelArguments, training_args: Any = None) ->
         return name
     if (path / "model_index.json").is_file():
         return str(path)
+    if path.is_file() or (path.is_dir() and any(path.iterdir())):
+        raise RecipeError(f"{name!r} exists but holds no diffusers pipeline (no model_index.json); remove it or "
+                          "point model_name_or_path elsewhere so the tiny pipeline can be built there.")
+
+    from contextlib import nullcontext
+
+    from ..build_cache import build_folder_once
+
+    seed = model_args.tiny_pipeline_seed
+
+    def build(target: Path) -> None:
+        if family == "toy":
+            import shutil
+
+            from ..toy.build import cached_toy_world
+
+            print(f"[flowgrpo] preparing the toy world (seed {seed}) in {path}", flush=True)
+            shutil.copytree(cached_toy_world("full", seed=seed), target)
+        else:
+            from ..testing import save_tiny_pipeline
+
+            print(f"[flowgrpo] building the tiny {family} pipeline (seed {seed}) in {path}", flush=True)
+            save_tiny_pipeline(family, target, seed=seed)
+
+    context = training_args.main_process_first(local=True, desc="building the tiny pipeline") \
+        if training_args is not None else nullcontext()
+    with context:
+        build_folder_once(path, build, what="model folder")
+    return str(path)
     if path.is_file() or (path.is_dir() and any(path.iterdir())):
         raise RecipeError(f"{name!r} exists but holds no diffusers pipeline (no model_index.json); remove it or "
                           "point model_name_or_path elsewhere so the tiny pipeline can be built there.")
@@ -88,47 +114,6 @@ def prepare_model_path(model_args: ModelArguments, training_args: Any = None) ->
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
     return str(path)
-
-
-class RankLogCallback(TrainerCallback):
-    """Appends per-process training records to ``<log_dir>/rank<N>.jsonl`` (see the module docstring)."""
-
-    def __init__(self, trainer: Any, log_dir: str | os.PathLike):
-        self.trainer = trainer
-        self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        logs = logs or {}
-        if "reward" not in logs:  # evaluation and end-of-training summaries
-            return
-        trainer = self.trainer
-        rank = trainer.accelerator.process_index
-        record: dict[str, Any] = {
-            "rank": rank, "world_size": trainer.accelerator.num_processes, "step": state.global_step,
-            "logs": {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None)
-                     for k, v in logs.items() if isinstance(v, (int, float))},
-        }
-        samples = getattr(trainer, "_last_samples", None)
-        if samples:
-            images, prompts, rewards = samples
-            record["samples"] = [
-                {"prompt": p, "reward": r, "image_sha1": hashlib.sha1(im.tobytes()).hexdigest()}
-                for im, p, r in zip(images, prompts, rewards)
-            ]
-        buffer = getattr(trainer, "_buffer", None) or []
-        advantages = [float(a) for batch in buffer for a in batch.get("advantages", []).reshape(-1).tolist()] \
-            if buffer else []
-        record["local_advantages"] = advantages
-        digest = hashlib.sha1()
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        for name, param in sorted(model.named_parameters()):
-            if param.requires_grad:
-                digest.update(name.encode())
-                digest.update(param.detach().float().cpu().numpy().tobytes())
-        record["trainable_sha1"] = digest.hexdigest()
-        with open(self.log_dir / f"rank{rank}.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
 
 
 def _check_eval_settings(training_args: Any, eval_dataset: Any) -> None:
@@ -187,6 +172,8 @@ def run(script_args: ScriptArguments, model_args: ModelArguments, training_args:
     )
     rank_log_dir = os.environ.get(RANK_LOG_ENV)
     if rank_log_dir:
+        from .rank_log import RankLogCallback
+
         trainer.add_callback(RankLogCallback(trainer, rank_log_dir))
 
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -215,4 +202,4 @@ def main(argv: Sequence[str] | None = None) -> Any:
         raise SystemExit(2) from err
 
 
-__all__ = ["RANK_LOG_ENV", "RankLogCallback", "main", "prepare_model_path", "run"]
+__all__ = ["RANK_LOG_ENV", "main", "prepare_model_path", "run"]

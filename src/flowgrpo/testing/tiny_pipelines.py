@@ -334,14 +334,16 @@ def cached_tiny_pipeline_path(family: str = "sd3", seed: int = 0, cache_dir: str
 
     ``cache_dir`` defaults to ``$FLOWGRPO_TINY_PIPELINE_CACHE``, else ``$XDG_CACHE_HOME/flowgrpo/tiny-pipelines``
     (``~/.cache/...``). The folder name carries a fingerprint of the architecture, the tokenizers and the library
-    versions, so a changed builder makes a new folder. Concurrent callers are safe: each builds in a private
-    temporary folder and renames it into place atomically; whoever loses the race uses the winner's folder.
+    versions, so a changed builder makes a new folder. Concurrent callers are safe: the first builds it in a
+    private temporary folder renamed into place atomically, the others wait for it (``flowgrpo.build_cache``).
     """
+    from ..build_cache import build_folder_once
+
     family, seed = _check_family(family), _check_seed(seed)
     cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     target = cache_dir / f"{family}-seed{seed}-{_fingerprint(family, seed)}"
-    if (target / "model_index.json").is_file():
-        return target
+    return build_folder_once(target, lambda path: save_tiny_pipeline(family, path, seed),
+                             what="tiny pipeline cache folder")
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
     try:
