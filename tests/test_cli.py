@@ -131,22 +131,30 @@ def _run_main(argv: list[str]) -> subprocess.CompletedProcess:
                           timeout=120, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
 
 
-def test_train_script_fails_fast_on_a_missing_dataset_before_any_model_loads(tmp_path):
+def _main_in_process(argv: list[str], capsys) -> tuple[int, str]:
+    """``flowgrpo.cli.main`` (what src/train.py runs) in this process: the exit status and stderr."""
+    from flowgrpo.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_train_script_fails_fast_on_a_missing_dataset_before_any_model_loads(tmp_path, capsys):
     out = tmp_path / "out"
-    proc = _run_main([TINY, "--dataset_name", str(tmp_path / "missing.txt"),
-                      "--model_name_or_path", str(tmp_path / "no-model"), "--build_tiny_pipeline_if_missing", "sd3",
-                      "--output_dir", str(out)])
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "flowgrpo: error:" in proc.stderr and "missing.txt" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    status, err = _main_in_process([TINY, "--dataset_name", str(tmp_path / "missing.txt"),
+                                    "--model_name_or_path", str(tmp_path / "no-model"),
+                                    "--build_tiny_pipeline_if_missing", "sd3", "--output_dir", str(out)], capsys)
+    assert status == 2, err[-2000:]
+    assert "flowgrpo: error:" in err and "missing.txt" in err and "Traceback" not in err
     assert not (tmp_path / "no-model").exists() and not out.exists()  # nothing was built or written
 
 
-def test_train_script_help_and_unknown_flag():
-    proc = _run_main(["--help"])
+def test_train_script_help_and_unknown_flag(capsys):
+    proc = _run_main(["--help"])  # the script itself, as a user runs it
     assert proc.returncode == 0 and "--num_generations" in proc.stdout and "--reward_funcs" in proc.stdout
-    proc = _run_main([TINY, "--learnin_rate", "1"])
-    assert proc.returncode == 2 and "--learnin_rate" in proc.stderr and "--learning_rate" in proc.stderr
+    status, err = _main_in_process([TINY, "--learnin_rate", "1"], capsys)
+    assert status == 2 and "--learnin_rate" in err and "--learning_rate" in err
 
 
 def test_missing_model_folder_is_named(tmp_path):
