@@ -173,9 +173,9 @@ class FlowGRPOConfig(TrainingArguments):
     # ---- crash safety --------------------------------------------------------------------------------
     max_consecutive_skipped_steps: int = field(
         default=5,
-        metadata={"help": "An optimizer step whose loss or gradient norm is NaN/inf is skipped (weights and optimizer "
-                          "state unchanged; counted in the logged skipped_steps). This many skipped steps in a row stop "
-                          "the run with an error naming the last step's reward and loss statistics."},
+        metadata={"help": "An optimizer step whose loss or gradient norm is NaN/inf is skipped (weights and "
+                          "optimizer state unchanged; counted in the logged skipped_steps). This many skipped steps "
+                          "in a row stop the run with an error naming the last step's reward and loss statistics."},
     )
     preemption_signals: list[str] = field(
         default_factory=lambda: ["SIGTERM", "SIGUSR1"],

@@ -23,8 +23,9 @@ only; the training loop is Trainer's. What each hook does:
   processes, so every rank stops after the same step), saves a checkpoint, stops, and ``train`` then raises
   ``SystemExit(0)``. It also keeps the RNG states of the step's end, for the checkpoint below.
 * A `RewardFailedError` raised by a step (a reward failed under ``on_failure="raise"``; trainers raise it on every
-  process through ``_raise_if_reward_failed``) happens before that step's update: ``train`` saves a checkpoint of the last completed step (with
-  that step's RNG states) unless one exists, and re-raises with the checkpoint's path in the message.
+  process through ``_raise_if_reward_failed``) happens before that step's update: ``train`` saves a checkpoint of
+  the last completed step (with that step's RNG states) unless one exists, and re-raises with the checkpoint's path
+  in the message.
 * ``log``: training logs carry ``skipped_steps`` (over the run; saved in checkpoints).
 """
 
