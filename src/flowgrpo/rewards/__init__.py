@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 
 from .composition import RewardResult, RewardSet, resolve_reward_funcs, reward_statistics
+from .failures import RewardFailedError
 from .registry import get_reward, list_rewards, register_reward
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "RewardSet",
     "RewardResult",
     "reward_statistics",
+    "RewardFailedError",
 ]
 
 # Modules whose import registers built-in rewards. Each must keep heavy imports inside functions.

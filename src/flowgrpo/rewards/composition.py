@@ -10,6 +10,10 @@ returns a `RewardSet`. Calling it scores a batch with every reward and returns a
 ``None`` is "could not score": it is excluded from the statistics (`reward_statistics`) and never counted as 0.
 A reward that returns NaN (or +-inf) for an image gets ``None`` there, with a warning.
 
+A reward that raises is handled by its ``on_failure`` policy (see `flowgrpo.rewards.failures`): ``"raise"`` (the
+default) lets the exception through; ``"skip"`` scores the batch ``None`` for that reward and counts the samples
+in ``RewardResult.failed[name]``.
+
 Asynchronous scoring: ``RewardSet.submit(prompts, images, **columns)`` returns a
 `concurrent.futures.Future` and scores in a small background thread pool, so that scoring batch k
 (OCR on CPU, a CLIP model, an HTTP round trip to a reward server) overlaps with sampling batch k + 1 on
@@ -32,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from .failures import collect_failed_samples, resolve_on_failure
 from .registry import get_reward, list_rewards
 
 logger = logging.getLogger(__name__)
@@ -70,14 +75,20 @@ class RewardResult:
     per_reward: dict[str, list[float | None]]
     total: list[float | None]
     weights: dict[str, float] = field(default_factory=dict)
+    #: samples per reward whose scoring failed and were scored None under ``on_failure="skip"``
+    failed: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.total)
 
     def statistics(self, prefix: str = "rewards") -> dict[str, float]:
         """Logging statistics, ``None`` excluded: ``"<prefix>/<name>/mean"`` and ``"<prefix>/<name>/std"`` for
-        every component (see `reward_statistics`), plus ``"reward"`` and ``"reward_std"`` for the total."""
+        every component (see `reward_statistics`), ``"<prefix>/<name>/failed"`` (samples whose scoring failed),
+        plus ``"reward"`` and ``"reward_std"`` for the total."""
         stats = reward_statistics(self.per_reward, prefix)
+        head = f"{prefix}/" if prefix else ""
+        for name in self.per_reward:
+            stats[f"{head}{name}/failed"] = float(self.failed.get(name, 0))
         total = reward_statistics({"total": self.total}, "")
         stats["reward"] = total["total/mean"]
         stats["reward_std"] = total["total/std"]
@@ -96,6 +107,7 @@ class RewardResult:
             per_reward={n: [v for r in results for v in r.per_reward[n]] for n in names},
             total=[v for r in results for v in r.total],
             weights=dict(results[0].weights),
+            failed={n: sum(r.failed.get(n, 0) for r in results) for n in names},
         )
 
 
@@ -166,6 +178,7 @@ def resolve_reward_funcs(
     reward_weights: Sequence[float] | None = None,
     reward_kwargs: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str, Any] | None] | None = None,
     num_workers: int = 1,
+    on_failure: str | Mapping[str, str] | None = None,
 ) -> RewardSet:
     """Turn reward specifications into a `RewardSet`.
 
@@ -180,6 +193,8 @@ def resolve_reward_funcs(
             specification string or name (``{"ocr": {"backend": "rapidocr"}}``) or a list aligned with
             ``reward_funcs``. Keys that match no reward are an error (they are usually typos).
         num_workers: threads of the background pool used by `RewardSet.submit`.
+        on_failure: what a reward that raises does to a batch: ``"raise"`` (default) or ``"skip"`` (``"none"``
+            is the same), one policy for all or a ``{name: policy}`` mapping (see `flowgrpo.rewards.failures`).
 
     Raises:
         ValueError: empty list, unknown name (the message lists the registered ones), bad path, weights or
@@ -188,6 +203,8 @@ def resolve_reward_funcs(
     if isinstance(reward_funcs, RewardSet):
         if reward_weights is not None or reward_kwargs is not None:
             raise ValueError("reward_weights / reward_kwargs cannot be applied to an already built RewardSet")
+        if on_failure is not None:
+            reward_funcs.on_failure = resolve_on_failure(on_failure, reward_funcs.names)
         return reward_funcs
     specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not specs:
@@ -223,6 +240,7 @@ def resolve_reward_funcs(
         else:
             base_names.append(_callable_name(s))
     names = _unique(base_names)
+    policies = resolve_on_failure(on_failure, names)  # a bad policy fails before anything is instantiated
 
     per_kwargs: list[dict[str, Any]]
     if reward_kwargs is None:
@@ -258,7 +276,7 @@ def resolve_reward_funcs(
                 funcs.append(get_reward(s, **kw))
         else:
             funcs.append(_instantiate(s, kw, _callable_name(s)))
-    return RewardSet(funcs, names, weights, num_workers=num_workers)
+    return RewardSet(funcs, names, weights, num_workers=num_workers, on_failure=policies)
 
 
 def _shutdown_pool(pool: ThreadPoolExecutor) -> None:
@@ -279,6 +297,7 @@ class RewardSet:
         names: Sequence[str],
         weights: Sequence[float] | None = None,
         num_workers: int = 1,
+        on_failure: str | Mapping[str, str] | None = None,
     ):
         self.funcs = list(funcs)
         self.names = list(names)
@@ -291,6 +310,7 @@ class RewardSet:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.num_workers = int(num_workers)
+        self.on_failure: dict[str, str] = resolve_on_failure(on_failure, self.names)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._finalizer: weakref.finalize | None = None
@@ -318,14 +338,23 @@ class RewardSet:
                 raise ValueError(f"column {key!r} has {len(values)} values but there are {n} prompts")
             cols[key] = values
         per_reward: dict[str, list[float | None]] = {}
+        failed: dict[str, int] = {}
         for name, fn in zip(self.names, self.funcs):
-            try:
-                raw = fn(prompts, images, **cols)
-            except Exception as e:
-                if hasattr(e, "add_note"):  # Python >= 3.11
-                    e.add_note(f"while computing reward {name!r}")
-                raise
+            with collect_failed_samples() as reported:
+                try:
+                    raw = fn(prompts, images, **cols)
+                except Exception as e:
+                    if self.on_failure.get(name, "raise") != "skip":
+                        if hasattr(e, "add_note"):  # Python >= 3.11
+                            e.add_note(f"while computing reward {name!r}")
+                        raise
+                    logger.warning("reward %r raised %s: %s; its %d sample(s) in this batch score None "
+                                   "(on_failure='skip')", name, type(e).__name__, e, n)
+                    per_reward[name] = [None] * n
+                    failed[name] = n
+                    continue
             per_reward[name] = self._check_scores(name, raw, n)
+            failed[name] = min(n, sum(reported))
         total: list[float | None] = []
         for i in range(n):
             acc = 0.0
@@ -338,7 +367,8 @@ class RewardSet:
                     break
                 acc += w * v
             total.append(acc)
-        return RewardResult(per_reward=per_reward, total=total, weights=dict(zip(self.names, self.weights)))
+        return RewardResult(per_reward=per_reward, total=total, weights=dict(zip(self.names, self.weights)),
+                            failed=failed)
 
     @staticmethod
     def _check_scores(name: str, raw: Any, n: int) -> list[float | None]:

@@ -18,8 +18,10 @@ Failure policy of the client:
 * Connection errors, timeouts, HTTP 429 and 5xx are retried ``max_retries`` times with exponential
   backoff (``backoff * 2**attempt`` seconds, capped at ``max_backoff``). When they persist the call
   raises `RemoteRewardConnectionError` (`RemoteRewardTimeoutError` for timeouts) or
-  `RemoteRewardHTTPError`, or, with ``on_failure="none"``, logs a warning and returns ``None`` for every
-  image of the failed request (excluded from the statistics, never counted as 0).
+  `RemoteRewardHTTPError`, or, with ``on_failure="skip"`` (``"none"`` is the same), logs a warning and returns
+  ``None`` for every image of the failed request (excluded from the statistics, never counted as 0, reported to
+  `flowgrpo.rewards.failures` so that training logs them as ``rewards/<name>/failed``). Leaving
+  ``on_failure="raise"`` here and setting the trainer's ``reward_on_failure`` does the same for a whole batch.
 * HTTP 401/403 (missing or wrong token) raise `RemoteRewardAuthError` at once; other 4xx raise
   `RemoteRewardHTTPError` at once with the server's message. These are configuration errors: they are
   never retried and ``on_failure`` does not hide them.
@@ -48,6 +50,7 @@ from typing import Any
 
 from PIL import Image
 
+from .failures import normalize_on_failure, report_failed_samples
 from .registry import register_reward
 
 logger = logging.getLogger(__name__)
@@ -357,8 +360,9 @@ class RemoteReward:
         health_check: ``GET /health`` at construction so an unreachable server, a wrong token or an
             unknown reward name is a clear error before training starts.
         health_timeout: deadline for the health check (defaults to ``min(timeout, 10)``).
-        on_failure: ``"raise"`` (default) or ``"none"``: what to do when transport failures persist after
-            the retries (``"none"`` logs a warning and returns ``None`` for the failed images).
+        on_failure: ``"raise"`` (default) or ``"skip"`` (``"none"`` is the same): what to do when transport
+            failures persist after the retries (``"skip"`` logs a warning and returns ``None`` for the failed
+            images).
         max_response_bytes: refuse answers larger than this.
     """
 
@@ -387,8 +391,7 @@ class RemoteReward:
         fmt = "jpeg" if fmt == "jpg" else fmt
         if fmt not in IMAGE_FORMATS:
             raise ValueError(f"image_format must be one of {IMAGE_FORMATS}, got {image_format!r}")
-        if on_failure not in ("raise", "none"):
-            raise ValueError(f"on_failure must be 'raise' or 'none', got {on_failure!r}")
+        on_failure = normalize_on_failure(on_failure)
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer or None, got {batch_size}")
         if timeout <= 0:
@@ -503,8 +506,9 @@ class RemoteReward:
             )
         except (RemoteRewardConnectionError, RemoteRewardHTTPError) as exc:
             retryable = not isinstance(exc, RemoteRewardHTTPError) or exc.status == 429 or exc.status >= 500
-            if self.on_failure == "none" and retryable:
+            if self.on_failure == "skip" and retryable:
                 logger.warning("remote reward %s: %s; %d images scored None", self.__name__, exc, len(prompts))
+                report_failed_samples(len(prompts))
                 return [None] * len(prompts)
             if isinstance(exc, RemoteRewardHTTPError) and exc.status == 413:
                 raise RemoteRewardHTTPError(f"{exc} (this request held {len(prompts)} images)", 413) from exc

@@ -16,7 +16,9 @@ and a bare number in [0, 1]; with ``scale=10`` a bare "7" reads as 0.7. Anything
 
 Failure policy: unparsable answers, and requests that still fail after ``max_retries`` retries
 (connection errors, timeouts, 429, 5xx), score ``None`` for that image with a logged warning
-(``on_failure="raise"`` raises instead). A refused API key (401/403), other 4xx and malformed JSON
+(``on_failure="skip"``, the default, also spelled ``"none"``; failed requests are reported to
+`flowgrpo.rewards.failures` and logged in training as ``rewards/<name>/failed``; ``on_failure="raise"`` raises
+instead). A refused API key (401/403), other 4xx and malformed JSON
 bodies always raise: they are configuration errors that would otherwise silently empty every batch.
 At most ``max_concurrency`` requests are in flight at once; each has a hard deadline of ``timeout``.
 """
@@ -33,6 +35,7 @@ from typing import Any
 
 from PIL import Image
 
+from .failures import normalize_on_failure, report_failed_samples
 from .registry import register_reward
 from .remote import (
     RemoteRewardConnectionError,
@@ -43,6 +46,8 @@ from .remote import (
 )
 
 logger = logging.getLogger(__name__)
+
+_FAILED = object()  # a request that kept failing under on_failure="skip" (scored None, counted as failed)
 
 __all__ = ["DEFAULT_PROMPT_TEMPLATE", "VLMJudgeReward", "parse_score"]
 
@@ -147,8 +152,8 @@ class VLMJudgeReward:
         timeout, max_retries, backoff: per-request deadline (s), retries and first retry delay (s).
         image_format: ``"png"`` or ``"jpeg"`` for the data URL.
         max_tokens, temperature: generation settings; ``extra_body`` is merged into every request.
-        on_failure: ``"none"`` (default: the image scores ``None``) or ``"raise"`` when a request keeps
-            failing after the retries.
+        on_failure: ``"skip"`` (default, also spelled ``"none"``: the image scores ``None``) or ``"raise"``
+            when a request keeps failing after the retries.
         health_check: ``GET {base_url}/models`` at construction: an unreachable server is a clear error,
             and if the server lists its models, ``model`` must be one of them.
     """
@@ -170,7 +175,7 @@ class VLMJudgeReward:
         max_tokens: int = 64,
         temperature: float = 0.0,
         extra_body: dict | None = None,
-        on_failure: str = "none",
+        on_failure: str = "skip",
         health_check: bool = True,
     ):
         if not model:
@@ -180,8 +185,7 @@ class VLMJudgeReward:
             raise ValueError(f"base_url must look like 'http://host:port/v1', got {base_url!r}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        if on_failure not in ("none", "raise"):
-            raise ValueError(f"on_failure must be 'none' or 'raise', got {on_failure!r}")
+        on_failure = normalize_on_failure(on_failure)
         if scale is not None and scale <= 0:
             raise ValueError(f"scale must be positive, got {scale}")
         if "{prompt}" not in prompt_template:
@@ -289,7 +293,7 @@ class VLMJudgeReward:
             value = parse_score(text, scale=self.scale)
         return None if value is None else float(value)
 
-    def _score_one(self, body: dict) -> float | None:
+    def _score_one(self, body: dict) -> float | None | object:
         try:
             obj = request_json(
                 "POST", self.endpoint, body, headers=self._headers(), timeout=self.timeout,
@@ -297,9 +301,9 @@ class VLMJudgeReward:
             )
         except (RemoteRewardConnectionError, RemoteRewardHTTPError) as exc:
             retryable = not isinstance(exc, RemoteRewardHTTPError) or exc.status == 429 or exc.status >= 500
-            if self.on_failure == "none" and retryable:
+            if self.on_failure == "skip" and retryable:
                 logger.warning("vlm_judge: %s; this image scores None", exc)
-                return None
+                return _FAILED
             raise
         text = _message_text(obj, self.endpoint)
         score = self._parse(text)
@@ -321,4 +325,6 @@ class VLMJudgeReward:
         if not bodies:
             return []
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(bodies)), thread_name_prefix="vlm_judge") as pool:
-            return list(pool.map(self._score_one, bodies))
+            scores = list(pool.map(self._score_one, bodies))
+        report_failed_samples(sum(s is _FAILED for s in scores))
+        return [None if s is _FAILED else s for s in scores]

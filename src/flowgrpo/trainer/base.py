@@ -4,6 +4,8 @@ TRL's private base trainer reads ``model.config.model_type`` for telemetry and w
 card; neither fits diffusers models. This class keeps TRL's shape (``_tag_names``, ``_name``, ``_paper``,
 ``create_model_card``) with a model card for diffusers LoRAs, and makes the Hub uploads of ``Trainer``
 (``push_to_hub()`` and ``hub_strategy="every_save"``) carry the diffusers LoRA, the card and its sample images.
+Every trainer built on it is crash-safe (`crash_safety.CrashSafeTrainerMixin`): atomic checkpoints, resume from
+the newest complete one, preemption signals, the non-finite step guard.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from pathlib import Path
 from transformers import Trainer
 from transformers.trainer_utils import HubStrategy
 
+from .crash_safety import CrashSafeTrainerMixin
 
-class FlowBaseTrainer(Trainer):
+
+class FlowBaseTrainer(CrashSafeTrainerMixin, Trainer):
     _tag_names: list[str] = []
     _name: str = ""
     _paper: dict[str, str] = {}

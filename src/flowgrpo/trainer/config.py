@@ -139,6 +139,14 @@ class FlowGRPOConfig(TrainingArguments):
         metadata={"help": "Keyword arguments per reward name, e.g. {'ocr': {'backend': 'rapidocr'}} (JSON string "
                           "accepted on the command line)."},
     )
+    reward_on_failure: dict | str | None = field(
+        default="raise",
+        metadata={"help": "When a reward raises mid-run: 'raise' stops the run with a clear error after saving a "
+                          "checkpoint of the last completed step; 'skip' scores that batch None for that reward "
+                          "(excluded, logged as rewards/<name>/failed) and goes on. One policy for every reward, or a "
+                          "mapping per reward name (JSON string on the command line), e.g. {'remote': 'skip'}. "
+                          "'none' is accepted for 'skip'."},
+    )
     on_policy_tolerance: float = field(
         default=1e-3,
         metadata={"help": "On the first pass over a fresh batch the ratio must be exactly 1; warn when |ratio - 1| "
@@ -161,6 +169,19 @@ class FlowGRPOConfig(TrainingArguments):
                                                               "evaluation and saved adapters."})
     ema_decay: float = field(default=0.9, metadata={"help": "EMA decay per update (Flow-GRPO: 0.9)."})
     ema_update_interval: int = field(default=1, metadata={"help": "Optimizer steps between EMA updates."})
+
+    # ---- crash safety --------------------------------------------------------------------------------
+    max_consecutive_skipped_steps: int = field(
+        default=5,
+        metadata={"help": "An optimizer step whose loss or gradient norm is NaN/inf is skipped (weights and "
+                          "optimizer state unchanged; counted in the logged skipped_steps). This many skipped steps "
+                          "in a row stop the run with an error naming the last step's reward and loss statistics."},
+    )
+    preemption_signals: list[str] = field(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"],
+        metadata={"help": "Signals that make the run finish its current optimizer step, save a checkpoint and exit "
+                          "with status 0 (a second one exits at once). An empty list leaves signals alone."},
+    )
 
     # ---- logging -------------------------------------------------------------------------------------
     log_images_steps: int = field(
@@ -212,6 +233,7 @@ class FlowGRPOConfig(TrainingArguments):
             import json
 
             self.reward_kwargs = json.loads(self.reward_kwargs)
+        self._check_crash_safety()
         self._check_choices()
         from ..cpu_threads import parse_cpu_threads
 
@@ -256,6 +278,27 @@ class FlowGRPOConfig(TrainingArguments):
             if getattr(self, name) % 16:
                 raise ValueError(f"{name}={getattr(self, name)} must be a multiple of 16 (VAE downsampling x patch "
                                  "size); round it, e.g. to 512.")
+
+    def _check_crash_safety(self) -> None:
+        from ..rewards.failures import normalize_on_failure
+        from .preemption import resolve_signal
+
+        policy = "raise" if self.reward_on_failure is None else self.reward_on_failure
+        if isinstance(policy, str) and policy.strip().startswith("{"):
+            import json
+
+            policy = json.loads(policy)
+        if isinstance(policy, dict):
+            self.reward_on_failure = {str(k): normalize_on_failure(v, f"reward_on_failure[{k!r}]")
+                                      for k, v in policy.items()}
+        else:
+            self.reward_on_failure = normalize_on_failure(policy, "reward_on_failure")
+        if self.max_consecutive_skipped_steps < 1:
+            raise ValueError(f"max_consecutive_skipped_steps={self.max_consecutive_skipped_steps} must be >= 1 (the "
+                             "number of skipped non-finite steps in a row that stops the run).")
+        self.preemption_signals = [str(s) for s in (self.preemption_signals or [])]
+        for name in self.preemption_signals:
+            resolve_signal(name)
 
     def _derive_generation_batch(self) -> None:
         num_processes = self.world_size

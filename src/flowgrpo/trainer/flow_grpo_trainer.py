@@ -135,7 +135,7 @@ class _StepHooks(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
-        if t.ema is not None:
+        if t.ema is not None and not t.last_step_skipped:  # a skipped (non-finite) step changed no weight
             t.ema.update(t._trainable_parameters(), state.global_step)
         if args.log_images_steps and state.global_step % args.log_images_steps == 0 and t._last_samples:
             t._log_images(*t._last_samples, step=state.global_step)
@@ -187,7 +187,8 @@ class FlowGRPOTrainer(FlowBaseTrainer):
             raise TypeError(f"args must be a FlowGRPOConfig, got {type(args).__name__}")
         # Cheap validation first: rewards and datasets fail before any model is loaded.
         self.reward_set: RewardSet = resolve_reward_funcs(reward_funcs, args.reward_weights, args.reward_kwargs,
-                                                          num_workers=args.reward_num_workers)
+                                                          num_workers=args.reward_num_workers,
+                                                          on_failure=args.reward_on_failure)
         train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
         eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
         if args.quantization and not torch.cuda.is_available():
@@ -494,13 +495,17 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         args = self.args
         device = self.accelerator.device
         tic = self._clock()
-        decoded, results = [], []
+        decoded, results, reward_error = [], [], None
         for job in jobs:
             pil, reward_future, decode_seconds = job.result()
             decoded.append(pil)
             timing["vae_decode"] += decode_seconds
-            results.append(reward_future.result())
+            try:
+                results.append(reward_future.result())
+            except Exception as err:  # on_failure="raise": stop every process, after saving the last step
+                reward_error = reward_error or err
         timing["reward_wait"] = self._clock() - tic
+        self._raise_if_reward_failed(reward_error)
 
         # ---- gather rewards, advantages --------------------------------------------------------------
         def as_tensor(values):
@@ -522,10 +527,14 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         m["reward"].append(stats.reward_mean)
         m["reward_std"].append(stats.reward_std)
         m["frac_reward_zero_std"].append(stats.frac_reward_zero_std)
-        for name, vals in g_per_reward.items():
+        failed = torch.tensor([sum(r.failed.get(n, 0) for r in results) for n in self.reward_set.names],
+                              dtype=torch.float32, device=device)
+        g_failed = self.accelerator.gather(failed).cpu().view(-1, len(self.reward_set.names)).sum(0)
+        for k, (name, vals) in enumerate(g_per_reward.items()):
             valid = vals[~torch.isnan(vals)]
             m[f"rewards/{name}/mean"].append(float(valid.mean()) if valid.numel() else math.nan)
             m[f"rewards/{name}/std"].append(float(valid.std(unbiased=False)) if valid.numel() else math.nan)
+            m[f"rewards/{name}/failed"].append(float(g_failed[k]))  # samples scored None by on_failure="skip"
         # sampling: the rollout phase (text encoding, sampling, decoding unless it runs in the background);
         # reward: the time spent waiting for decoding and rewards that did not overlap anything.
         m["timing/sampling"].append(timing["sampling_total"])
