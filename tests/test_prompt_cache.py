@@ -144,3 +144,31 @@ def test_cache_keys_bounds_and_bad_settings(tmp_path):
     with pytest.raises(ValueError, match="4 distinct prompts but prompt_cache_size=3"):  # before any model load
         FlowGRPOTrainer(model="/nonexistent", reward_funcs=brightness, args=args,
                         train_dataset=Dataset.from_dict({"prompt": TRAIN}))
+
+
+def test_24gb_recipe_parses_into_the_memory_settings(monkeypatch, tmp_path):
+    from transformers.training_args import OptimizerNames
+
+    from flowgrpo.cli import build_peft_config, parse_recipe
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # restored after the test; the recipe's env: sets it
+    # bf16 on a machine without a GPU needs use_cpu; quantization needs CUDA only when the trainer is built
+    script_args, model_args, args = parse_recipe(["recipes/sd35m_24gb.yaml", "--use_cpu", "true"])
+    assert model_args.model_name_or_path == "stabilityai/stable-diffusion-3.5-medium"
+    assert (args.quantization, args.dtype, args.bf16) == ("4bit", "bfloat16", True)
+    assert args.optim == OptimizerNames.ADAMW_BNB and args.activation_checkpointing
+    assert args.cache_prompt_embeddings and args.offload_text_encoders and not args.precompute_prompt_embeddings
+    assert (args.vae_decode_batch_size, args.prompt_cache_size) == (1, 1024)
+    assert (args.resolution, args.per_device_train_batch_size, args.num_generations) == (512, 4, 8)
+    assert args.generation_batch_size == 32 and args.steps_per_generation == 8
+    assert script_args.reward_funcs == ["ocr"]
+    import os
+
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    peft = build_peft_config(model_args)
+    assert (peft.r, peft.lora_alpha, peft.init_lora_weights) == (32, 64, "gaussian")
+    if not torch.cuda.is_available():  # the quantized load needs CUDA: the trainer says so before loading anything
+        args.output_dir = str(tmp_path)
+        with pytest.raises(ValueError, match="quantization='4bit'.*CUDA"):
+            FlowGRPOTrainer(model=model_args.model_name_or_path, reward_funcs=script_args.reward_funcs, args=args,
+                            train_dataset=Dataset.from_dict({"prompt": TRAIN}), peft_config=peft)
