@@ -5,6 +5,8 @@
 #   make demo      install if needed, then run the main job on the embedded tiny default
 #   make lint      ruff
 #   make bench     the benchmark harness (PRESET=small-cpu by default)
+#   make gpu-check every GPU check (bf16, accelerate launches, full-size benchmarks, the 24 GB recipe, OCR
+#                  throughput) with a report in outputs/gpu_check; GPU_CHECK_ARGS="--only launch" to select
 #
 # Choosing torch: TORCH=auto (default) installs a CUDA build when `nvidia-smi` finds a GPU and the
 # CPU build otherwise. TORCH=cpu / TORCH=cuda force one. The CPU build is `torch==$(CPU_TORCH_VERSION)`;
@@ -23,6 +25,7 @@ EXTRAS ?= dev,ocr,bnb,deepspeed
 PYTEST_ARGS ?=
 PRESET ?= small-cpu
 STEPS ?= 5
+GPU_CHECK_ARGS ?=
 
 export HF_HUB_OFFLINE ?= 1
 export HF_HUB_DISABLE_TELEMETRY := 1
@@ -31,7 +34,7 @@ export TOKENIZERS_PARALLELISM := false
 
 STAMP := $(VENV)/.flowgrpo-installed
 
-.PHONY: install test demo lint bench clean
+.PHONY: install test demo lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -62,6 +65,9 @@ lint: install
 
 bench: install
 	$(PY) scripts/benchmark.py --preset $(PRESET) --steps $(STEPS)
+
+gpu-check: install
+	$(PY) scripts/gpu_check.py --output outputs/gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
