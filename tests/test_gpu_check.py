@@ -89,6 +89,24 @@ def test_cli_dry_run_needs_no_gpu_and_no_cuda_exits_2(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # nothing built or written
 
 
+def test_cli_run_loop_keeps_going_after_a_failure_and_reports(tmp_path, monkeypatch, capsys):
+    """The loop of a real run, with the CUDA probe answered and two stand-in checks (the real ones need a GPU)."""
+    plan = [Check("first/fails", "exits 1", (PY, "-c", "import sys; print('boom'); sys.exit(1)"), 30),
+            Check("second/passes", "exits 0", (PY, "-c", "print('fine')"), 30)]
+    monkeypatch.setattr(cli, "cuda_gpu_count", lambda: (1, ""))
+    monkeypatch.setattr(cli, "build_plan", lambda *args, **kwargs: plan)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text((REPO / "docs" / "benchmarks.md").read_text())
+    assert cli.main(["--output", str(tmp_path / "out"), "--update-docs", str(doc)]) == 1
+    out = capsys.readouterr().out
+    assert "first/fails: FAILED" in out and "second/passes: PASSED" in out and "1 of 2 checks passed" in out
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [c["status"] for c in report["checks"]] == ["failed", "passed"] and report["finished"]
+    assert "boom" in report["checks"][0]["output_tail"] and not report["passed"]
+    assert (tmp_path / "out" / "checks" / "second__passes" / "output.log").read_text().endswith("fine\n")
+    assert "| `second/passes` | passed |" in doc.read_text()  # appended to the GPU checks table
+
+
 # ---- the runner --------------------------------------------------------------------------------------------------
 
 SLEEPER = """

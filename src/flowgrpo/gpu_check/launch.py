@@ -19,8 +19,8 @@ Then, in this process, what a user would do with the result:
   differ from the base, and the stock pipeline samples finite images with it (the 5 GB folder is deleted afterwards
   unless ``--keep-outputs``).
 
-It also reads ``trainer_state.json`` (2 logged steps, the first-pass ratio at step 1 under distribution) and, for
-the replicated configs (``single_gpu``, ``multi_gpu``, ``zero2`` with LoRA), every rank's records
+It also reads ``trainer_state.json`` (2 logged steps, the first-pass ratio at step 1 under distribution), checks that
+the peak-memory records came from ranks 0 .. N-1 (N processes really trained), and, for the replicated configs (``single_gpu``, ``multi_gpu``, ``zero2`` with LoRA), every rank's records
 (``FLOWGRPO_RANK_LOG_DIR``): world size = the processes launched, and the same trainable-weight digest on every rank
 after every step (gradients were synchronised).
 """
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .plan import LAUNCH_CONFIGS, repo_root
-from .probe import install_memory_recorder, write_result
+from .probe import MEMORY_DIR_ENV, install_memory_recorder, read_memory_records, write_result
 
 __all__ = ["RANK_LOGGED_CONFIGS", "accelerate_command", "check_rank_logs", "launch_recipe", "main",
            "read_training_log", "verify_full_finetune", "verify_lora_export", "write_prompt_files", "write_recipe"]
@@ -287,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
             found, problems = read_training_log(run_dir, expected_steps=2)
             metrics.update(found)
             failures += problems
+            if os.environ.get(MEMORY_DIR_ENV):  # every rank recorded its peak at exit: were N processes there?
+                ranks = sorted(r.get("rank") for r in read_memory_records(os.environ[MEMORY_DIR_ENV])
+                               if r.get("tag") == "train")
+                metrics["ranks_recorded"] = ranks
+                if ranks != list(range(args.num_processes)):
+                    failures.append(f"GPU memory records came from ranks {ranks}, not from the "
+                                    f"{args.num_processes} processes launched")
             if rank_dir is not None:
                 found, problems = check_rank_logs(rank_dir, args.num_processes)
                 metrics["ranks"] = found

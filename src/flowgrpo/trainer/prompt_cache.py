@@ -10,9 +10,9 @@ an image can share it.
 With ``offload_text_encoders`` the encoders leave the accelerator once the cache is set up (for SD3.5: CLIP-L,
 CLIP-G and T5-XXL, about 11 GB in bf16). A prompt that is not in the cache still works: the encoders are moved
 back to the accelerator for that one encode and sent away again (:meth:`TextEncoderOffload.on_compute_device`).
-We move them rather than encode on the CPU because T5-XXL costs about 2.4 TFLOP per prompt at 256 tokens (tens of
-seconds on a CPU, and bf16 CPU kernels are slow or missing on many hosts), while the round trip of 11 GB over PCIe
-takes about a second. The visit happens between optimizer steps, before sampling starts, when no activations or
+We move them rather than encode on the CPU because T5-XXL costs about 2.4 TFLOP per prompt at 256 tokens (seconds per
+prompt on a CPU, and bf16 CPU kernels are slow or missing on many hosts), while the round trip of 11 GB over PCIe
+takes a second or two. The visit happens between optimizer steps, before sampling starts, when no activations or
 gradients are alive, so it adds the encoders to the smallest footprint of the step rather than to its peak.
 
 Cost of the cache, per prompt: one row of every embedding tensor. SD3/3.5 at ``max_sequence_length=256`` in bf16:
@@ -208,10 +208,13 @@ class PromptEmbeddingCache:
                 if len(embeds) != len(chunk):
                     raise RuntimeError(f"The text encoders returned {len(embeds)} rows for {len(chunk)} prompts.")
                 for row, key in enumerate(chunk):
-                    # clone: a row view would keep the whole batch's storage alive
-                    self._entries[key] = {name: t[row:row + 1].detach().to(self.storage_device).clone()
-                                          for name, t in embeds.tensors.items()}
+                    self._entries[key] = {name: self._store(t[row:row + 1]) for name, t in embeds.tensors.items()}
                 self.encoded += len(chunk)
+
+    def _store(self, row: torch.Tensor) -> torch.Tensor:
+        """A compact copy of one row on the storage device (a view would keep the whole batch's storage alive)."""
+        row = row.detach()
+        return row.to(self.storage_device) if row.device != self.storage_device else row.clone()
 
     def _evict(self) -> None:
         while len(self._entries) > self.capacity:
