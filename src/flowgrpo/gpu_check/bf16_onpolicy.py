@@ -21,6 +21,7 @@ warning threshold) for the ratio and the KL; ``tolerance_held`` names the tighte
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 import traceback
@@ -109,6 +110,7 @@ def run_model(model: str, device: str, work: Path) -> dict[str, Any]:
         out["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     trainer.reward_set.close()
     del trainer
+    gc.collect()  # the trainer sits in reference cycles (callbacks): free its GPU memory before the next model
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
