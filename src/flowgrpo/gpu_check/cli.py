@@ -83,7 +83,7 @@ def _print_plan(checks: list[Check], num_gpus: int, output: Path, note: str = ""
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    output = Path(args.output)
+    output = Path(args.output).resolve()  # the checks run from the repository root
     if args.bench_steps < 1 or args.bench_warmup_steps < 0:
         print(f"gpu-check: error: --bench-steps {args.bench_steps} must be >= 1 and --bench-warmup-steps "
               f"{args.bench_warmup_steps} >= 0", file=sys.stderr)
