@@ -185,6 +185,35 @@ def test_probe_runs_a_script_as_main_and_keeps_its_exit_status(tmp_path, monkeyp
     assert probe.record_peak_memory("t", tmp_path / "mem") is None or torch.cuda.is_initialized()
 
 
+FAKE_NVIDIA_SMI = """#!/bin/sh
+case "$*" in
+  *-L*) echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"; echo "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)";;
+  *driver_version*) echo "0, NVIDIA H100 80GB HBM3, 81559, 580.65"; echo "1, NVIDIA H100 80GB HBM3, 81559, 580.65";;
+  *) echo "0, 1200, 81559"; echo "1, 5, 81559";;
+esac
+"""
+
+
+def test_gpu_discovery_through_nvidia_smi(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi on PATH (the real one needs a driver): its output is parsed as the real one's is."""
+    from flowgrpo.gpu_check.report import machine_info, machine_label
+
+    tool = tmp_path / "bin" / "nvidia-smi"
+    tool.parent.mkdir()
+    tool.write_text(FAKE_NVIDIA_SMI)
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    machine = machine_info()
+    assert machine_label(machine) == "2x NVIDIA H100 80GB HBM3" and machine["driver"] == "580.65"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert [g["index"] for g in machine_info()["gpus"]] == [1]
+    assert GpuMemorySampler().sample() == {"0": 1200.0, "1": 5.0}
+    if not torch.cuda.is_available():
+        count, why = cli.cuda_gpu_count()
+        assert count == 0 and "nvidia-smi lists 2 GPU(s) but torch" in why
+
+
 # ---- the report --------------------------------------------------------------------------------------------------
 
 BENCH = {"preset": "sd35m-random", "steps": 2, "warmup_steps": 1, "step_time_s": 18.234, "images_per_s": 3.51,

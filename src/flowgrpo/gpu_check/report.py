@@ -51,34 +51,53 @@ def git_commit(repo: str | os.PathLike) -> str:
     return f"{sha}+dirty" if dirty else sha
 
 
+def _nvidia_smi_gpus() -> list[dict[str, Any]] | None:
+    """The GPUs ``nvidia-smi`` lists (restricted to ``CUDA_VISIBLE_DEVICES`` when it holds indices)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=15,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    gpus = []
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 4:
+            gpus.append({"index": int(parts[0]), "name": parts[1], "memory_mib": float(parts[2]), "driver": parts[3]})
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and all(v.strip().isdigit() for v in visible.split(",") if v.strip()):
+        keep = [int(v) for v in visible.split(",") if v.strip()]
+        gpus = [g for i in keep for g in gpus if g["index"] == i]
+    return gpus
+
+
 def machine_info() -> dict[str, Any]:
-    """GPUs (torch's view: the visible ones), driver, library versions and host."""
+    """GPUs (from ``nvidia-smi``, so that this process never creates a CUDA context that would hold GPU memory
+    while the checks measure theirs), driver, library versions and host."""
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
                             "cpu_count": os.cpu_count(), "gpus": []}
+    gpus = _nvidia_smi_gpus()
+    if gpus is not None:
+        info["gpus"] = [{k: v for k, v in g.items() if k != "driver"} for g in gpus]
+        info["driver"] = gpus[0]["driver"] if gpus else None
+    else:
+        info["driver"] = None
     try:
         import torch
 
         info["torch"] = torch.__version__
         info["cuda"] = torch.version.cuda
-        if torch.cuda.is_available():
-            for i in range(torch.cuda.device_count()):
-                props = torch.cuda.get_device_properties(i)
-                info["gpus"].append({"index": i, "name": props.name, "memory_mib": props.total_memory / 2**20})
+        info["visible_gpus"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception as err:  # a machine without torch or with a broken driver still gets a report
         info["torch_error"] = f"{type(err).__name__}: {err}"
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=15, check=True).stdout.split()
-        info["driver"] = out[0] if out else None
-    except (OSError, subprocess.SubprocessError):
-        info["driver"] = None
+    from importlib.metadata import PackageNotFoundError, version
+
+    info["versions"] = {}
     for module in ("diffusers", "transformers", "accelerate", "peft", "deepspeed", "bitsandbytes"):
         try:
-            from importlib.metadata import version
-
-            info.setdefault("versions", {})[module] = version(module)
-        except Exception:
-            info.setdefault("versions", {})[module] = None
+            info["versions"][module] = version(module)
+        except PackageNotFoundError:
+            info["versions"][module] = None
     return info
 
 
