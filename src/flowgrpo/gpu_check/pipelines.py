@@ -32,13 +32,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUILD_FILE", "PIPELINE_KINDS", "build_sd35m_pipeline", "ensure_pipeline", "main", "save_atomically"]
+__all__ = ["BUILD_FILE", "PIPELINE_KINDS", "PIPELINE_SIZES_GB", "build_sd35m_pipeline", "ensure_pipeline", "main", "save_atomically"]
 
 PIPELINE_KINDS = {
     "sd35m-full": "SD3.5-Medium architecture at full size (transformer 2.2 B, VAE, CLIP-L, CLIP-G, T5-XXL 4.7 B)",
     "sd35m-launch": "SD3.5-Medium transformer (2.2 B) and VAE at full size; CLIP-L, CLIP-G and T5-XXL at their real "
                     "widths with one layer each",
 }
+#: disk each kind takes once saved (bf16 safetensors), checked before building
+PIPELINE_SIZES_GB = {"sd35m-full": 16.0, "sd35m-launch": 6.0}
 BUILD_FILE = "flowgrpo_build.json"
 _BUILD_REVISION = 1
 
@@ -142,6 +144,12 @@ def ensure_pipeline(kind: str, path: str | os.PathLike, *, python: str | None = 
     if _is_built(path, kind):
         log(f"[gpu-check] reusing {kind} pipeline in {path}")
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    free_gb = shutil.disk_usage(path.parent).free / 1e9
+    if free_gb < PIPELINE_SIZES_GB[kind] + 2:
+        raise RuntimeError(f"Building the {kind} pipeline needs about {PIPELINE_SIZES_GB[kind]:.0f} GB of disk, but "
+                           f"{path.parent} has {free_gb:.1f} GB free; free some space (e.g. remove old "
+                           "outputs/gpu_check/checks/*/run folders) or give --output a larger disk.")
     log(f"[gpu-check] building the {kind} pipeline in {path}: {PIPELINE_KINDS[kind]}")
     tic = time.monotonic()
     subprocess.run([python or sys.executable, "-m", "flowgrpo.gpu_check.pipelines", "--kind", kind, "--output",
