@@ -118,16 +118,17 @@ def test_cache_keys_bounds_and_bad_settings(tmp_path):
 
     calls = []
 
-    def encode(prompts, device):  # a deterministic stand-in encoder: one row per prompt
+    def encode(prompts, device, conditions=None):  # a deterministic stand-in encoder: one row per prompt
         calls.append(list(prompts))
-        return PromptEmbeds({"prompt_embeds": torch.tensor([[float(len(p))] for p in prompts])})
+        extra = [0.0] * len(prompts) if conditions is None else [10.0 * (c is not None) for c in conditions]
+        return PromptEmbeds({"prompt_embeds": torch.tensor([[len(p) + e] for p, e in zip(prompts, extra)])})
 
     red, blue = Image.new("RGB", (4, 4), "red"), Image.new("RGB", (4, 4), "blue")
     assert prompt_cache_key("a", red) == prompt_cache_key("a", Image.new("RGB", (4, 4), "red"))
     assert prompt_cache_key("a", red) != prompt_cache_key("a", blue) != prompt_cache_key("a")
     cache = PromptEmbeddingCache(encode, "cpu", capacity=2)
     embeds, rows = cache.encode_unique(["ab", "ab", "c"], conditions=[red, blue, None])
-    assert rows.tolist() == [0, 1, 2] and embeds.tensors["prompt_embeds"].flatten().tolist() == [2.0, 2.0, 1.0]
+    assert rows.tolist() == [0, 1, 2] and embeds.tensors["prompt_embeds"].flatten().tolist() == [12.0, 12.0, 1.0]
     assert len(cache) == 2 and cache.evicted == 1  # bounded: the least recently used entry went
     cache.encode_unique(["c"])
     assert calls[-1] == ["ab", "ab", "c"] and cache.hits == 1

@@ -152,7 +152,8 @@ class PromptEmbeddingCache:
 
     Args:
         encode: ``encode(prompts, device) -> PromptEmbeds`` (one row per prompt), e.g. the family adapter's
-            ``encode_prompts`` at the run's ``max_sequence_length``.
+            ``encode_prompts`` at the run's ``max_sequence_length``; for prompts that come with conditioning inputs
+            it is called as ``encode(prompts, device, conditions=[...])``.
         device: where returned embeddings go (the accelerator).
         capacity: most prompts kept; the least recently used are dropped first.
         offload: the text encoders to bring back to ``device`` when something must be encoded, or ``None``.
@@ -195,8 +196,10 @@ class PromptEmbeddingCache:
                 "encoder_visits": self.offload.visits if self.offload is not None else 0}
 
     # ---- filling ---------------------------------------------------------------------------------
-    def _encode_into_cache(self, keys: Sequence[PromptKey], batch_size: int | None = None) -> None:
-        """Run the text encoders on ``keys`` (in batches of ``batch_size``; all at once when ``None``)."""
+    def _encode_into_cache(self, keys: Sequence[PromptKey], batch_size: int | None = None,
+                           conditions: Mapping[PromptKey, Any] | None = None) -> None:
+        """Run the text encoders on ``keys`` (in batches of ``batch_size``; all at once when ``None``), with each
+        key's conditioning input from ``conditions`` when given."""
         if not keys:
             return
         step = len(keys) if not batch_size else int(batch_size)
@@ -204,7 +207,11 @@ class PromptEmbeddingCache:
         with context, torch.no_grad():
             for start in range(0, len(keys), step):
                 chunk = list(keys[start:start + step])
-                embeds = self.encode([prompt for prompt, _ in chunk], self.device)
+                prompts = [prompt for prompt, _ in chunk]
+                if conditions is None:
+                    embeds = self.encode(prompts, self.device)
+                else:
+                    embeds = self.encode(prompts, self.device, conditions=[conditions[k] for k in chunk])
                 if len(embeds) != len(chunk):
                     raise RuntimeError(f"The text encoders returned {len(embeds)} rows for {len(chunk)} prompts.")
                 for row, key in enumerate(chunk):
@@ -249,7 +256,12 @@ class PromptEmbeddingCache:
         missing = [k for k in unique if k not in self._entries]
         self.misses += len(missing)
         self.hits += len(unique) - len(missing)
-        self._encode_into_cache(missing)
+        by_key = None
+        if conditions is not None:
+            by_key = {}
+            for key, condition in zip(keys, conditions):
+                by_key.setdefault(key, condition)
+        self._encode_into_cache(missing, conditions=by_key)
         entries = []
         for key in unique:
             self._entries.move_to_end(key)
