@@ -5,6 +5,8 @@
 #   make demo      install if needed, then run the main job on the embedded tiny default
 #   make lint      ruff
 #   make bench     the benchmark harness (PRESET=small-cpu by default)
+#   make gpu-check every GPU check (bf16, accelerate launches, full-size benchmarks, the 24 GB recipe, OCR
+#                  throughput) with a report in outputs/gpu_check; GPU_CHECK_ARGS="--only launch" to select
 #
 # Choosing torch: TORCH=auto (default) installs a CUDA build when `nvidia-smi` finds a GPU and the
 # CPU build otherwise. TORCH=cpu / TORCH=cuda force one. The CPU build is `torch==$(CPU_TORCH_VERSION)`;
@@ -26,6 +28,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 8 ] && n=8; echo $$n)
 PRESET ?= small-cpu
 STEPS ?= 5
+GPU_CHECK_ARGS ?=
 
 export HF_HUB_OFFLINE ?= 1
 export HF_HUB_DISABLE_TELEMETRY := 1
@@ -34,7 +37,7 @@ export TOKENIZERS_PARALLELISM := false
 
 STAMP := $(VENV)/.flowgrpo-installed
 
-.PHONY: install test demo lint bench clean
+.PHONY: install test demo lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -65,6 +68,9 @@ lint: install
 
 bench: install
 	$(PY) scripts/benchmark.py --preset $(PRESET) --steps $(STEPS)
+
+gpu-check: install
+	$(PY) scripts/gpu_check.py --output outputs/gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

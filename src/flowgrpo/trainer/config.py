@@ -165,6 +165,39 @@ class FlowGRPOConfig(TrainingArguments):
         metadata={"help": "Load the base transformer quantized with bitsandbytes ('4bit' NF4 or '8bit') for LoRA "
                           "training on one consumer GPU. Needs CUDA and a LoRA peft_config."},
     )
+    cache_prompt_embeddings: bool = field(
+        default=False,
+        metadata={"help": "Encode each distinct prompt once and keep its embeddings in host memory; later rollout and "
+                          "evaluation batches reuse them (the text encoders are frozen, so an embedding never "
+                          "changes). Cost per prompt: one row of every embedding tensor, e.g. 2.73 MB for SD3/3.5 at "
+                          "max_sequence_length 256 in bf16 ((77 CLIP + 256 T5 tokens) x 4096 + pooled 2048)."},
+    )
+    prompt_cache_size: int = field(
+        default=1024,
+        metadata={"help": "Most prompts the embedding cache holds; the least recently used are dropped beyond it. "
+                          "1024 SD3.5 prompts at 256 T5 tokens take about 2.8 GB of host memory per process."},
+    )
+    precompute_prompt_embeddings: bool = field(
+        default=False,
+        metadata={"help": "Fill the embedding cache with every prompt of train_dataset and eval_dataset when the "
+                          "trainer is built, so that training and evaluation never run a text encoder. Needs "
+                          "cache_prompt_embeddings and a prompt_cache_size at least the number of distinct prompts "
+                          "(checked before the model is loaded). Every process encodes the whole set."},
+    )
+    offload_text_encoders: bool = field(
+        default=False,
+        metadata={"help": "Move the text encoders to the CPU once the cache is set up (SD3.5: CLIP-L, CLIP-G and "
+                          "T5-XXL, about 11 GB in bf16 off the GPU). A prompt that is not cached brings them back to "
+                          "the accelerator for that one encode, before sampling starts, and sends them away again. "
+                          "Needs cache_prompt_embeddings. The pipeline's other components stay where they are: call "
+                          "trainer.prompt_cache.offload.restore() before calling trainer.pipeline(...) yourself."},
+    )
+    vae_decode_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Decode latents with the VAE this many images at a time (the images equal those of one "
+                          "decode of the whole micro-batch up to float rounding); 1 gives the lowest peak memory, like "
+                          "diffusers' vae.enable_slicing(). None decodes each micro-batch at once."},
+    )
     use_ema: bool = field(default=False, metadata={"help": "Keep an EMA of the trainable weights, used for "
                                                               "evaluation and saved adapters."})
     ema_decay: float = field(default=0.9, metadata={"help": "EMA decay per update (Flow-GRPO: 0.9)."})
@@ -240,6 +273,7 @@ class FlowGRPOConfig(TrainingArguments):
         self.cpu_threads = str(parse_cpu_threads(self.cpu_threads))
         self._derive_generation_batch()
         self._check_window()
+        self._check_memory_options()
         if self.remove_unused_columns:
             raise ValueError("remove_unused_columns=True would drop the prompt column; FlowGRPOTrainer needs "
                              "remove_unused_columns=False.")
@@ -350,6 +384,18 @@ class FlowGRPOConfig(TrainingArguments):
                 f"0 <= lo < hi <= {steps - k}."
             )
         self.sde_window_range = [lo, hi]
+
+    def _check_memory_options(self) -> None:
+        if self.prompt_cache_size < 1:
+            raise ValueError(f"prompt_cache_size={self.prompt_cache_size} must be >= 1 (the number of prompts the "
+                             "embedding cache holds).")
+        for name in ("offload_text_encoders", "precompute_prompt_embeddings"):
+            if getattr(self, name) and not self.cache_prompt_embeddings:
+                raise ValueError(f"{name}=True needs cache_prompt_embeddings=True (the embeddings must be kept for the "
+                                 "encoders to be skipped); set cache_prompt_embeddings: true.")
+        if self.vae_decode_batch_size is not None and self.vae_decode_batch_size < 1:
+            raise ValueError(f"vae_decode_batch_size={self.vae_decode_batch_size} must be >= 1 images per VAE decode, "
+                             "or None to decode each micro-batch at once.")
 
     @property
     def image_size(self) -> tuple[int, int]:

@@ -53,7 +53,9 @@ from .contact_sheet import make_contact_sheet
 from .datasets import INDEX_COLUMN, IndexedPromptDataset
 from .ema import EMAWeights
 from .lora_export import LORA_WEIGHTS_NAME, save_diffusers_lora
+from .prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
 from .sampler import RepeatSampler
+from .sliced_decode import decode_in_slices
 
 logger = logging.get_logger(__name__)
 
@@ -191,6 +193,7 @@ class FlowGRPOTrainer(FlowBaseTrainer):
                                                           on_failure=args.reward_on_failure)
         train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
         eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
+        check_prompt_cache_capacity(args, train_dataset, eval_dataset)
         if args.quantization and not torch.cuda.is_available():
             raise ValueError(f"quantization={args.quantization!r} loads the transformer with bitsandbytes, which "
                              "needs a CUDA GPU; unset quantization on this machine.")
@@ -268,6 +271,9 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         with torch.no_grad():
             self._negative_embeds = self.adapter.encode_prompts([args.negative_prompt], args.max_sequence_length,
                                                                 device)
+        # Embedding cache and text-encoder offload (prompt_cache.py): filled, then the encoders leave the device.
+        self.prompt_cache = setup_prompt_cache(args, self.adapter, pipeline, device,
+                                               (self.train_dataset, self.eval_dataset), self.accelerator.autocast)
 
     # ------------------------------------------------------------------------------------------------
     # set-up helpers
@@ -367,6 +373,8 @@ class FlowGRPOTrainer(FlowBaseTrainer):
     # ------------------------------------------------------------------------------------------------
     def _encode_unique(self, prompts: list[str], device) -> tuple[PromptEmbeds, torch.Tensor]:
         """Encode each distinct prompt once; returns the embeddings and, per sample, its row."""
+        if self.prompt_cache is not None:
+            return self.prompt_cache.encode_unique(prompts, device)
         unique: dict[str, int] = {}
         rows = [unique.setdefault(p, len(unique)) for p in prompts]
         embeds = self.adapter.encode_prompts(list(unique), self.args.max_sequence_length, device)
@@ -482,7 +490,8 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         tic = self._clock()
         # Grad mode and autocast are thread-local: set them here too (this may run in the decode thread).
         with torch.no_grad(), self.accelerator.autocast():
-            pil = _to_pil(self.adapter.decode(final.to(self.model_dtype), height, width))
+            pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
+                                           self.args.vae_decode_batch_size))
         seconds = self._clock() - tic
         return pil, self.reward_set.submit(prompts, pil, **columns), seconds
 
@@ -712,7 +721,8 @@ class FlowGRPOTrainer(FlowBaseTrainer):
                 gens = [torch.Generator().manual_seed(_seed_for(args.seed, 7919, i)) for i in idx]
                 final, _ = self._sample(model, embeds, args.eval_num_inference_steps, args.eval_guidance_scale, 0.0,
                                         (0, 0), gens, record=False)
-                pil = _to_pil(self.adapter.decode(final.to(self.model_dtype), height, width))
+                pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
+                                               args.vae_decode_batch_size))
                 cols = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", INDEX_COLUMN)}
                 result = self.reward_set(prompts, pil, **cols)
                 for j, i in enumerate(idx):

@@ -1,0 +1,15 @@
+"""``make gpu-check``: one command that turns a GPU machine into verified facts.
+
+Each check runs in its own subprocess with its own time limit (:mod:`.runner`); the run keeps going after a
+failure and writes ``report.md`` and ``report.json`` (:mod:`.report`) after every check. The checks
+(:mod:`.plan`): ``bf16_onpolicy`` (:mod:`.bf16_onpolicy`), ``launch/<config>`` (:mod:`.launch`),
+``memory/sd35m_24gb`` (:mod:`.memory_24gb`), ``reward/ocr_throughput`` (:mod:`.ocr_throughput`) and
+``bench/<preset>`` (``scripts/benchmark.py`` under :mod:`.probe`). The random-weight SD3.5-Medium-architecture
+pipelines they share are built on the GPU by :mod:`.pipelines`.
+
+Importing this package is cheap (no torch); the modules above import what they need.
+"""
+
+from .plan import Check, PlanError, build_plan, select_checks
+
+__all__ = ["Check", "PlanError", "build_plan", "select_checks"]

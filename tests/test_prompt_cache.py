@@ -1,0 +1,175 @@
+"""The memory savers of recipes/sd35m_24gb.yaml that run on a CPU: the prompt-embedding cache, text-encoder offload
+and sliced VAE decoding, on the tiny SD3 pipeline.
+
+This machine has no accelerator, so the trainer's device is the CPU and "off the accelerator" cannot be seen from
+where the weights are; the offload is checked through ``TextEncoderOffload``'s own record of its moves (every
+``.to()`` it makes), and its peak-memory effect is measured by the ``memory/sd35m_24gb`` GPU check.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+
+from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
+from flowgrpo.models import PromptEmbeds
+from flowgrpo.trainer.prompt_cache import PromptEmbeddingCache, prompt_cache_key
+from flowgrpo.trainer.sliced_decode import decode_in_slices
+
+TRAIN = ["a red circle", "two blue squares", 'a sign that says "hi"', "a green triangle"]
+EVAL = ["a red circle", "a purple star"]
+
+
+def brightness(prompts, images, **columns):
+    return [float(torch.tensor(list(im.getdata()), dtype=torch.float32).mean() / 255) for im in images]
+
+
+def make_trainer(path, tmp_path, **kwargs):
+    args = dict(
+        output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=4, num_generations=2,
+        resolution=64, num_inference_steps=3, eval_num_inference_steps=2, guidance_scale=1.0, max_steps=1,
+        learning_rate=1e-2, beta=0.0, max_sequence_length=16, logging_steps=1, save_strategy="no", disable_tqdm=True,
+        seed=0, log_images_steps=0, dtype="float32", per_device_eval_batch_size=4, cache_prompt_embeddings=True,
+    )
+    args.update(kwargs)
+    return FlowGRPOTrainer(
+        model=str(path), reward_funcs=brightness, args=FlowGRPOConfig(**args),
+        train_dataset=Dataset.from_dict({"prompt": TRAIN}), eval_dataset=Dataset.from_dict({"prompt": EVAL}),
+        peft_config=LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                               target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
+    )
+
+
+def count_encodes(trainer) -> Counter:
+    seen: Counter = Counter()
+    original = trainer.adapter.encode_prompts
+
+    def counting(prompts, *args, **kwargs):
+        seen.update(prompts)
+        return original(prompts, *args, **kwargs)
+
+    trainer.adapter.encode_prompts = counting
+    return seen
+
+
+def test_each_prompt_encoded_once_over_steps_and_evaluation(tiny_sd3_path, tmp_path):
+    trainer = make_trainer(tiny_sd3_path, tmp_path, max_steps=3)
+    seen = count_encodes(trainer)
+    drawn = []
+    original = trainer._generate_and_score
+    trainer._generate_and_score = lambda inputs: (drawn.extend(r["prompt"] for r in inputs), original(inputs))[1]
+    trainer.train()
+    first = trainer.evaluate()
+    second = trainer.evaluate()
+    assert len(drawn) == 3 * 4  # 3 generation batches of 2 prompts x 2 images
+    assert set(seen) == set(drawn) | set(EVAL)
+    assert max(seen.values()) == 1, seen  # nothing encoded twice: 6 prompt draws from 4 prompts, two evaluations
+    cache = trainer.prompt_cache
+    assert cache.encoded == len(seen) and cache.hits >= 2 + len(EVAL)
+    assert first["eval_reward"] == second["eval_reward"]  # the cached embeddings equal the encoded ones
+
+
+def test_precompute_offload_and_sliced_decode_keep_the_first_pass_ratio_one(tiny_sd3_path, tmp_path):
+    trainer = make_trainer(tiny_sd3_path, tmp_path, precompute_prompt_embeddings=True, offload_text_encoders=True,
+                           vae_decode_batch_size=1, guidance_scale=3.0, beta=0.04)
+    cache, offload = trainer.prompt_cache, trainer.prompt_cache.offload
+    assert len(cache) == cache.encoded == len(set(TRAIN) | set(EVAL))  # every dataset prompt, each once
+    assert set(offload.modules) == {"text_encoder", "text_encoder_2", "text_encoder_3"}
+    assert offload.offloaded and offload.history == [("offload", "cpu")]
+    assert set(offload.devices().values()) == {"cpu"}
+    seen = count_encodes(trainer)
+
+    trainer.train()
+    log = [h for h in trainer.state.log_history if "ratio_mean" in h][0]
+    assert log["on_policy_ratio_max_dev"] < 1e-5 and abs(log["ratio_mean"] - 1) < 1e-5
+    assert log["kl"] == pytest.approx(0.0, abs=1e-10)
+    trainer.evaluate()
+    assert not seen and offload.visits == 0  # training and evaluation ran without the text encoders
+
+    # A prompt that is not cached still works: the encoders visit the device once, then leave again.
+    unseen = Dataset.from_dict({"prompt": ["an orange hexagon", "a red circle"]})
+    trainer.evaluate(unseen)
+    assert dict(seen) == {"an orange hexagon": 1}
+    assert offload.visits == 1 and offload.offloaded
+    assert offload.history[-2:] == [("visit", str(trainer.accelerator.device)), ("offload", "cpu")]
+    trainer.evaluate(unseen)
+    assert offload.visits == 1 and cache.stats()["encoder_visits"] == 1
+
+
+def test_sliced_decode_equals_one_decode(tiny_sd3_path):
+    from diffusers import DiffusionPipeline
+
+    from flowgrpo.models import get_family_adapter
+
+    adapter = get_family_adapter(DiffusionPipeline.from_pretrained(str(tiny_sd3_path)))
+    latents = adapter.prepare_latents(5, 64, 64, torch.Generator().manual_seed(0), torch.device("cpu"), torch.float32)
+    whole = adapter.decode(latents, 64, 64)
+    for size in (1, 2, 5, None):  # equal up to float32 rounding: conv kernels pick their algorithm by batch size
+        torch.testing.assert_close(decode_in_slices(adapter.decode, latents, 64, 64, size), whole, rtol=0, atol=2e-5)
+    assert not torch.equal(whole[0], whole[1])
+
+
+def test_cache_keys_bounds_and_bad_settings(tmp_path):
+    from PIL import Image
+
+    calls = []
+
+    def encode(prompts, device, conditions=None):  # a deterministic stand-in encoder: one row per prompt
+        calls.append(list(prompts))
+        extra = [0.0] * len(prompts) if conditions is None else [10.0 * (c is not None) for c in conditions]
+        return PromptEmbeds({"prompt_embeds": torch.tensor([[len(p) + e] for p, e in zip(prompts, extra)])})
+
+    red, blue = Image.new("RGB", (4, 4), "red"), Image.new("RGB", (4, 4), "blue")
+    assert prompt_cache_key("a", red) == prompt_cache_key("a", Image.new("RGB", (4, 4), "red"))
+    assert prompt_cache_key("a", red) != prompt_cache_key("a", blue) != prompt_cache_key("a")
+    cache = PromptEmbeddingCache(encode, "cpu", capacity=2)
+    embeds, rows = cache.encode_unique(["ab", "ab", "c"], conditions=[red, blue, None])
+    assert rows.tolist() == [0, 1, 2] and embeds.tensors["prompt_embeds"].flatten().tolist() == [12.0, 12.0, 1.0]
+    assert len(cache) == 2 and cache.evicted == 1  # bounded: the least recently used entry went
+    cache.encode_unique(["c"])
+    assert calls[-1] == ["ab", "ab", "c"] and cache.hits == 1
+    with pytest.raises(ValueError, match="prompt_cache_size=2"):
+        cache.precompute(["x", "y", "z"])
+
+    base = dict(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=2, num_generations=2)
+    with pytest.raises(ValueError, match="offload_text_encoders=True needs cache_prompt_embeddings"):
+        FlowGRPOConfig(**base, offload_text_encoders=True)
+    with pytest.raises(ValueError, match="vae_decode_batch_size=0"):
+        FlowGRPOConfig(**base, vae_decode_batch_size=0)
+    args = FlowGRPOConfig(**base, cache_prompt_embeddings=True, precompute_prompt_embeddings=True,
+                          prompt_cache_size=3)
+    with pytest.raises(ValueError, match="4 distinct prompts but prompt_cache_size=3"):  # before any model load
+        FlowGRPOTrainer(model="/nonexistent", reward_funcs=brightness, args=args,
+                        train_dataset=Dataset.from_dict({"prompt": TRAIN}))
+
+
+def test_24gb_recipe_parses_into_the_memory_settings(monkeypatch, tmp_path):
+    from transformers.training_args import OptimizerNames
+
+    from flowgrpo.cli import build_peft_config, parse_recipe
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # restored after the test; the recipe's env: sets it
+    # bf16 on a machine without a GPU needs use_cpu; quantization needs CUDA only when the trainer is built
+    script_args, model_args, args = parse_recipe(["recipes/sd35m_24gb.yaml", "--use_cpu", "true"])
+    assert model_args.model_name_or_path == "stabilityai/stable-diffusion-3.5-medium"
+    assert (args.quantization, args.dtype, args.bf16) == ("4bit", "bfloat16", True)
+    assert args.optim == OptimizerNames.ADAMW_BNB and args.activation_checkpointing
+    assert args.cache_prompt_embeddings and args.offload_text_encoders and not args.precompute_prompt_embeddings
+    assert (args.vae_decode_batch_size, args.prompt_cache_size) == (1, 1024)
+    assert (args.resolution, args.per_device_train_batch_size, args.num_generations) == (512, 4, 8)
+    assert args.generation_batch_size == 32 and args.steps_per_generation == 8
+    assert script_args.reward_funcs == ["ocr"]
+    import os
+
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    peft = build_peft_config(model_args)
+    assert (peft.r, peft.lora_alpha, peft.init_lora_weights) == (32, 64, "gaussian")
+    if not torch.cuda.is_available():  # the quantized load needs CUDA: the trainer says so before loading anything
+        args.output_dir = str(tmp_path)
+        with pytest.raises(ValueError, match="quantization='4bit'.*CUDA"):
+            FlowGRPOTrainer(model=model_args.model_name_or_path, reward_funcs=script_args.reward_funcs, args=args,
+                            train_dataset=Dataset.from_dict({"prompt": TRAIN}), peft_config=peft)
