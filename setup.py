@@ -29,6 +29,7 @@ INSTALL_REQUIRES = [
     "protobuf>=4.25",
     "matplotlib>=3.9",
     "tqdm>=4.66",
+    "psutil>=5.9",
 ]
 
 EXTRAS = {
