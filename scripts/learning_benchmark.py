@@ -209,17 +209,17 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
               f"({time.perf_counter() - start:.0f} s so far)", flush=True)
         results.append(run_toy_rl(world, settings, folder, eval_every=eval_every, eval_images_per_prompt=images,
                                   eval_steps=eval_steps, max_eval_prompts=max_prompts, eval_seed=EVAL_SEED))
-        (output / "results.json").write_text(json.dumps({
-            "world": str(world), "leaderboard": True, "quick": args.quick, "torch_threads": torch_threads,
-            "results": results}, indent=2) + "\n", encoding="utf-8")
+        _write_results(output, world, args.quick, torch_threads, results)
+    _write_results(output, world, args.quick, torch_threads, results)
     summary = summarize(results, descriptions)
     context = {
         "command": "python scripts/learning_benchmark.py " + shlex.join(args.argv),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} with "
-                   f"{torch_threads} threads",
+                   f"{torch_threads} thread{'s' * (torch_threads != 1)}",
         "date": datetime.date.today().isoformat(), "commit": _git_commit(),
-        "total_minutes": (time.perf_counter() - start) / 60, "quick": args.quick,
-        "eval": f"{_eval_prompt_count(world, max_prompts)} held-out prompts x {images} images, {eval_steps} ODE "
+        "total_minutes": sum(r["total_seconds"] for r in results) / 60, "quick": args.quick,
+        "eval": f"{_eval_prompt_count(world, max_prompts)} held-out prompts x {images} image{'s' * (images != 1)}, "
+                f"{eval_steps} ODE "
                 f"steps, CFG {RLSettings().guidance_scale}, fixed seeds, every {eval_every or steps} steps and at "
                 f"the end",
     }
@@ -232,6 +232,12 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
     print(f"[leaderboard] {len(results)} runs in {time.perf_counter() - start:.0f} s; written to "
           f"{output / 'leaderboard.md'}" + (f" and {destination}" if destination else ""))
     return 0
+
+
+def _write_results(output: Path, world: Path, quick: bool, torch_threads: int, results: list[dict]) -> None:
+    (output / "results.json").write_text(json.dumps({
+        "world": str(world), "leaderboard": True, "quick": quick, "torch_threads": torch_threads,
+        "results": results}, indent=2) + "\n", encoding="utf-8")
 
 
 def _eval_prompt_count(world: Path, max_prompts: int | None) -> int:

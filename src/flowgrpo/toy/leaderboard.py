@@ -215,7 +215,8 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
     lines += [
         f"- command: `{context.get('command', '')}`",
         f"- machine: {context.get('machine', 'unknown')}; date {context.get('date', '')}; commit "
-        f"{context.get('commit', 'unknown')}; {context.get('total_minutes', math.nan):.0f} minutes in all",
+        f"{context.get('commit', 'unknown')}; the runs took {context.get('total_minutes', math.nan):.0f} minutes in all "
+        "(training and evaluations)",
         f"- evaluation: {context.get('eval', '')}",
         f"- wall-clock: training seconds only (sampling, scoring, the update), evaluations excluded; accuracy at a "
         f"budget is each run's last evaluation at or before it (no interpolation). Budgets: "
@@ -237,7 +238,8 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
         "## At equal wall-clock budgets",
         "",
         "| variant | " + " | ".join(f"{attribute} at {_seconds(b)}" for b in budgets)
-        + f" | step of that evaluation at {_seconds(budgets[-1])} | vs {REFERENCE_VARIANT} at {_seconds(budgets[-1])} |",
+        + f" | step of that evaluation at {_seconds(budgets[-1])} (mean) | vs {REFERENCE_VARIANT} at "
+        f"{_seconds(budgets[-1])} |",
         "|---|" + "---|" * (len(budgets) + 2),
     ]
     for v in sorted(variants, key=lambda v: -v.at_budgets[-1].mean):
