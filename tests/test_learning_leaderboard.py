@@ -41,8 +41,14 @@ def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp
     assert len(set(names)) == len(names) == 11 and REFERENCE_VARIANT in names
     reference = next(s for s, _ in variants if s.name == REFERENCE_VARIANT)
     assert dataclasses.replace(reference, name="x") == dataclasses.replace(RLSettings(max_steps=120), name="x")
+    algorithm_fields = {"sde_window_size", "sde_window_range", "sde_window_strategy", "sde_window_shift_interval",
+                        "ode_solver", "ode_compression_ratio", "ratio_normalization", "beta", "kl_estimator",
+                        "reward_aggregation", "same_noise_per_group"}
     for settings, what in variants:
         assert what and settings.trainer == "flow_grpo"
+        changed = {f.name for f in dataclasses.fields(RLSettings)
+                   if f.name != "name" and getattr(settings, f.name) != getattr(reference, f.name)}
+        assert changed <= algorithm_fields and (changed or settings is reference), (settings.name, changed)
         args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
         assert args.generation_batch_size == 32
     kl = [s for s, _ in variants if s.name.startswith("kl-")]
