@@ -1,8 +1,20 @@
 #!/usr/bin/env python
 """Compare Flow-GRPO settings on the toy world by held-out accuracy against training wall-clock.
 
-    python scripts/learning_benchmark.py --world .cache/toy-world --output outputs/learning_benchmark [--quick]
+    python scripts/learning_benchmark.py --output outputs/learning_benchmark [--quick]
     python scripts/learning_benchmark.py --world .cache/toy-world --output DIR --only flow-grpo,fast-w2
+    python scripts/learning_benchmark.py --leaderboard            # every algorithm variant, 3 seeds each
+
+``--leaderboard`` runs the Flow-GRPO family (``flowgrpo.toy.leaderboard.leaderboard_variants``: plain Flow-GRPO,
+Fast random windows, MixGRPO progressive windows, MixGRPO-Flash, GRPO-Guard, each KL estimator at beta 0.04,
+rewards normalised before summing, shared group noise) with ``--seeds`` (0,1,2) each, and writes the leaderboard
+(held-out shape accuracy at equal steps and at equal training-seconds budgets, colour kept, seconds per step, and
+which differences exceed the seed spread) to ``--leaderboard-md`` (``docs/learning_leaderboard.md``) and to
+``--output``/leaderboard.md. Defaults: 120 steps, evaluations every 20 steps on all 43 eval prompts x 2 images
+(20 ODE steps); about an hour on 2 CPU cores. Finished runs (``--output``/<variant>/seed<k>/result.json with the
+same settings) are reused, so an interrupted leaderboard continues where it stopped; ``--fresh`` reruns them.
+``--leaderboard --quick`` is a smoke test of the machinery (2 variants x 2 seeds x 3 steps, 4 eval prompts; it
+writes only into ``--output``).
 
 Each setting trains the toy world's transformer with FlowGRPOTrainer on the recipe's rewards (the dense
 ``toy_shape_score`` of the world's weakest attribute, shape, plus half-weight ``toy_color``; ``--reward`` changes
@@ -15,7 +27,8 @@ evaluations. Writes, into ``--output``:
 * ``accuracy_vs_time.png``  held-out accuracy against training seconds, one line per setting
 * ``<setting>/``    each run's reward curve and before/after contact sheet
 
-The world is built with ``scripts/make_toy_world.py`` when ``--world`` does not exist yet. ``--quick`` runs a
+Without ``--world`` the shared toy-world cache is used (``flowgrpo.toy.build.cached_toy_world``, built on first
+use in a few minutes); a ``--world`` folder that does not exist yet is built there. ``--quick`` runs a
 few settings for a few steps on a subset of eval prompts (minutes); the default grid (ten settings, 300 steps
 each) takes roughly 40 minutes on 2 CPU cores, most of it in the settings that train every sampling step.
 """
@@ -24,8 +37,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
+import platform
+import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,11 +50,19 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+REPO = Path(__file__).resolve().parents[1]
 try:
+    from flowgrpo.toy.leaderboard import leaderboard_variants, render_leaderboard, summarize
     from flowgrpo.toy.learning import RLSettings, run_toy_rl
 except ImportError:  # running from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(REPO / "src"))
+    from flowgrpo.toy.leaderboard import leaderboard_variants, render_leaderboard, summarize
     from flowgrpo.toy.learning import RLSettings, run_toy_rl
+
+LEADERBOARD_SEEDS = (0, 1, 2)
+LEADERBOARD_STEPS = 120
+LEADERBOARD_QUICK_VARIANTS = ("fast-random", "mixgrpo-flash")
+EVAL_SEED = 1234
 
 
 def settings_grid(reward: list[str] | None, steps: int) -> list[RLSettings]:
@@ -114,9 +139,117 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def leaderboard_runs(steps: int, seeds: list[int], only: list[str] | None, reward: list[str] | None
+                     ) -> tuple[list[RLSettings], dict[str, str]]:
+    """One RLSettings per (variant, seed), and each variant's description."""
+    base = RLSettings()
+    if reward:
+        base = dataclasses.replace(base, reward=reward, reward_weights=None)
+    variants = leaderboard_variants(steps, base)
+    known = {s.name: (s, what) for s, what in variants}
+    names = only if only is not None else [s.name for s, _ in variants]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {sorted(known)}")
+    runs = [dataclasses.replace(known[n][0], seed=seed) for n in names for seed in seeds]
+    return runs, {n: known[n][1] for n in names}
+
+
+def _reusable(path: Path, settings: RLSettings, eval_config: dict) -> dict | None:
+    """A finished run's result when it was made with the same settings and evaluation."""
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    same = result.get("settings") == json.loads(json.dumps(dataclasses.asdict(settings))) and \
+        result.get("eval") == eval_config
+    return result if same else None
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + (" (with local changes)" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads: int) -> int:
+    import torch
+
+    steps = args.steps or (3 if args.quick else LEADERBOARD_STEPS)
+    eval_every = args.eval_every or (0 if args.quick else 20)
+    images = args.eval_images_per_prompt or (1 if args.quick else 2)
+    max_prompts = args.max_eval_prompts or (4 if args.quick else None)
+    eval_steps = args.eval_steps or (8 if args.quick else 20)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list((0, 1) if args.quick else
+                                                                            LEADERBOARD_SEEDS)
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else (
+        list(LEADERBOARD_QUICK_VARIANTS) if args.quick else None)
+    runs, descriptions = leaderboard_runs(steps, seeds, only, rewards)
+    output = args.output
+    output.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    results = []
+    for i, settings in enumerate(runs):
+        folder = output / settings.name / f"seed{settings.seed}"
+        eval_config = {"prompts": _eval_prompt_count(world, max_prompts), "images_per_prompt": images,
+                       "steps": eval_steps, "guidance_scale": settings.guidance_scale, "seed": EVAL_SEED,
+                       "every": eval_every}
+        previous = None if args.fresh else _reusable(folder / "result.json", settings, eval_config)
+        if previous is not None:
+            print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed}: reusing {folder}",
+                  flush=True)
+            results.append(previous)
+            continue
+        print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed} "
+              f"({time.perf_counter() - start:.0f} s so far)", flush=True)
+        results.append(run_toy_rl(world, settings, folder, eval_every=eval_every, eval_images_per_prompt=images,
+                                  eval_steps=eval_steps, max_eval_prompts=max_prompts, eval_seed=EVAL_SEED))
+        _write_results(output, world, args.quick, torch_threads, results)
+    _write_results(output, world, args.quick, torch_threads, results)
+    summary = summarize(results, descriptions)
+    context = {
+        "command": "python scripts/learning_benchmark.py " + shlex.join(args.argv),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} with "
+                   f"{torch_threads} thread{'s' * (torch_threads != 1)}",
+        "date": datetime.date.today().isoformat(), "commit": _git_commit(),
+        "total_minutes": sum(r["total_seconds"] for r in results) / 60, "quick": args.quick,
+        "eval": f"{_eval_prompt_count(world, max_prompts)} held-out prompts x {images} image{'s' * (images != 1)}, "
+                f"{eval_steps} ODE "
+                f"steps, CFG {RLSettings().guidance_scale}, fixed seeds, every {eval_every or steps} steps and at "
+                f"the end",
+    }
+    text = render_leaderboard(summary, context)
+    (output / "leaderboard.md").write_text(text, encoding="utf-8")
+    destination = args.leaderboard_md or (None if args.quick else REPO / "docs" / "learning_leaderboard.md")
+    if destination is not None:
+        Path(destination).write_text(text, encoding="utf-8")
+    print(text)
+    print(f"[leaderboard] {len(results)} runs in {time.perf_counter() - start:.0f} s; written to "
+          f"{output / 'leaderboard.md'}" + (f" and {destination}" if destination else ""))
+    return 0
+
+
+def _write_results(output: Path, world: Path, quick: bool, torch_threads: int, results: list[dict]) -> None:
+    (output / "results.json").write_text(json.dumps({
+        "world": str(world), "leaderboard": True, "quick": quick, "torch_threads": torch_threads,
+        "results": results}, indent=2) + "\n", encoding="utf-8")
+
+
+def _eval_prompt_count(world: Path, max_prompts: int | None) -> int:
+    from flowgrpo.toy.build import read_prompts
+
+    return len(read_prompts(world, "eval")[:max_prompts])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", type=Path, default=Path(".cache/toy-world"), help="toy world folder")
+    parser.add_argument("--world", type=Path, default=None,
+                        help="toy world folder (default: the shared cache, built on first use)")
     parser.add_argument("--world-seed", type=int, default=0, help="seed when the world has to be built")
     parser.add_argument("--output", type=Path, default=Path("outputs/learning_benchmark"))
     parser.add_argument("--reward", default=None,
@@ -126,20 +259,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (50; quick: 20)")
     parser.add_argument("--eval-images-per-prompt", type=int, default=None, help="(4; quick: 2)")
     parser.add_argument("--max-eval-prompts", type=int, default=None, help="(all 43; quick: 24)")
-    parser.add_argument("--only", default=None, help="comma-separated setting names to run")
-    parser.add_argument("--quick", action="store_true", help="3 settings, few steps, fewer eval images")
+    parser.add_argument("--only", default=None, help="comma-separated setting (or leaderboard variant) names to run")
+    parser.add_argument("--quick", action="store_true", help="3 settings, few steps, fewer eval images (with "
+                        "--leaderboard: 2 variants x 2 seeds x 3 steps on 4 eval prompts)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--leaderboard", action="store_true",
+                        help="run every algorithm variant with several seeds and write the leaderboard")
+    parser.add_argument("--seeds", default=None, help="leaderboard: comma-separated seeds (0,1,2; quick: 0,1)")
+    parser.add_argument("--eval-steps", type=int, default=None, help="leaderboard: ODE steps per eval image (20)")
+    parser.add_argument("--leaderboard-md", type=Path, default=None,
+                        help="leaderboard: where to write the page (default docs/learning_leaderboard.md; quick runs "
+                             "write only into --output)")
+    parser.add_argument("--fresh", action="store_true", help="leaderboard: rerun finished runs instead of reusing")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
 
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    rewards = [r.strip() for r in args.reward.split(",") if r.strip()] if args.reward else None
+    if args.leaderboard:
+        try:  # bad variant names fail before the world is built or loaded
+            leaderboard_runs(1, [0], [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None,
+                             rewards)
+        except ValueError as error:
+            parser.error(str(error))
+        return run_leaderboard(args, _world(args), rewards, torch.get_num_threads())
     steps = args.steps or (60 if args.quick else 300)
     eval_every = args.eval_every or (20 if args.quick else 50)
     images_per_prompt = args.eval_images_per_prompt or (2 if args.quick else 4)
     max_prompts = args.max_eval_prompts or (24 if args.quick else None)
-    rewards = [r.strip() for r in args.reward.split(",") if r.strip()] if args.reward else None
     grid = (quick_grid if args.quick else settings_grid)(rewards, steps)
     if args.only:
         wanted = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -149,21 +299,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown setting(s) {unknown}; choose from {sorted(known)}")
         grid = [known[n] for n in wanted]
 
-    if not (args.world / "model_index.json").is_file():
-        from flowgrpo.toy.build import build_toy_world
-
-        print(f"[learning benchmark] building the toy world in {args.world}", flush=True)
-        build_toy_world(args.world, seed=args.world_seed)
-
+    world = _world(args)
     args.output.mkdir(parents=True, exist_ok=True)
     results = []
     start = time.perf_counter()
     for settings in grid:
-        result = run_toy_rl(args.world, settings, args.output / settings.name, eval_every=eval_every,
+        result = run_toy_rl(world, settings, args.output / settings.name, eval_every=eval_every,
                             eval_images_per_prompt=images_per_prompt, max_eval_prompts=max_prompts)
         results.append(result)
         (args.output / "results.json").write_text(json.dumps({
-            "world": str(args.world), "reward": rewards or RLSettings().reward, "quick": args.quick, "torch_threads":
+            "world": str(world), "reward": rewards or RLSettings().reward, "quick": args.quick, "torch_threads":
             torch.get_num_threads(), "results": results}, indent=2) + "\n", encoding="utf-8")
     table = write_table(results, args.output / "results.md")
     plot(results, args.output / "accuracy_vs_time.png")
@@ -171,6 +316,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[learning benchmark] {len(results)} settings in {time.perf_counter() - start:.0f} s; results in "
           f"{args.output}")
     return 0
+
+
+def _world(args) -> Path:
+    """``--world`` (built there when missing), else the shared cached world."""
+    if args.world is None:
+        from flowgrpo.toy.build import cached_toy_world
+
+        return cached_toy_world("full", seed=args.world_seed)
+    if not (args.world / "model_index.json").is_file():
+        from flowgrpo.toy.build import build_toy_world
+
+        print(f"[learning benchmark] building the toy world in {args.world}", flush=True)
+        build_toy_world(args.world, seed=args.world_seed)
+    return args.world
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
     result = run_toy_rl(".cache/toy-world", settings, "outputs/toy-rl")
     result["before"]["count"], result["after"]["count"]
 
-The run uses :class:`~flowgrpo.trainer.FlowGRPOTrainer` on the world's ``prompts_train.txt``; accuracy is
+The run uses the trainer named by ``settings.trainer`` (``"flow_grpo"``: :class:`~flowgrpo.trainer.FlowGRPOTrainer`;
+`TOY_TRAINERS` maps names to a config and a trainer class) on the world's ``prompts_train.txt``; accuracy is
 measured by :func:`~flowgrpo.toy.build.evaluate_pipeline` on ``prompts_eval.txt`` (deterministic ODE sampling
 with the world's Euler scheduler, fixed seeds), before training, every ``eval_every`` steps and at the end.
 Training wall-clock excludes these evaluations: it sums the duration of the optimizer steps (sampling, scoring
@@ -17,6 +18,7 @@ and the policy update).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -26,7 +28,14 @@ from typing import Any
 
 from .build import evaluate_pipeline, read_prompts
 
-__all__ = ["RLSettings", "run_toy_rl", "plot_accuracy_curve", "before_after_sheet"]
+__all__ = ["RLSettings", "TOY_TRAINERS", "run_toy_rl", "plot_accuracy_curve", "before_after_sheet"]
+
+#: Trainers a toy run can use: name -> (config class, trainer class) as ``"module:attribute"`` paths, imported on
+#: use. The trainer is built as ``Trainer(model=..., reward_funcs=..., args=Config(...), train_dataset=...,
+#: peft_config=...)``; ``RLSettings.config_kwargs()`` gives the config's fields.
+TOY_TRAINERS: dict[str, tuple[str, str]] = {
+    "flow_grpo": ("flowgrpo.trainer.config:FlowGRPOConfig", "flowgrpo.trainer.flow_grpo_trainer:FlowGRPOTrainer"),
+}
 
 _REWARD_ATTRIBUTE = {"toy_color": "color", "toy_shape": "shape", "toy_count": "count", "toy_position": "position",
                      "toy_geneval": "all", "toy_shape_score": "shape"}
@@ -67,9 +76,24 @@ class RLSettings:
     num_iterations: int = 1
     max_sequence_length: int = 16
     seed: int = 0
+    # ---- the Flow-GRPO family's variants (FlowGRPOConfig fields of the same names) ----
+    sde_window_strategy: str = "random"
+    sde_window_shift_interval: int = 25
+    sde_window_stride: int = 1
+    sde_window_roll_back: bool = True
+    ode_solver: str = "euler"
+    ode_compression_ratio: float = 1.0
+    ratio_normalization: str = "none"
+    kl_estimator: str = "analytic"
+    reward_aggregation: str = "weighted_sum"
+    same_noise_per_group: bool = False
+    # ---- which trainer (a key of TOY_TRAINERS) and config fields only that trainer has ----
+    trainer: str = "flow_grpo"
+    extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def config_kwargs(self) -> dict[str, Any]:
-        return dict(
+        """The trainer config's fields for this setting (``extra_config`` last, so it can add or override)."""
+        kwargs = dict(
             learning_rate=self.learning_rate, lr_scheduler_type=self.lr_scheduler_type,
             num_generations=self.num_generations,
             per_device_train_batch_size=self.num_generations * self.prompts_per_step,
@@ -78,8 +102,28 @@ class RLSettings:
             sde_window_range=self.sde_window_range, beta=self.beta, epsilon=self.epsilon,
             scale_rewards=self.scale_rewards, num_iterations=self.num_iterations,
             max_sequence_length=self.max_sequence_length, seed=self.seed, max_steps=self.max_steps,
-            reward_weights=self.reward_weights,
+            reward_weights=self.reward_weights, sde_window_strategy=self.sde_window_strategy,
+            sde_window_shift_interval=self.sde_window_shift_interval, sde_window_stride=self.sde_window_stride,
+            sde_window_roll_back=self.sde_window_roll_back, ode_solver=self.ode_solver,
+            ode_compression_ratio=self.ode_compression_ratio, ratio_normalization=self.ratio_normalization,
+            kl_estimator=self.kl_estimator, reward_aggregation=self.reward_aggregation,
+            same_noise_per_group=self.same_noise_per_group,
         )
+        kwargs.update(self.extra_config)
+        return kwargs
+
+
+def toy_trainer_classes(name: str) -> tuple[type, type]:
+    """The (config class, trainer class) registered in `TOY_TRAINERS` as ``name``."""
+    if name not in TOY_TRAINERS:
+        raise ValueError(f"trainer={name!r} is not a toy-world trainer; choose one of {sorted(TOY_TRAINERS)}.")
+
+    def load(path: str):
+        module, _, attribute = path.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+    config_path, trainer_path = TOY_TRAINERS[name]
+    return load(config_path), load(trainer_path)
 
 
 def _wall_clock(evaluate, eval_every: int, log: Any = print):
@@ -136,8 +180,7 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
     """
     from datasets import Dataset
 
-    from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
-
+    config_class, trainer_class = toy_trainer_classes(settings.trainer)
     world_dir, output_dir = Path(world_dir), Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     train_prompts = read_prompts(world_dir, "train")
@@ -149,14 +192,14 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
 
         peft_config = LoraConfig(r=settings.lora_r, lora_alpha=2 * settings.lora_r, init_lora_weights="gaussian",
                                  target_modules=list(settings.lora_target_modules))
-    args = FlowGRPOConfig(
+    args = config_class(
         output_dir=str(output_dir / "trainer"), report_to=[], resolution=_world_resolution(world_dir),
         eval_num_inference_steps=eval_steps, eval_guidance_scale=eval_guidance, logging_steps=1,
         save_strategy="no", eval_strategy="no", disable_tqdm=True, log_images_steps=0, dtype="float32",
         use_cpu=True, warmup_steps=0, **settings.config_kwargs(),
     )
     rewards = [settings.reward] if isinstance(settings.reward, str) else list(settings.reward)
-    trainer = FlowGRPOTrainer(model=str(world_dir), reward_funcs=rewards, args=args,
+    trainer = trainer_class(model=str(world_dir), reward_funcs=rewards, args=args,
                               train_dataset=Dataset.from_dict({"prompt": train_prompts}), peft_config=peft_config)
     pipeline = trainer.pipeline
 
@@ -190,7 +233,7 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
         "train_seconds": clock.train_seconds, "total_seconds": time.perf_counter() - start,
         "curve": clock.curve, "train_log": clock.train_log,
         "eval": {"prompts": len(eval_prompts), "images_per_prompt": eval_images_per_prompt, "steps": eval_steps,
-                 "guidance_scale": eval_guidance, "seed": eval_seed},
+                 "guidance_scale": eval_guidance, "seed": eval_seed, "every": eval_every},
     }
     (output_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     plot_accuracy_curve(result, output_dir / "reward_curve.png")

@@ -8,6 +8,16 @@ with s the std of group g (``scale_rewards="group"``), of the whole gathered bat
 global std) or 1 (``"none"``). Rewards that could not be computed (NaN, from a reward returning None) are left
 out of every mean and std, and their images get advantage 0. A group whose valid rewards are all equal carries
 no learning signal; ``frac_reward_zero_std`` reports the fraction of such groups.
+
+With several rewards ``r^(1..K)`` and weights ``w_k``, `compute_reward_advantages` combines them in one of two
+ways (``reward_aggregation``):
+
+- ``"weighted_sum"``: the advantage of the weighted sum ``r_i = sum_k w_k r_i^(k)`` as above;
+- ``"normalize_then_sum"``: each reward normalised within its group first, then the weighted sum of those
+  advantages, ``A_i = clip(sum_k w_k (r_i^(k) - mean_g^(k)) / (s^(k) + 1e-4), +-adv_clip_max)`` (``s^(k)`` as
+  ``scale_rewards`` says, for reward ``k`` alone). A reward with a small spread then weighs as much as one with a
+  large spread, so a hard reward is not drowned by an easy one. An image that reward ``k`` could not score gets 0
+  from that reward (its valid rewards still count); weight-0 rewards are left out.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 STD_EPS = 1e-4
+REWARD_AGGREGATIONS = ("weighted_sum", "normalize_then_sum")
 
 
 @dataclass
@@ -70,3 +81,41 @@ def compute_group_advantages(
     frac_zero = float(zero_std.sum().item() / max(int(present.sum().item()), 1))
     stats = AdvantageStats(float(batch_mean), float(batch_std), frac_zero, n_valid)
     return adv.to(torch.float32), stats
+
+
+def compute_reward_advantages(
+    totals: torch.Tensor,
+    per_reward: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    group_ids: torch.Tensor,
+    scale_rewards: str = "batch",
+    adv_clip_max: float = 5.0,
+    reward_aggregation: str = "weighted_sum",
+) -> tuple[torch.Tensor, AdvantageStats]:
+    """Advantages from the weighted total (``"weighted_sum"``) or from each reward normalised first
+    (``"normalize_then_sum"``); see the module docstring. The statistics always describe ``totals``.
+
+    Args:
+        totals: the weighted sum per image (NaN = unscored), 1-D.
+        per_reward: each reward's scores per image (NaN = unscored), aligned with ``totals``.
+        weights: each reward's weight (same keys as ``per_reward``).
+        group_ids, scale_rewards, adv_clip_max: as in `compute_group_advantages`.
+        reward_aggregation: ``"weighted_sum"`` or ``"normalize_then_sum"``.
+    """
+    if reward_aggregation not in REWARD_AGGREGATIONS:
+        raise ValueError(f"reward_aggregation={reward_aggregation!r} is not valid; choose one of "
+                         f"{', '.join(map(repr, REWARD_AGGREGATIONS))}.")
+    advantages, stats = compute_group_advantages(totals, group_ids, scale_rewards, adv_clip_max)
+    if reward_aggregation == "weighted_sum":
+        return advantages, stats
+    missing = [name for name in per_reward if name not in weights]
+    if missing:
+        raise ValueError(f"no weight for reward(s) {missing}; weights are given for {sorted(weights)}.")
+    combined = torch.zeros(totals.shape, dtype=torch.float64)
+    for name, scores in per_reward.items():
+        weight = float(weights[name])
+        if weight == 0.0:
+            continue
+        adv_k, _ = compute_group_advantages(scores, group_ids, scale_rewards, adv_clip_max=float("inf"))
+        combined += weight * adv_k.double()
+    return combined.clamp(-adv_clip_max, adv_clip_max).to(torch.float32), stats

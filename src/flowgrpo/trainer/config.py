@@ -15,6 +15,11 @@ SDE_TYPES = ("sde", "cps")
 SCALE_REWARDS = ("batch", "group", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("4bit", "8bit")
+SDE_WINDOW_STRATEGIES = ("random", "progressive", "fixed")
+ODE_SOLVERS = ("euler", "dpmpp_2m")
+RATIO_NORMALIZATIONS = ("none", "grpo_guard")
+KL_ESTIMATORS = ("analytic", "k1", "k3", "velocity")
+REWARD_AGGREGATIONS = ("weighted_sum", "normalize_then_sum")
 
 
 @dataclass
@@ -106,9 +111,51 @@ class FlowGRPOConfig(TrainingArguments):
     )
     sde_window_range: list[int] | None = field(
         default=None,
-        metadata={"help": "Two integers [lo, hi): the window start is drawn uniformly from this range for each "
-                          "rollout; windows end before the last step. Defaults to [0, min(num_inference_steps // 2, "
-                          "num_inference_steps - sde_window_size)]."},
+        metadata={"help": "Two integers [lo, hi): the window starts lo .. hi - 1 that sde_window_strategy chooses "
+                          "from; windows end before the last step. Defaults to [0, min(num_inference_steps // 2, "
+                          "num_inference_steps - sde_window_size)] for 'random' and to every window that ends "
+                          "before the last step, [0, num_inference_steps - sde_window_size), for 'progressive' "
+                          "and 'fixed'."},
+    )
+    sde_window_strategy: str = field(
+        default="random",
+        metadata={"help": "Where each rollout's SDE window starts: 'random' (Flow-GRPO-Fast: uniform over "
+                          "sde_window_range, drawn per generation from the seed), 'progressive' (MixGRPO: at 0-based "
+                          "optimizer step k the start is lo + (k // sde_window_shift_interval) * sde_window_stride, "
+                          "then back to lo or staying at the last start, see sde_window_roll_back) or 'fixed' (always "
+                          "lo). All three are functions of the step and the seed, so resuming continues them."},
+    )
+    sde_window_shift_interval: int = field(
+        default=25,
+        metadata={"help": "Progressive windows: optimizer steps between two moves of the window (MixGRPO: 25)."},
+    )
+    sde_window_stride: int = field(
+        default=1, metadata={"help": "Progressive windows: sampling steps the window moves each time (MixGRPO: 1)."},
+    )
+    sde_window_roll_back: bool = field(
+        default=True,
+        metadata={"help": "Progressive windows: after the last valid start go back to the first one (MixGRPO's "
+                          "default); false stays at the last start."},
+    )
+    ode_solver: str = field(
+        default="euler",
+        metadata={"help": "Solver of the deterministic steps outside the SDE window: 'euler' or 'dpmpp_2m' "
+                          "(DPM-Solver++ 2M in lambda = log((1 - sigma) / sigma) on the data prediction "
+                          "x0 = x - sigma v; first order on the first step of each deterministic stretch and on "
+                          "the final step; MixGRPO-Flash). The window's steps and log-probs do not change."},
+    )
+    ode_compression_ratio: float = field(
+        default=1.0,
+        metadata={"help": "In (0, 1]; with ode_solver='dpmpp_2m', the n steps after the window are replaced by "
+                          "max(1, int(n * ratio)) solver steps over the same noise range (MixGRPO-Flash: 0.4). "
+                          "1.0 keeps every step."},
+    )
+    same_noise_per_group: bool = field(
+        default=False,
+        metadata={"help": "Start the G samples of a prompt from the same initial noise (MixGRPO's default); the "
+                          "SDE noise inside the window still differs per sample. The noise is a function of the "
+                          "seed, the generation and the prompt's dataset index, so a group split over micro-batches "
+                          "or processes shares it."},
     )
 
     # ---- objective -----------------------------------------------------------------------------------
@@ -121,6 +168,28 @@ class FlowGRPOConfig(TrainingArguments):
         default=1e-4,
         metadata={"help": "PPO clip range of the likelihood ratio. Flow-GRPO: 1e-4 (tuned for mean-reduced "
                           "log-probs)."},
+    )
+    ratio_normalization: str = field(
+        default="none",
+        metadata={"help": "Likelihood ratio of the clipped objective: 'none' (the exact Gaussian ratio) or "
+                          "'grpo_guard' (GRPO-Guard: log ratio = mean over the non-batch dims of "
+                          "eps * (mu_theta - mu_old), eps = (x' - mu_old) / std, which removes the downward bias of "
+                          "the exact ratio and its per-step 1/std scale). 0 on-policy either way."},
+    )
+    kl_estimator: str = field(
+        default="analytic",
+        metadata={"help": "KL penalty to the reference (with beta > 0): 'analytic' (mean((mu_theta - mu_ref)^2) / "
+                          "(2 std^2) with the transition std), 'k1' (logp_theta - logp_ref of the sampled x'), 'k3' "
+                          "(exp(logp_ref - logp_theta) - 1 - (logp_ref - logp_theta), per element) or 'velocity' "
+                          "(mean squared difference of the policy's and the reference's velocities). All use the "
+                          "log-probs' mean over the non-batch dims."},
+    )
+    reward_aggregation: str = field(
+        default="weighted_sum",
+        metadata={"help": "How several rewards make one advantage: 'weighted_sum' (the weighted sum of rewards, "
+                          "then group normalisation) or 'normalize_then_sum' (each reward normalised within its "
+                          "group first, then the weighted sum of those advantages, so a hard reward is not drowned "
+                          "by an easy one)."},
     )
     adv_clip_max: float = field(
         default=5.0, metadata={"help": "Advantages are clipped to [-adv_clip_max, adv_clip_max] (Flow-GRPO: 5)."},
@@ -289,6 +358,26 @@ class FlowGRPOConfig(TrainingArguments):
         check("sde_type", self.sde_type, SDE_TYPES)
         check("scale_rewards", self.scale_rewards, SCALE_REWARDS)
         check("dtype", self.dtype, DTYPES)
+        check("sde_window_strategy", self.sde_window_strategy, SDE_WINDOW_STRATEGIES)
+        check("ode_solver", self.ode_solver, ODE_SOLVERS)
+        check("ratio_normalization", self.ratio_normalization, RATIO_NORMALIZATIONS)
+        check("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check("reward_aggregation", self.reward_aggregation, REWARD_AGGREGATIONS)
+        for name in ("sde_window_roll_back", "same_noise_per_group"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false.")
+        for name in ("sde_window_shift_interval", "sde_window_stride"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+        ratio = self.ode_compression_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"ode_compression_ratio={ratio!r} must be in (0, 1] (1.0 keeps every step; "
+                             "MixGRPO-Flash uses 0.4).")
+        if ratio < 1 and self.ode_solver != "dpmpp_2m":
+            raise ValueError(f"ode_compression_ratio={ratio} replaces the steps after the window by fewer "
+                             f"DPM-Solver++ steps; it needs ode_solver='dpmpp_2m' (got ode_solver="
+                             f"{self.ode_solver!r}). Set ode_solver: dpmpp_2m, or ode_compression_ratio: 1.0.")
         if self.quantization is not None:
             check("quantization", self.quantization, QUANTIZATIONS)
         if self.num_generations < 2:
@@ -367,13 +456,20 @@ class FlowGRPOConfig(TrainingArguments):
         if k < 0:
             raise ValueError(f"sde_window_size={k} must be >= 0 (0 = SDE on every step but the last).")
         if k == 0:
+            if self.sde_window_strategy != "random":
+                raise ValueError(f"sde_window_strategy={self.sde_window_strategy!r} moves an SDE window, but "
+                                 "sde_window_size=0 makes every step but the last stochastic; set sde_window_size "
+                                 "(e.g. 4 for MixGRPO) or use sde_window_strategy='random'.")
             return
         if k > steps - 1:
             raise ValueError(f"sde_window_size={k} must be at most num_inference_steps - 1 = {steps - 1} (the last "
                              "step is nearly deterministic and never trained); lower the window or raise the step "
                              "count.")
         if self.sde_window_range is None:
-            self.sde_window_range = [0, max(1, min(steps // 2, steps - k))]
+            if self.sde_window_strategy == "random":
+                self.sde_window_range = [0, max(1, min(steps // 2, steps - k))]
+            else:
+                self.sde_window_range = [0, steps - k]
         if len(self.sde_window_range) != 2:
             raise ValueError(f"sde_window_range={self.sde_window_range} must be two integers [lo, hi).")
         lo, hi = (int(v) for v in self.sde_window_range)

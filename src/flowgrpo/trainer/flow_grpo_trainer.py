@@ -12,12 +12,18 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
 3. *Training.* For each micro-batch and each stored step j (one backward per step, so activation memory is
    bounded by one step), recompute log p_theta(x_{j+1} | x_j) with the same guidance and negative embeddings:
 
-       ratio = exp(logp_theta - logp_old)
+       ratio = exp(logp_theta - logp_old)        (ratio_normalization="grpo_guard": exp(mean(eps (mu_theta - mu_old))))
        policy_loss = mean(max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)))
-       kl = mean((mu_theta - mu_ref)^2) / (2 std^2)          (std: the transition's std; only when beta > 0)
+       kl = mean((mu_theta - mu_ref)^2) / (2 std^2)          (std: the transition's std; only when beta > 0;
+                                                              kl_estimator picks k1, k3 or a velocity penalty)
        loss = (policy_loss + beta kl) / (num_steps * grad_accum)
 
    On the first pass the ratio is exactly 1 (same inputs, dtype and batch composition as sampling).
+
+Variants (``FlowGRPOConfig``): the window's start follows ``sde_window_strategy`` (random, MixGRPO's progressive
+schedule, fixed); the deterministic steps use ``ode_solver`` (Euler or DPM-Solver++ 2M, with the steps after the
+window compressed by ``ode_compression_ratio``); ``same_noise_per_group`` shares x_1 within a group;
+``reward_aggregation`` combines several rewards (``advantages.py``).
 """
 
 from __future__ import annotations
@@ -45,8 +51,16 @@ from transformers.utils import logging
 from ..cpu_threads import apply_cpu_thread_plan, limit_worker_threads, plan_cpu_threads
 from ..models import PromptEmbeds, get_family_adapter
 from ..rewards import RewardSet, resolve_reward_funcs
-from ..schedulers import FlowMatchSDEScheduler, gaussian_kl, sample_sde_window, sde_step_from_sigmas
-from .advantages import compute_group_advantages
+from ..schedulers import (
+    FlowMatchSDEScheduler,
+    FlowODESolver,
+    grpo_guard_log_ratio,
+    kl_estimate,
+    rollout_steps,
+    scheduled_sde_window,
+    sde_step_from_sigmas,
+)
+from .advantages import compute_reward_advantages
 from .base import FlowBaseTrainer
 from .config import FlowGRPOConfig
 from .contact_sheet import make_contact_sheet
@@ -389,8 +403,18 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         return v.float()
 
     def _sample(self, model, embeds: PromptEmbeds, num_steps: int, guidance_scale: float, noise_level: float,
-                window: tuple[int, int], generator: torch.Generator, record: bool, progress=None):
-        """Sample one micro-batch. Returns the final latents and (if ``record``) the window's trajectory."""
+                window: tuple[int, int], generator: torch.Generator, record: bool, progress=None, *,
+                ode_solver: str = "euler", ode_compression_ratio: float = 1.0,
+                initial_latents: torch.Tensor | None = None, record_means: bool = False):
+        """Sample one micro-batch. Returns the final latents and (if ``record``) the window's trajectory.
+
+        Steps inside ``window`` are SDE steps (noise from ``generator``); the others are deterministic, solved by
+        ``ode_solver`` (``"euler"`` or ``"dpmpp_2m"``; the DPM-Solver history restarts after the window), and with
+        ``ode_compression_ratio < 1`` the steps after the window are fewer solver steps over the same noise range
+        (`rollout_steps`). ``window=(0, 0)`` samples a whole deterministic trajectory. ``initial_latents`` replaces
+        the initial noise drawn from ``generator``; ``record_means`` also stores each window step's transition
+        mean (``"means"``, for GRPO-Guard).
+        """
         args = self.args
         height, width = args.image_size
         device = self.accelerator.device
@@ -398,28 +422,55 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         self.adapter.set_timesteps(self.sde_scheduler, num_steps, height, width, device)
         sigmas = self.sde_scheduler.sigmas.to(device=device, dtype=torch.float32)
         timesteps = self.sde_scheduler.timesteps.to(device)
-        latents = self.adapter.prepare_latents(batch, height, width, generator, device, torch.float32)
+        if initial_latents is None:
+            latents = self.adapter.prepare_latents(batch, height, width, generator, device, torch.float32)
+        else:
+            latents = initial_latents.to(device=device, dtype=torch.float32)
         traj = {"latents": [], "next_latents": [], "log_probs": [], "timesteps": [], "sigmas": [], "sigmas_next": []}
-        for i in range(num_steps):
-            t = timesteps[i].expand(batch)
+        if record_means:
+            traj["means"] = []
+        solver = FlowODESolver(ode_solver) if ode_solver != "euler" else None
+        plan = rollout_steps(sigmas, timesteps, window, ode_compression_ratio,
+                             self.sde_scheduler.config.num_train_timesteps)
+        for step in plan:
+            t = step.timestep.expand(batch)
             v = self._velocity(model, latents, t, embeds, guidance_scale, height, width)
-            in_window = window[0] <= i < window[1]
-            out = sde_step_from_sigmas(
-                v, latents, sigmas[i], sigmas[i + 1], noise_level=noise_level if in_window else 0.0,
-                sde_type=args.sde_type, generator=generator, sigma_max_fallback=float(sigmas[1]),
-            )
-            if record and in_window:
-                traj["latents"].append(latents)
-                traj["next_latents"].append(out.prev_sample)
-                traj["log_probs"].append(out.log_prob)
-                traj["timesteps"].append(t)
-                traj["sigmas"].append(sigmas[i].expand(batch))
-                traj["sigmas_next"].append(sigmas[i + 1].expand(batch))
-            latents = out.prev_sample
+            if step.stochastic or solver is None:
+                out = sde_step_from_sigmas(
+                    v, latents, step.sigma, step.sigma_next, noise_level=noise_level if step.stochastic else 0.0,
+                    sde_type=args.sde_type, generator=generator, sigma_max_fallback=float(sigmas[1]),
+                )
+                if solver is not None:
+                    solver.reset()  # a deterministic stretch after the window starts a new history
+                if record and step.stochastic:
+                    traj["latents"].append(latents)
+                    traj["next_latents"].append(out.prev_sample)
+                    traj["log_probs"].append(out.log_prob)
+                    traj["timesteps"].append(t)
+                    traj["sigmas"].append(step.sigma.expand(batch))
+                    traj["sigmas_next"].append(step.sigma_next.expand(batch))
+                    if record_means:
+                        traj["means"].append(out.prev_sample_mean)
+                latents = out.prev_sample
+            else:
+                latents = solver.step(latents, v, step.sigma, step.sigma_next, final=step.final)
             if progress is not None:
                 progress.update(1)
+        if progress is not None and len(plan) < num_steps:
+            progress.update(num_steps - len(plan))
         stacked = {k: torch.stack(v, dim=1) for k, v in traj.items()} if record else None
         return latents, stacked
+
+    def _group_initial_latents(self, group_ids: torch.Tensor, gen_index: int) -> torch.Tensor:
+        """Initial noise shared by the members of each group (``same_noise_per_group``).
+
+        Sample ``i`` draws x_1 from a generator seeded by (seed, generation index, ``group_ids[i]``), so every member
+        of a group gets the same x_1 wherever it is sampled (any micro-batch, any process).
+        """
+        height, width = self.args.image_size
+        gens = [torch.Generator().manual_seed(_seed_for(self.args.seed, 104729, gen_index, int(g)))
+                for g in group_ids.tolist()]
+        return self.adapter.prepare_latents(len(gens), height, width, gens, torch.device("cpu"), torch.float32)
 
     def _generation_index(self) -> int:
         return self._micro_step // (self.args.steps_per_generation * self.args.num_iterations)
@@ -435,8 +486,12 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         columns = {k: [row[k] for row in inputs] for k in inputs[0] if k not in ("prompt", INDEX_COLUMN)}
 
         window_gen = torch.Generator().manual_seed(_seed_for(args.seed, gen_index))
-        window = sample_sde_window(args.num_inference_steps, args.sde_window_size, args.sde_window_range,
-                                   generator=window_gen)
+        # A function of the optimizer step and the seed only (resuming continues the schedule exactly).
+        window = scheduled_sde_window(
+            args.sde_window_strategy, self.state.global_step, args.num_inference_steps, args.sde_window_size,
+            args.sde_window_range, args.sde_window_shift_interval, args.sde_window_stride, args.sde_window_roll_back,
+            generator=window_gen,
+        )
         noise_gen = torch.Generator().manual_seed(_seed_for(args.seed, gen_index, self.accelerator.process_index))
         micro = args.per_device_train_batch_size
         chunks = [slice(s, s + micro) for s in range(0, len(prompts), micro)]
@@ -457,8 +512,13 @@ class FlowGRPOTrainer(FlowBaseTrainer):
             for sl in chunks:
                 embeds = embeds_all[sl]
                 tic = self._clock()
+                initial = self._group_initial_latents(group_ids[sl], gen_index) if args.same_noise_per_group \
+                    else None
                 final, traj = self._sample(model, embeds, args.num_inference_steps, args.guidance_scale,
-                                           args.noise_level, window, noise_gen, record=True, progress=progress)
+                                           args.noise_level, window, noise_gen, record=True, progress=progress,
+                                           ode_solver=args.ode_solver, ode_compression_ratio=args.ode_compression_ratio,
+                                           initial_latents=initial,
+                                           record_means=args.ratio_normalization == "grpo_guard")
                 timing["rollout"] += self._clock() - tic
                 chunk_columns = {k: v[sl] for k, v in columns.items()}
                 if overlap_decode:
@@ -527,7 +587,10 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         g_totals = self.accelerator.gather(totals).cpu()
         g_groups = self.accelerator.gather(group_ids.to(device)).cpu()
         g_per_reward = {n: self.accelerator.gather(t).cpu() for n, t in per_reward.items()}
-        advantages, stats = compute_group_advantages(g_totals, g_groups, args.scale_rewards, args.adv_clip_max)
+        advantages, stats = compute_reward_advantages(
+            g_totals, g_per_reward, dict(zip(self.reward_set.names, self.reward_set.weights)), g_groups,
+            args.scale_rewards, args.adv_clip_max, args.reward_aggregation,
+        )
         n_local = len(prompts)
         rank = self.accelerator.process_index
         local_adv = advantages[rank * n_local:(rank + 1) * n_local].to(device)
@@ -578,15 +641,20 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         self._metrics["train"]["timing/training"].append(time.perf_counter() - tic)
         return loss
 
-    def _reference_mean(self, model, x, t, embeds, sigma, sigma_next, height, width):
-        """Transition mean under the reference policy (LoRA disabled, or the frozen copy)."""
+    def _reference_velocity(self, model, x, t, embeds, height, width):
+        """Velocity under the reference policy (LoRA disabled, or the frozen copy)."""
         with torch.no_grad():
             if self.is_peft:
                 peft_model = self.accelerator.unwrap_model(model)
                 with peft_model.disable_adapter():
-                    v_ref = self._velocity(model, x, t, embeds, self.args.guidance_scale, height, width)
-            else:
-                v_ref = self._velocity(self.ref_model, x, t, embeds, self.args.guidance_scale, height, width)
+                    return self._velocity(model, x, t, embeds, self.args.guidance_scale, height, width)
+            return self._velocity(self.ref_model, x, t, embeds, self.args.guidance_scale, height, width)
+
+    def _reference_mean(self, model, x, t, embeds, sigma, sigma_next, height, width, v_ref=None):
+        """Transition mean under the reference policy (LoRA disabled, or the frozen copy)."""
+        with torch.no_grad():
+            if v_ref is None:
+                v_ref = self._reference_velocity(model, x, t, embeds, height, width)
             return sde_step_from_sigmas(v_ref, x, sigma, sigma_next, noise_level=self.args.noise_level,
                                         sde_type=self.args.sde_type).prev_sample_mean
 
@@ -623,7 +691,10 @@ class FlowGRPOTrainer(FlowBaseTrainer):
                     self._resolve_scoring()
                     tic += self._clock() - wait  # the wait is logged as timing/reward, not as forward time
                     adv = batch["advantages"]
-                log_ratio = out.log_prob - old_logp
+                if args.ratio_normalization == "grpo_guard":
+                    log_ratio = grpo_guard_log_ratio(out.prev_sample_mean, batch["means"][:, j], x_next, out.std)
+                else:
+                    log_ratio = out.log_prob - old_logp
                 ratio = torch.exp(log_ratio)
                 unclipped = -adv * ratio
                 clipped = -adv * torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon)
@@ -631,8 +702,13 @@ class FlowGRPOTrainer(FlowBaseTrainer):
                 loss = policy_loss
                 if args.beta > 0:
                     with self.accelerator.autocast():
-                        ref_mean = self._reference_mean(model, x, t, embeds, sigma, sigma_next, height, width)
-                    kl = gaussian_kl(out.prev_sample_mean, ref_mean, out.std).mean()
+                        v_ref = self._reference_velocity(model, x, t, embeds, height, width)
+                    ref_mean = None
+                    if args.kl_estimator != "velocity":
+                        ref_mean = self._reference_mean(model, x, t, embeds, sigma, sigma_next, height, width,
+                                                        v_ref=v_ref)
+                    kl = kl_estimate(args.kl_estimator, out.prev_sample_mean, ref_mean, out.std, prev_sample=x_next,
+                                     velocity=v, ref_velocity=v_ref).mean()
                     loss = loss + args.beta * kl
                     m["kl"].append(float(kl.detach()))
                 tac = self._clock()
@@ -646,6 +722,7 @@ class FlowGRPOTrainer(FlowBaseTrainer):
                 m["approx_kl"].append(float(0.5 * (log_ratio**2).mean()))
                 m["clip_frac"].append(float(((ratio - 1).abs() > args.epsilon).float().mean()))
                 m["ratio_mean"].append(float(ratio.mean()))
+                m["sde_window_start"].append(float(batch["window"][0]))
                 if first_pass:
                     drift = float((ratio - 1).abs().max())
                     m["on_policy_ratio_max_dev"].append(drift)
@@ -798,6 +875,13 @@ class FlowGRPOTrainer(FlowBaseTrainer):
             f"- group size {args.num_generations}, {args.num_inference_steps} sampling steps, guidance "
             f"{args.guidance_scale}, {args.height}x{args.width}",
             f"- beta (KL) {args.beta}, clip range {args.epsilon}, learning rate {args.learning_rate}",
+            f"- SDE window: sde_window_strategy={args.sde_window_strategy}, sde_window_range={args.sde_window_range}, "
+            f"sde_window_shift_interval={args.sde_window_shift_interval}, sde_window_stride={args.sde_window_stride}, "
+            f"sde_window_roll_back={args.sde_window_roll_back}",
+            f"- deterministic steps: ode_solver={args.ode_solver}, ode_compression_ratio={args.ode_compression_ratio:g}",
+            f"- objective: ratio_normalization={args.ratio_normalization}, kl_estimator={args.kl_estimator}, "
+            f"reward_aggregation={args.reward_aggregation}, scale_rewards={args.scale_rewards}, "
+            f"same_noise_per_group={args.same_noise_per_group}",
             f"- optimizer steps: {self.state.global_step}",
         ]
         if self._last_eval:

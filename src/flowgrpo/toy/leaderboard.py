@@ -1,0 +1,262 @@
+"""The algorithm leaderboard: the Flow-GRPO family compared on the toy world, several seeds each.
+
+::
+
+    from flowgrpo.toy.leaderboard import leaderboard_variants, summarize, render_leaderboard
+    variants = leaderboard_variants(steps=120)               # RLSettings, one per variant (seed 0)
+    ... run each with flowgrpo.toy.learning.run_toy_rl for several seeds ...
+    summary = summarize(results)                              # results: the run_toy_rl dicts
+    text = render_leaderboard(summary, context)
+
+Every variant is the recipe (``RLSettings()``: Flow-GRPO-Fast, a window of 2 SDE steps among the first 4, the dense
+shape score plus half-weight colour) with one algorithmic change, so each row answers "what does this choice do on
+equal footing". A later trainer joins as another variant with ``RLSettings(trainer=...)`` (see
+``flowgrpo.toy.learning.TOY_TRAINERS``).
+
+How the comparison is made:
+
+* **Equal steps**: held-out shape accuracy after the same number of optimizer steps.
+* **Equal wall-clock**: held-out shape accuracy at fixed budgets of training seconds (evaluations excluded, as
+  ``run_toy_rl`` measures them), taking each run's *last evaluation at or before the budget* (no interpolation:
+  a run is credited only with what it had reached). The budgets are fractions of the shortest run's training
+  time, so every run has reached each of them.
+* **Seed spread**: mean over seeds with the range (min - max). A difference *exceeds the seed spread* when the
+  two ranges do not overlap, i.e. every seed of one variant beats every seed of the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from .learning import RLSettings
+
+__all__ = ["REFERENCE_VARIANT", "VariantSummary", "leaderboard_variants", "render_leaderboard", "summarize"]
+
+#: The row every other one is compared with: the recipe itself (Flow-GRPO-Fast with random windows).
+REFERENCE_VARIANT = "fast-random"
+BUDGET_FRACTIONS = (0.25, 0.5, 1.0)
+
+
+def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tuple[RLSettings, str]]:
+    """The compared variants as ``(settings, what changes)``, all from ``base`` (default: the recipe) at ``steps``.
+
+    Progressive windows move over the same candidate starts as the random ones (``sde_window_range``) and shift
+    every ``max(1, steps // 6)`` steps, so they visit each start twice in a run; the KL rows use beta 0.04 (the
+    Flow-GRPO value; the estimators' scales differ, the velocity penalty is the largest at equal beta).
+    """
+    base = dataclasses.replace(base or RLSettings(), max_steps=steps)
+    interval = max(1, steps // 6)
+    progressive = dict(sde_window_strategy="progressive", sde_window_shift_interval=interval)
+    rows = [
+        (dict(name="flow-grpo", sde_window_size=0, sde_window_range=None),
+         "Flow-GRPO: SDE on every step but the last, all of them trained"),
+        (dict(name=REFERENCE_VARIANT), "Flow-GRPO-Fast (the recipe): a window of 2 starting at random in steps 0-2"),
+        (dict(name="mixgrpo", **progressive),
+         f"MixGRPO: the window moves one step every {interval} optimizer steps, rolling back"),
+        (dict(name="mixgrpo-flash", ode_solver="dpmpp_2m", ode_compression_ratio=0.4, **progressive),
+         "MixGRPO-Flash: progressive, DPM-Solver++ 2M outside the window, steps after it compressed to 0.4"),
+        (dict(name="grpo-guard", ratio_normalization="grpo_guard"), "GRPO-Guard normalised likelihood ratio"),
+        (dict(name="kl-analytic", beta=0.04, kl_estimator="analytic"), "KL beta 0.04, analytic Gaussian KL"),
+        (dict(name="kl-k1", beta=0.04, kl_estimator="k1"), "KL beta 0.04, k1 estimator"),
+        (dict(name="kl-k3", beta=0.04, kl_estimator="k3"), "KL beta 0.04, k3 estimator"),
+        (dict(name="kl-velocity", beta=0.04, kl_estimator="velocity"), "KL beta 0.04, velocity penalty"),
+        (dict(name="normalize-then-sum", reward_aggregation="normalize_then_sum"),
+         "shape score and colour each normalised in its group, then summed (1 : 0.5)"),
+        (dict(name="same-noise", same_noise_per_group=True), "the 8 samples of a prompt start from the same noise"),
+    ]
+    return [(dataclasses.replace(base, **change), what) for change, what in rows]
+
+
+@dataclasses.dataclass
+class Stat:
+    """Mean and range of one figure over seeds."""
+
+    values: list[float]
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values) if self.values else math.nan
+
+    @property
+    def low(self) -> float:
+        return min(self.values) if self.values else math.nan
+
+    @property
+    def high(self) -> float:
+        return max(self.values) if self.values else math.nan
+
+    def separated_from(self, other: Stat) -> int:
+        """+1 when every value is above every value of ``other``, -1 when below, 0 when the ranges overlap (or
+        either side has fewer than two seeds: one seed has no spread to exceed)."""
+        if len(self.values) < 2 or len(other.values) < 2:
+            return 0
+        if self.low > other.high:
+            return 1
+        if self.high < other.low:
+            return -1
+        return 0
+
+    def pct(self) -> str:
+        if not self.values:
+            return "n/a"
+        if len(self.values) == 1:
+            return f"{self.mean:.1%}"
+        return f"{self.mean:.1%} ({self.low:.1%}-{self.high:.1%})"
+
+
+@dataclasses.dataclass
+class VariantSummary:
+    name: str
+    description: str
+    seeds: list[int]
+    steps: int
+    before: Stat
+    at_steps: Stat
+    colour: Stat
+    seconds_per_step: Stat
+    at_budgets: list[Stat]
+    steps_at_budgets: list[Stat]
+
+
+def accuracy_at_budget(curve: Sequence[dict[str, Any]], budget: float, attribute: str = "shape") -> tuple[float, int]:
+    """The last evaluation of ``curve`` at or before ``budget`` training seconds: ``(accuracy, step)``."""
+    reached = [point for point in curve if point["train_seconds"] <= budget + 1e-9]
+    point = max(reached, key=lambda p: (p["train_seconds"], p["step"])) if reached else curve[0]
+    return float(point[attribute]), int(point["step"])
+
+
+def summarize(results: Sequence[dict[str, Any]], descriptions: dict[str, str] | None = None,
+              attribute: str = "shape", budget_fractions: Sequence[float] = BUDGET_FRACTIONS
+              ) -> dict[str, Any]:
+    """Group ``run_toy_rl`` results by variant name and compute the leaderboard's figures.
+
+    Returns ``{"variants": [VariantSummary], "budgets": [seconds], "steps": N, "separated": [...]}`` where
+    ``separated`` lists ``(better, worse, "steps" | "budget")`` pairs whose seed ranges do not overlap, at equal
+    steps and at the largest equal budget.
+    """
+    descriptions = descriptions or {}
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for result in results:
+        by_name.setdefault(result["settings"]["name"], []).append(result)
+    if not by_name:
+        raise ValueError("no results to summarize")
+    steps = min(r["settings"]["max_steps"] for r in results)
+    shortest = min(r["train_seconds"] for r in results)
+    budgets = [fraction * shortest for fraction in budget_fractions]
+    variants = []
+    for name, runs in by_name.items():
+        runs = sorted(runs, key=lambda r: r["settings"]["seed"])
+        at_steps, colour = [], []
+        for run in runs:
+            final = [p for p in run["curve"] if p["step"] == steps] or [run["curve"][-1]]
+            at_steps.append(float(final[-1][attribute]))
+            colour.append(float(final[-1].get("color", math.nan)))
+        at_budgets, steps_at = [], []
+        for budget in budgets:
+            pairs = [accuracy_at_budget(run["curve"], budget, attribute) for run in runs]
+            at_budgets.append(Stat([a for a, _ in pairs]))
+            steps_at.append(Stat([float(s) for _, s in pairs]))
+        variants.append(VariantSummary(
+            name=name, description=descriptions.get(name, ""), seeds=[r["settings"]["seed"] for r in runs],
+            steps=steps, before=Stat([float(r["before"][attribute]) for r in runs]), at_steps=Stat(at_steps),
+            colour=Stat(colour),
+            seconds_per_step=Stat([r["train_seconds"] / max(1, r["settings"]["max_steps"]) for r in runs]),
+            at_budgets=at_budgets, steps_at_budgets=steps_at,
+        ))
+    separated = []
+    for how, pick in (("steps", lambda v: v.at_steps), ("budget", lambda v: v.at_budgets[-1])):
+        for a in variants:
+            for b in variants:
+                if a.name != b.name and pick(a).separated_from(pick(b)) > 0:
+                    separated.append((a.name, b.name, how))
+    return {"variants": variants, "budgets": budgets, "steps": steps, "separated": separated,
+            "attribute": attribute}
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.0f} s" if value >= 10 else f"{value:.2g} s"
+
+
+def _versus_reference(stat: Stat, reference: Stat | None) -> str:
+    if reference is None or stat is reference:
+        return "(reference)"
+    delta = 100 * (stat.mean - reference.mean)
+    if len(stat.values) < 2 or len(reference.values) < 2:
+        return f"{delta:+.1f} pts (one seed: no spread to compare with)"
+    verdict = {1: "above, beyond the seed spread", -1: "below, beyond the seed spread", 0: "within the seed spread"}
+    return f"{delta:+.1f} pts, {verdict[stat.separated_from(reference)]}"
+
+
+def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
+    """The leaderboard page (markdown). ``context``: ``command``, ``machine``, ``date``, ``commit``,
+    ``eval`` (a sentence), ``total_minutes``, ``quick`` (bool)."""
+    variants: list[VariantSummary] = summary["variants"]
+    by_name = {v.name: v for v in variants}
+    reference = by_name.get(REFERENCE_VARIANT)
+    attribute = summary["attribute"]
+    seeds = sorted({s for v in variants for s in v.seeds})
+    budgets = summary["budgets"]
+    lines = [
+        "# Learning leaderboard: the Flow-GRPO family on the toy world",
+        "",
+        "Written by `scripts/learning_benchmark.py --leaderboard`; do not edit by hand. Every variant is the toy "
+        "recipe (`recipes/toy.yaml`) with one algorithmic change, trained from the same pretrained world with seeds "
+        f"{', '.join(map(str, seeds))}. Figures are held-out {attribute} accuracy: the mean over seeds with the "
+        "range (lowest-highest seed) in brackets. A difference *exceeds the seed spread* when the two ranges do not "
+        "overlap (every seed of one variant beats every seed of the other).",
+        "",
+    ]
+    if context.get("quick"):
+        lines += ["**This is a quick smoke run (few steps, few eval prompts): it checks the machinery, its numbers "
+                  "mean nothing.**", ""]
+    lines += [
+        f"- command: `{context.get('command', '')}`",
+        f"- machine: {context.get('machine', 'unknown')}; date {context.get('date', '')}; commit "
+        f"{context.get('commit', 'unknown')}; the runs took {context.get('total_minutes', math.nan):.0f} minutes in all "
+        "(training and evaluations)",
+        f"- evaluation: {context.get('eval', '')}",
+        f"- wall-clock: training seconds only (sampling, scoring, the update), evaluations excluded; accuracy at a "
+        f"budget is each run's last evaluation at or before it (no interpolation). Budgets: "
+        f"{', '.join(_seconds(b) for b in budgets)} (a quarter, half and all of the shortest run's training time).",
+        "",
+        f"## At equal steps ({summary['steps']} optimizer steps)",
+        "",
+        f"| variant | what changes | {attribute} before | {attribute} after | vs {REFERENCE_VARIANT} | colour after "
+        "| s/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    order = sorted(variants, key=lambda v: -v.at_steps.mean)
+    for v in order:
+        lines.append(f"| {v.name} | {v.description} | {v.before.pct()} | **{v.at_steps.pct()}** | "
+                     f"{_versus_reference(v.at_steps, reference.at_steps if reference else None)} | "
+                     f"{v.colour.pct()} | {v.seconds_per_step.mean:.2f} |")
+    lines += [
+        "",
+        "## At equal wall-clock budgets",
+        "",
+        "| variant | " + " | ".join(f"{attribute} at {_seconds(b)}" for b in budgets)
+        + f" | step of that evaluation at {_seconds(budgets[-1])} (mean) | vs {REFERENCE_VARIANT} at "
+        f"{_seconds(budgets[-1])} |",
+        "|---|" + "---|" * (len(budgets) + 2),
+    ]
+    for v in sorted(variants, key=lambda v: -v.at_budgets[-1].mean):
+        cells = " | ".join(s.pct() for s in v.at_budgets)
+        ref = reference.at_budgets[-1] if reference else None
+        lines.append(f"| {v.name} | {cells} | {v.steps_at_budgets[-1].mean:.0f} | "
+                     f"{_versus_reference(v.at_budgets[-1], ref)} |")
+    lines += ["", "## Which differences exceed the seed spread", ""]
+    if min(len(v.at_steps.values) for v in variants) < 2:
+        lines += ["- Some variants ran with one seed only: their differences cannot be judged against a seed spread.",
+                  ""]
+    for how, label in (("steps", f"at {summary['steps']} steps"), ("budget", f"at {_seconds(budgets[-1])} of training")):
+        pairs = [(a, b) for a, b, h in summary["separated"] if h == how]
+        if pairs:
+            text = "; ".join(f"{a} > {b}" for a, b in pairs)
+            lines.append(f"- {label}: {text} (every seed of the first above every seed of the second).")
+        else:
+            lines.append(f"- {label}: none; every difference between variants is within the seed spread.")
+    lines.append("")
+    return "\n".join(lines)

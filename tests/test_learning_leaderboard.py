@@ -1,0 +1,155 @@
+"""The algorithm leaderboard's machinery (variants, toy recipes, figures and the page) and the MixGRPO recipes.
+
+The leaderboard itself trains 33 toy-world runs (about an hour); here the variants are validated, the toy recipes
+are checked against them, and the figures are computed from hand-made run results whose answers are known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowgrpo import FlowGRPOConfig
+from flowgrpo.cli import parse_recipe
+from flowgrpo.toy.leaderboard import (
+    REFERENCE_VARIANT,
+    accuracy_at_budget,
+    leaderboard_variants,
+    render_leaderboard,
+    summarize,
+)
+from flowgrpo.toy.learning import TOY_TRAINERS, RLSettings, toy_trainer_classes
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: toy recipe -> the leaderboard variant it runs (recipes/toy.yaml is the reference, "fast-random").
+TOY_RECIPES = {
+    "toy.yaml": "fast-random", "toy_flow_grpo.yaml": "flow-grpo", "toy_mixgrpo.yaml": "mixgrpo",
+    "toy_mixgrpo_flash.yaml": "mixgrpo-flash", "toy_grpo_guard.yaml": "grpo-guard",
+    "toy_kl_analytic.yaml": "kl-analytic", "toy_kl_k1.yaml": "kl-k1", "toy_kl_k3.yaml": "kl-k3",
+    "toy_kl_velocity.yaml": "kl-velocity", "toy_normalize_then_sum.yaml": "normalize-then-sum",
+    "toy_same_noise.yaml": "same-noise",
+}
+
+
+def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp_path):
+    variants = leaderboard_variants(120)
+    names = [s.name for s, _ in variants]
+    assert len(set(names)) == len(names) == 11 and REFERENCE_VARIANT in names
+    reference = next(s for s, _ in variants if s.name == REFERENCE_VARIANT)
+    assert dataclasses.replace(reference, name="x") == dataclasses.replace(RLSettings(max_steps=120), name="x")
+    algorithm_fields = {"sde_window_size", "sde_window_range", "sde_window_strategy", "sde_window_shift_interval",
+                        "ode_solver", "ode_compression_ratio", "ratio_normalization", "beta", "kl_estimator",
+                        "reward_aggregation", "same_noise_per_group"}
+    for settings, what in variants:
+        assert what and settings.trainer == "flow_grpo"
+        changed = {f.name for f in dataclasses.fields(RLSettings)
+                   if f.name != "name" and getattr(settings, f.name) != getattr(reference, f.name)}
+        assert changed <= algorithm_fields and (changed or settings is reference), (settings.name, changed)
+        args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
+        assert args.generation_batch_size == 32
+    kl = [s for s, _ in variants if s.name.startswith("kl-")]
+    assert sorted(s.kl_estimator for s in kl) == ["analytic", "k1", "k3", "velocity"] and all(s.beta > 0 for s in kl)
+    flash = next(s for s, _ in variants if s.name == "mixgrpo-flash")
+    assert (flash.sde_window_strategy, flash.ode_solver, flash.ode_compression_ratio) == ("progressive", "dpmpp_2m", 0.4)
+    assert flash.sde_window_shift_interval == 20 and flash.sde_window_range == reference.sde_window_range
+    # A later trainer is one more TOY_TRAINERS entry; unknown names fail clearly.
+    assert toy_trainer_classes("flow_grpo")[0] is FlowGRPOConfig and "flow_grpo" in TOY_TRAINERS
+    with pytest.raises(ValueError, match="trainer='nft'"):
+        toy_trainer_classes("nft")
+    assert RLSettings(extra_config={"beta": 0.5}).config_kwargs()["beta"] == 0.5
+
+
+@pytest.mark.parametrize("recipe", sorted(TOY_RECIPES))
+def test_toy_variant_recipes_run_the_leaderboard_variants(recipe):
+    """Each toy recipe is its leaderboard variant at the recipe's 1000 steps (same algorithm fields)."""
+    _, model, args = parse_recipe([str(REPO / "recipes" / recipe)])
+    settings = {s.name: s for s, _ in leaderboard_variants(args.max_steps)}[TOY_RECIPES[recipe]]
+    expected = settings.config_kwargs()
+    for key in ("per_device_train_batch_size", "reward_weights"):  # the recipe adds a weight-0 shape monitor
+        expected.pop(key)
+    for key, value in expected.items():
+        actual = getattr(args, key)
+        actual = getattr(actual, "value", actual)
+        if key == "sde_window_range" and value is None:
+            continue  # the config fills in its default
+        assert actual == value, (recipe, key, actual, value)
+    assert model.lora_r == settings.lora_r and model.use_peft == settings.use_lora
+    text = (REPO / "recipes" / recipe).read_text()
+    assert f"python src/train.py recipes/{recipe}" in text and "# Hardware:" in text
+
+
+def test_mixgrpo_recipes_carry_the_published_settings():
+    _, model, flux = parse_recipe(["recipes/mixgrpo_flux.yaml", "--use_cpu", "true"])
+    script, _, flash = parse_recipe(["recipes/mixgrpo_flash_sd35m.yaml", "--use_cpu", "true"])
+    assert model.model_name_or_path == "black-forest-labs/FLUX.1-dev"
+    for args in (flux, flash):
+        assert (args.num_inference_steps, args.sde_window_size, args.noise_level) == (25, 4, 0.7)
+        assert args.sde_window_strategy == "progressive" and args.sde_window_roll_back and args.same_noise_per_group
+        assert args.reward_aggregation == "normalize_then_sum" and args.beta == 0.0 and args.num_generations == 12
+    assert flux.sde_window_shift_interval == 25 and flux.ode_solver == "euler"
+    assert (flash.ode_solver, flash.ode_compression_ratio, flash.sde_window_shift_interval) == ("dpmpp_2m", 0.4, 20)
+    assert script.reward_funcs == ["pickscore", "remote", "remote"]
+
+
+def fake_run(name: str, seed: int, shape_by_step: dict[int, float], seconds_per_step: float) -> dict:
+    steps = max(shape_by_step)
+    curve = [{"step": k, "train_seconds": k * seconds_per_step, "shape": v, "color": 0.9}
+             for k, v in sorted(shape_by_step.items())]
+    return {"settings": {**dataclasses.asdict(RLSettings(name=name, seed=seed, max_steps=steps))},
+            "before": {"shape": shape_by_step[0]}, "curve": curve, "train_seconds": steps * seconds_per_step}
+
+
+def test_summary_figures_budgets_and_seed_spread():
+    results = []
+    for seed, offset in enumerate((0.00, 0.01, 0.02)):
+        results.append(fake_run(REFERENCE_VARIANT, seed, {0: 0.4, 10: 0.45 + offset, 20: 0.50 + offset}, 1.0))
+        # Twice as slow per step but better at equal steps, beyond the seed spread.
+        results.append(fake_run("slow-good", seed, {0: 0.4, 10: 0.55 + offset, 20: 0.60 + offset}, 2.0))
+        # Overlaps the reference at every point.
+        results.append(fake_run("same", seed, {0: 0.4, 10: 0.46 - offset, 20: 0.51 - offset}, 1.0))
+    summary = summarize(results, {"slow-good": "a slower, better variant"})
+    by_name = {v.name: v for v in summary["variants"]}
+    assert summary["steps"] == 20 and summary["budgets"] == pytest.approx([5.0, 10.0, 20.0])
+    ref, slow, same = by_name[REFERENCE_VARIANT], by_name["slow-good"], by_name["same"]
+    assert same.at_steps.separated_from(ref.at_steps) == 0 and slow.at_steps.separated_from(ref.at_steps) == 1
+    assert ref.at_steps.mean == pytest.approx(0.51) and (ref.at_steps.low, ref.at_steps.high) == (0.50, 0.52)
+    assert slow.seconds_per_step.mean == pytest.approx(2.0) and ref.seconds_per_step.mean == pytest.approx(1.0)
+    # Equal wall-clock: at 20 s the slow variant has reached step 10 (its last evaluation within the budget).
+    assert slow.at_budgets[-1].values == pytest.approx([0.55, 0.56, 0.57])
+    assert slow.steps_at_budgets[-1].mean == 10 and ref.steps_at_budgets[-1].mean == 20
+    assert slow.at_budgets[0].values == pytest.approx([0.4] * 3)  # 5 s: no evaluation after step 0 yet
+    assert ("slow-good", REFERENCE_VARIANT, "steps") in summary["separated"]
+    assert ("slow-good", REFERENCE_VARIANT, "budget") in summary["separated"]
+    assert not any("same" in pair[:2] and REFERENCE_VARIANT in pair[:2] for pair in summary["separated"])
+    assert accuracy_at_budget(results[0]["curve"], 9.99) == (0.4, 0)
+
+    page = render_leaderboard(summary, {"command": "python scripts/learning_benchmark.py --leaderboard",
+                                        "machine": "test", "date": "today", "commit": "abc", "eval": "e",
+                                        "total_minutes": 60.0})
+    assert "## At equal steps (20 optimizer steps)" in page and "## At equal wall-clock budgets" in page
+    assert "| slow-good | a slower, better variant | 40.0% (40.0%-40.0%) | **61.0% (60.0%-62.0%)** | +10.0 pts, above, beyond the " \
+           "seed spread | 90.0% (90.0%-90.0%) | 2.00 |" in page
+    assert "| same |  | 40.0% (40.0%-40.0%) | **50.0% (49.0%-51.0%)** | -1.0 pts, within the seed spread |" in page
+    assert "- at 20 steps: slow-good > fast-random; slow-good > same" in page
+    assert "quick smoke" not in page
+
+    one_seed = summarize([r for r in results if r["settings"]["seed"] == 0])
+    assert one_seed["separated"] == []
+    assert "one seed" in render_leaderboard(one_seed, {"quick": True})
+
+
+def test_leaderboard_command_line_fails_fast_on_unknown_variants(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import learning_benchmark as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--leaderboard", "--only", "mixgrpo,no-such-variant", "--world", str(tmp_path / "missing")])
+    assert "no-such-variant" in capsys.readouterr().err
+    assert not (tmp_path / "missing").exists()
+    runs, descriptions = bench.leaderboard_runs(50, [0, 1, 2], None, None)
+    assert len(runs) == 33 and len(descriptions) == 11 and {r.seed for r in runs} == {0, 1, 2}
+    assert all(r.max_steps == 50 for r in runs)
