@@ -183,7 +183,7 @@ PRESETS: dict[str, BenchmarkPreset] = {
         name="toy", description="the toy world with recipes/toy.yaml: 32 px, 4x8 images, 8 steps, CFG 3, window 2",
         family="sd3", architecture="toy", device="cpu", dtype="float32", resolution=32, num_prompts=4,
         num_generations=8, per_device_train_batch_size=32, num_inference_steps=8, sde_window_size=2,
-        guidance_scale=3.0, max_sequence_length=16, reward=("toy_shape_score", "toy_color"), reward_weights=(1.0, 0.5),
+        guidance_scale=3.0, max_sequence_length=8, reward=("toy_shape_score", "toy_color"), reward_weights=(1.0, 0.5),
         lora_rank=32, lora_targets=TOY_LORA_TARGET_MODULES, default_steps=10, warmup_steps=2,
         extra_args={"sde_window_range": [0, 3], "scale_rewards": "group", "epsilon": 1e-3, "learning_rate": 3e-4},
     ),

@@ -772,7 +772,8 @@ class FlowGRPOTrainer(FlowBaseTrainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """ODE sampling (noise 0) at the eval step count and guidance with fixed seeds; rewards on the eval set.
 
-        Logs ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/<name>/mean``; writes a contact sheet of
+        Logs ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/<name>/{mean,std,count}`` (``count``: the images
+        the reward scored, so that ``std / sqrt(count)`` is the standard error of the mean); writes a contact sheet of
         prompts, images and scores to ``output_dir/eval_step_<N>.png``. With ``eval_images_per_prompt = k``,
         sample ``i`` is image ``i % k`` of prompt ``i // k`` and is drawn from its own seed, so evaluations at
         different steps compare the same noise; the metrics use every image, the sheet each prompt's first.
@@ -810,15 +811,16 @@ class FlowGRPOTrainer(FlowBaseTrainer):
 
         def stat(values):
             vals = [v for v in values if v is not None and not math.isnan(v)]
-            return (float(np.mean(vals)), float(np.std(vals))) if vals else (math.nan, math.nan)
+            return (float(np.mean(vals)), float(np.std(vals)), len(vals)) if vals else (math.nan, math.nan, 0)
 
         metrics = {}
-        metrics[f"{metric_key_prefix}_reward"], metrics[f"{metric_key_prefix}_reward_std"] = stat(
+        metrics[f"{metric_key_prefix}_reward"], metrics[f"{metric_key_prefix}_reward_std"], _ = stat(
             [r[3] for r in gathered])
         for name in self.reward_set.names:
-            mean, std = stat([r[4][name] for r in gathered])
+            mean, std, count = stat([r[4][name] for r in gathered])
             metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = mean
             metrics[f"{metric_key_prefix}_rewards/{name}/std"] = std
+            metrics[f"{metric_key_prefix}_rewards/{name}/count"] = float(count)
         if self.is_world_process_zero():
             os.makedirs(args.output_dir, exist_ok=True)
             shown = [r for r in gathered if r[0] % per_prompt == 0]  # the sheet: each prompt's first image
