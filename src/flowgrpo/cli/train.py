@@ -90,6 +90,14 @@ def prepare_model_path(model_args: ModelArguments, training_args: Any = None) ->
     return str(path)
 
 
+def _sample_digest(sample: Any) -> str:
+    """SHA-1 of a sample's pixels (every frame of a video, in order)."""
+    digest = hashlib.sha1()
+    for frame in sample if isinstance(sample, (list, tuple)) else [sample]:
+        digest.update(frame.tobytes())
+    return digest.hexdigest()
+
+
 class RankLogCallback(TrainerCallback):
     """Appends per-process training records to ``<log_dir>/rank<N>.jsonl`` (see the module docstring)."""
 
@@ -112,10 +120,8 @@ class RankLogCallback(TrainerCallback):
         samples = getattr(trainer, "_last_samples", None)
         if samples:
             images, prompts, rewards = samples
-            record["samples"] = [
-                {"prompt": p, "reward": r, "image_sha1": hashlib.sha1(im.tobytes()).hexdigest()}
-                for im, p, r in zip(images, prompts, rewards)
-            ]
+            record["samples"] = [{"prompt": p, "reward": r, "image_sha1": _sample_digest(im)}
+                                 for im, p, r in zip(images, prompts, rewards)]
         buffer = getattr(trainer, "_buffer", None) or []
         advantages = [float(a) for batch in buffer for a in batch.get("advantages", []).reshape(-1).tolist()] \
             if buffer else []
