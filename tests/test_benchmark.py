@@ -78,9 +78,10 @@ def _family_inputs(family, batch, device="cpu"):
                       encoder_hidden_states=torch.randn(batch, 9, 48, device=device))
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
 @pytest.mark.parametrize("family", ["qwenimage", "wan"])
-def test_analytic_flops_match_torch_counter_on_tiny_qwenimage_and_wan(family):
-    """Forward and backward, LoRA on the family's default targets and full fine-tuning."""
+def test_analytic_flops_match_torch_counter_on_tiny_qwenimage_and_wan(family, full):
+    """Forward and backward, LoRA on the family's default targets or full fine-tuning."""
     from peft import LoraConfig, get_peft_model
 
     from flowgrpo.models import QwenImageAdapter, WanAdapter
@@ -89,20 +90,19 @@ def test_analytic_flops_match_torch_counter_on_tiny_qwenimage_and_wan(family):
     targets = list((QwenImageAdapter if family == "qwenimage" else WanAdapter).default_lora_target_modules)
     batch = 2
     n_img, n_txt, kwargs = _family_inputs(family, batch)
-    for full in (False, True):
-        transformer = build_tiny_pipeline(family).transformer
-        config = dict(transformer.config)
-        if full:
-            model, expected = transformer.requires_grad_(True), transformer_forward_flops(family, config, n_img, n_txt)
-        else:
-            model = get_peft_model(transformer, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-            expected = transformer_forward_flops(family, config, n_img, n_txt, lora_rank=4, lora_targets=targets)
-            assert expected.lora > 0
-        with sdpa_kernel(SDPBackend.MATH):
-            out = {}
-            assert count_flops(lambda: out.setdefault("v", model(**kwargs)[0])) == batch * expected.total
-            backward = count_flops(lambda: out["v"].float().square().mean().backward())
-        assert backward == batch * expected.backward(full_finetune=full), ("full" if full else "lora")
+    transformer = build_tiny_pipeline(family).transformer
+    config = dict(transformer.config)
+    if full:
+        model, expected = transformer.requires_grad_(True), transformer_forward_flops(family, config, n_img, n_txt)
+    else:
+        model = get_peft_model(transformer, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        expected = transformer_forward_flops(family, config, n_img, n_txt, lora_rank=4, lora_targets=targets)
+        assert expected.lora > 0
+    with sdpa_kernel(SDPBackend.MATH):
+        out = {}
+        assert count_flops(lambda: out.setdefault("v", model(**kwargs)[0])) == batch * expected.total
+        backward = count_flops(lambda: out["v"].float().square().mean().backward())
+    assert backward == batch * expected.backward(full_finetune=full)
 
 
 def test_analytic_flops_full_finetune_backward_on_tiny_sd3():
