@@ -89,3 +89,20 @@ def test_source_images_from_paths_pil_bytes_and_arrays(tmp_path):
         load_condition_image(tmp_path / "bad.png")
     with pytest.raises(TypeError, match="column holds a int"):
         load_condition_image(3)
+
+
+def test_synthetic_ocr_edit_set_loads_with_resolved_image_paths(tmp_path, monkeypatch):
+    from flowgrpo.cli import ScriptArguments, load_prompt_dataset
+    from flowgrpo.cli.ocr_prompts import write_ocr_edit_files
+    from flowgrpo.rewards.ocr import extract_quoted_targets
+
+    write_ocr_edit_files(tmp_path / "edit", num_train=3, num_test=1, seed=0, size=32)
+    write_ocr_edit_files(tmp_path / "again", num_train=3, num_test=1, seed=0, size=32)
+    assert (tmp_path / "edit" / "train.jsonl").read_text() == (tmp_path / "again" / "train.jsonl").read_text()
+    assert (tmp_path / "edit/images/train_0002.png").read_bytes() == (tmp_path / "again/images/train_0002.png").read_bytes()
+    monkeypatch.chdir(tmp_path / "again")  # relative paths are read against the prompt file's folder, not the cwd
+    train, test = load_prompt_dataset(ScriptArguments(dataset_name=str(tmp_path / "edit")))
+    assert len(train) == 3 and len(test) == 1
+    for row in train:
+        assert row["image"].startswith(str(tmp_path / "edit")) and load_condition_image(row["image"]).size == (32, 32)
+        assert extract_quoted_targets(row["prompt"]) == [row["ocr_text"]]  # only the new text is a target

@@ -149,8 +149,10 @@ def test_sampling_matches_stock_pipeline_and_first_pass_is_on_policy(case, tiny_
 def test_each_distinct_prompt_and_source_image_is_encoded_once(tiny_pipeline_path, tmp_path):
     case = CASE_BY_NAME["qwenimage_edit"]
     a, b = source_image(0), source_image(1)
-    # Two rows with one prompt and two images, then one more prompt: three distinct pairs, each sampled twice.
-    data = {"prompt": ["make it red", "make it red", "add a star"], "image": [a, b, a]}
+    b.save(tmp_path / "b.png")
+    # Two rows with one prompt and two images, then one more prompt: three distinct pairs, each sampled twice. The
+    # image column mixes PIL images and a path (read by the trainer).
+    data = {"prompt": ["make it red", "make it red", "add a star"], "image": [a, str(tmp_path / "b.png"), a]}
     trainer = make_trainer(tiny_pipeline_path(case.family), case, tmp_path / "out", dataset=data,
                            per_device_train_batch_size=6, num_generations=2)
     calls = []
@@ -162,7 +164,7 @@ def test_each_distinct_prompt_and_source_image_is_encoded_once(tiny_pipeline_pat
     negative = [c for c in calls if c[0] == [""] * len(c[0])]
     assert len(conditional) == 1 and sorted(conditional[0][0]) == ["add a star", "make it red", "make it red"]
     keys = {(p, im.tobytes()) for p, im in zip(*conditional[0])}
-    assert len(keys) == 3
+    assert len(keys) == 3 and b.tobytes() in {im.tobytes() for im in conditional[0][1]}
     # Qwen-Image-Edit's negative embedding depends on the image: encoded once per distinct pair as well.
     assert len(negative) == 1 and len(negative[0][0]) == 3
 
@@ -300,6 +302,27 @@ def test_wan_unipc_checkpoint_schedule_keeps_its_flow_shift(tiny_pipeline_path):
         pipe.scheduler.set_timesteps(steps)
         # UniPC nudges sigma = 1 down by 1e-6 (for its log-SNR); everything else is identical
         torch.testing.assert_close(scheduler.sigmas, pipe.scheduler.sigmas.float(), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("recipe, pipeline_class", [
+    ("qwenimage_ocr.yaml", "QwenImagePipeline"), ("wan_t2v.yaml", "WanPipeline"),
+    ("kontext_edit.yaml", "FluxKontextPipeline"), ("qwenimage_edit.yaml", "QwenImageEditPipeline")])
+def test_family_recipes_suit_their_family(recipe, pipeline_class):
+    """The recipes' settings pass the family's own checks (frames, sequence length) and name no LoRA targets, so the
+    trainer uses the family's default."""
+    from flowgrpo.cli import build_peft_config, parse_recipe
+    from flowgrpo.models import family_adapter_class
+    from flowgrpo.models.qwenimage import QWEN_MAX_SEQUENCE_LENGTH
+
+    script_args, model_args, args = parse_recipe([str(REPO / "recipes" / recipe), "--use_cpu", "true"])
+    adapter_cls = family_adapter_class(pipeline_class)
+    adapter_cls.check_num_frames(args.num_frames)
+    assert (args.num_frames > 1) == adapter_cls.is_video
+    assert build_peft_config(model_args).target_modules is None
+    if adapter_cls.family.startswith("qwenimage"):
+        assert args.max_sequence_length <= QWEN_MAX_SEQUENCE_LENGTH and args.guidance_scale > 1
+    if adapter_cls.accepts_images:
+        assert script_args.dataset_name == "data/ocr_edit" and script_args.reward_funcs == ["ocr"]
 
 
 # --- two ranks ------------------------------------------------------------------------------------------------------
