@@ -271,6 +271,12 @@ def test_family_settings_are_checked_before_loading(tiny_pipeline_path, tmp_path
     edit = _index_only(tiny_pipeline_path("qwenimage_edit"), tmp_path / "edit")
     with pytest.raises(ValueError, match=r"QwenImageEditPipeline edits a source image.*no 'image' column"):
         make_trainer(edit, CASE_BY_NAME["qwenimage_edit"], tmp_path / "o3", dataset={"prompt": ["make it red"] * 2})
+    from flowgrpo.testing import build_tiny_pipeline
+
+    args = FlowGRPOConfig(output_dir=str(tmp_path / "o7"), **config_kwargs(CASE_BY_NAME["qwenimage_edit"]))
+    with pytest.raises(ValueError, match=r"no 'image' column"):  # a pipeline object is checked the same way
+        FlowGRPOTrainer(model=build_tiny_pipeline("qwenimage_edit"), reward_funcs=brightness_reward, args=args,
+                        train_dataset=Dataset.from_dict({"prompt": ["make it red"] * 2}), peft_config=LoraConfig())
     with pytest.raises(ValueError, match=r"does not exist"):
         make_trainer(edit, CASE_BY_NAME["qwenimage_edit"], tmp_path / "o4",
                      dataset={"prompt": ["make it red"] * 2, "image": ["missing.png"] * 2})

@@ -105,7 +105,13 @@ class FloorRunner:
         dtype = trainer.model_dtype
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            shapes = self.adapter.encode_prompts(["a"], args.max_sequence_length, self.device)
+            source = None  # editing families: a plain source image of the working size
+            if self.adapter.accepts_images:
+                from PIL import Image
+
+                source = [Image.new("RGB", (self.width, self.height), (128, 128, 128))]
+            shapes = self.adapter.encode_prompts(["a"], args.max_sequence_length, self.device, images=source,
+                                                 height=self.height, width=self.width)
         from ..models import PromptEmbeds
 
         # Random embeddings of the real shapes; masks and ids (integer tensors) keep their real values.

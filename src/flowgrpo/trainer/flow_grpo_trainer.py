@@ -331,7 +331,7 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         from diffusers import DiffusionPipeline
 
         if isinstance(model, DiffusionPipeline):
-            return dict(model.config)
+            return {**dict(model.config), "_class_name": type(model).__name__}
         if not isinstance(model, (str, os.PathLike)):
             return None
         try:
