@@ -106,3 +106,21 @@ def test_synthetic_ocr_edit_set_loads_with_resolved_image_paths(tmp_path, monkey
     for row in train:
         assert row["image"].startswith(str(tmp_path / "edit")) and load_condition_image(row["image"]).size == (32, 32)
         assert extract_quoted_targets(row["prompt"]) == [row["ocr_text"]]  # only the new text is a target
+
+
+def test_cards_and_rank_logs_take_videos(tmp_path):
+    from flowgrpo.cli.train import _sample_digest
+    from flowgrpo.trainer.hub import write_card_images
+    from flowgrpo.trainer.model_card import render_model_card
+
+    video = [frame(v) for v in (0, 100, 200)]
+    samples, _ = write_card_images(tmp_path, {"samples": [("a cat walking", video, 0.5), ("a dog", frame(9), 0.1)]})
+    assert [s.image for s in samples] == ["images/sample_0.gif", "images/sample_1.png"]
+    assert Image.open(tmp_path / "images" / "sample_0.gif").n_frames == 3
+    card = render_model_card("you/wan-lora", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", ["pickscore"], ["flow-grpo"],
+                             pipeline_tag="text-to-video",
+                             second_expert_lora="pytorch_lora_weights_transformer_2.safetensors")
+    assert "pipeline_tag: text-to-video" in card and "text-to-video model" in card
+    assert ('pipe.load_lora_weights("you/wan-lora", weight_name="pytorch_lora_weights_transformer_2.safetensors", '
+            "load_into_transformer_2=True)") in card and "num_frames=" in card
+    assert _sample_digest(video) != _sample_digest(video[:2]) and _sample_digest(frame(9)) == _sample_digest([frame(9)])

@@ -49,6 +49,10 @@ def stock_call(pipe, case: FamilyCase, prompts, images, output_type, monkeypatch
     kwargs = dict(prompt=list(prompts), height=SIZE, width=SIZE, num_inference_steps=steps, output_type=output_type,
                   generator=torch.Generator().manual_seed(0), max_sequence_length=16)
     negative = [""] * len(prompts)
+    if case.family == "sd3":
+        kwargs.update(guidance_scale=case.guidance_scale, negative_prompt=negative)
+    if case.family == "flux":
+        kwargs.update(guidance_scale=case.guidance_scale)
     if case.family in ("qwenimage", "qwenimage_edit"):
         kwargs.update(true_cfg_scale=case.guidance_scale, negative_prompt=negative)
     if case.family == "wan":
@@ -78,6 +82,34 @@ def train_logs(trainer):
 # --- sampling equals the stock pipeline; the first pass is on-policy ----------------------------------------------
 
 
+def assert_sampling_matches_stock(trainer, case: FamilyCase, path, monkeypatch) -> torch.Tensor:
+    """The trainer's ODE sampling (noise level 0) through the adapter, then its decoding, equal the stock pipeline's
+    call with the same seed: latents and pixels. Returns the decoded pixels."""
+    prompts = dataset_rows(case)["prompt"]
+    images = dataset_rows(case).get("image")
+    stock = DiffusionPipeline.from_pretrained(str(path))
+    stock.set_progress_bar_config(disable=True)
+    with trainer._generation_context() as model:
+        embeds, rows = trainer._encode_unique(prompts, trainer.accelerator.device, images, case.guidance_scale)
+        final, _ = trainer._sample(model, embeds.index_select(rows), 3, case.guidance_scale, 0.0, (0, 0),
+                                   torch.Generator().manual_seed(0), record=False)
+        pixels = trainer.adapter.decode(final, SIZE, SIZE)
+    ref_latents = stock_call(stock, case, prompts, images, "latent", monkeypatch)
+    ref_pixels = stock_call(stock, case, prompts, images, "pt", monkeypatch)
+    assert final.shape == ref_latents.shape and pixels.shape == ref_pixels.shape
+    torch.testing.assert_close(final, ref_latents.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pixels, ref_pixels.float(), rtol=1e-4, atol=1e-4)
+    return pixels
+
+
+@pytest.mark.parametrize("case", [FamilyCase("sd3", "sd3"), FamilyCase("flux", "flux", guidance_scale=3.5)],
+                         ids=["sd3", "flux"])
+def test_sampling_matches_stock_pipeline_sd3_and_flux(case, tiny_pipeline_path, tmp_path, monkeypatch):
+    """The families that came first, held to the same check (SD3: CFG with a negative prompt; FLUX: embedded)."""
+    path = tiny_pipeline_path(case.family)
+    assert_sampling_matches_stock(make_trainer(path, case, tmp_path / "out"), case, path, monkeypatch)
+
+
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_sampling_matches_stock_pipeline_and_first_pass_is_on_policy(case, tiny_pipeline_path, tmp_path,
                                                                      monkeypatch):
@@ -104,22 +136,9 @@ def test_sampling_matches_stock_pipeline_and_first_pass_is_on_policy(case, tiny_
     if case.family == "wan":
         assert set(targets) == set(WAN_LORA_TARGET_MODULES)
 
-    prompts = dataset_rows(case)["prompt"]
-    images = dataset_rows(case).get("image")
-    stock = DiffusionPipeline.from_pretrained(str(path))
-    stock.set_progress_bar_config(disable=True)
-    with trainer._generation_context() as model:
-        embeds, rows = trainer._encode_unique(prompts, trainer.accelerator.device, images, case.guidance_scale)
-        final, _ = trainer._sample(model, embeds.index_select(rows), 3, case.guidance_scale, 0.0, (0, 0),
-                                   torch.Generator().manual_seed(0), record=False)
-        pixels = trainer.adapter.decode(final, SIZE, SIZE)
-    ref_latents = stock_call(stock, case, prompts, images, "latent", monkeypatch)
-    ref_pixels = stock_call(stock, case, prompts, images, "pt", monkeypatch)
-    assert final.shape == ref_latents.shape and pixels.shape == ref_pixels.shape
-    torch.testing.assert_close(final, ref_latents.float(), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(pixels, ref_pixels.float(), rtol=1e-4, atol=1e-4)
+    pixels = assert_sampling_matches_stock(trainer, case, path, monkeypatch)
     if case.family == "wan":
-        assert pixels.shape == (len(prompts), case.num_frames, 3, SIZE, SIZE)
+        assert pixels.shape == (4, case.num_frames, 3, SIZE, SIZE)
 
     before = lora_params(trainer.accelerator.unwrap_model(trainer.model))
     trainer.train()
@@ -138,7 +157,7 @@ def test_sampling_matches_stock_pipeline_and_first_pass_is_on_policy(case, tiny_
         assert "rewards/video_reward/mean" in log
     if case.edits:  # the rewards see the source images, as PIL images
         assert len(seen["sources"]) == 4 and all(isinstance(s, Image.Image) for s in seen["sources"])
-        assert {s.tobytes() for s in seen["sources"]} <= {im.tobytes() for im in images}
+        assert {s.tobytes() for s in seen["sources"]} <= {im.tobytes() for im in dataset_rows(case)["image"]}
 
     metrics = trainer.evaluate(Dataset.from_dict(dataset_rows(case, 2)))
     assert np.isfinite(metrics["eval_reward"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from .composition import RewardResult, RewardSet, resolve_reward_funcs, reward_statistics
+from .composition import RewardResult, RewardSet, accepts_video, resolve_reward_funcs, reward_statistics
 from .registry import get_reward, list_rewards, register_reward
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "RewardSet",
     "RewardResult",
     "reward_statistics",
+    "accepts_video",
 ]
 
 # Modules whose import registers built-in rewards. Each must keep heavy imports inside functions.
