@@ -350,6 +350,46 @@ def test_family_recipes_suit_their_family(recipe, pipeline_class):
         assert script_args.dataset_name == "data/ocr_edit" and script_args.reward_funcs == ["ocr"]
 
 
+def test_wan_experts_split_a_batch_at_the_boundary_and_per_token_timesteps(tiny_pipeline_path, monkeypatch):
+    """Samples on both sides of Wan 2.2's boundary each go to their own expert; Wan 2.2 TI2V's per-token timesteps
+    (``expand_timesteps``) sample as the stock pipeline does."""
+    from diffusers import WanPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_pipeline_path("wan", "two_experts")))
+    adapter = WanAdapter(pipe, num_frames=5)
+    embeds = adapter.encode_prompts(["a cat", "a dog"], 16, torch.device("cpu"))
+    x = adapter.prepare_latents(2, SIZE, SIZE, torch.Generator().manual_seed(0), torch.device("cpu"), torch.float32)
+    t = torch.tensor([950.0, 300.0])  # boundary 875: the first sample is high noise, the second low noise
+    assert adapter.expert_for(t).tolist() == [0, 1]
+    with torch.no_grad():
+        mixed = adapter.predict_velocity(adapter.trainable_module(), x, t, embeds, 1.0, None, SIZE, SIZE)
+        high = pipe.transformer(hidden_states=x[:1], timestep=t[:1], encoder_hidden_states=embeds.tensors[
+            "prompt_embeds"][:1], return_dict=False)[0]
+        low = pipe.transformer_2(hidden_states=x[1:], timestep=t[1:], encoder_hidden_states=embeds.tensors[
+            "prompt_embeds"][1:], return_dict=False)[0]
+    torch.testing.assert_close(mixed, torch.cat([high, low]), rtol=1e-5, atol=1e-5)
+
+    single = DiffusionPipeline.from_pretrained(str(tiny_pipeline_path("wan")))
+    ti2v = WanPipeline(**{k: v for k, v in single.components.items() if k != "transformer_2"}, expand_timesteps=True)
+    ti2v.set_progress_bar_config(disable=True)
+    adapter = WanAdapter(ti2v, num_frames=5)
+    assert adapter.expand_timesteps
+    from flowgrpo.schedulers import FlowMatchSDEScheduler, sde_step_from_sigmas
+
+    scheduler = FlowMatchSDEScheduler.from_config(adapter.sde_scheduler_config(), noise_level=0.0)
+    adapter.set_timesteps(scheduler, 3, SIZE, SIZE, torch.device("cpu"))
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(["a cat"], 16, torch.device("cpu"))
+        x = adapter.prepare_latents(1, SIZE, SIZE, torch.Generator().manual_seed(0), torch.device("cpu"), torch.float32)
+        for i in range(3):
+            v = adapter.predict_velocity(ti2v.transformer, x, scheduler.timesteps[i].expand(1), embeds, 1.0, None, SIZE,
+                                         SIZE)
+            x = sde_step_from_sigmas(v, x, scheduler.sigmas[i], scheduler.sigmas[i + 1], noise_level=0.0).prev_sample
+    reference = ti2v(prompt=["a cat"], height=SIZE, width=SIZE, num_frames=5, num_inference_steps=3, guidance_scale=1.0,
+                     output_type="latent", max_sequence_length=16, generator=torch.Generator().manual_seed(0)).frames
+    torch.testing.assert_close(x, reference, rtol=1e-4, atol=1e-4)
+
+
 # --- two ranks ------------------------------------------------------------------------------------------------------
 
 
