@@ -302,6 +302,7 @@ def test_wandb_and_tensorboard_receive_scalars_and_images(tiny_sd3_path, tmp_pat
     import wandb
 
     wandb.finish()
+    wandb.teardown()  # wandb keeps process-wide settings (WANDB_DIR included) until torn down
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     event_dirs = {root for root, _, files in os.walk(tmp_path / "tb") if any("tfevents" in f for f in files)}

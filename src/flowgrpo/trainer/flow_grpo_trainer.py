@@ -314,6 +314,8 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         self._last_samples: tuple | None = None
         self._warned_off_policy = False
         self._last_eval: dict | None = None
+        if args.ddp_find_unused_parameters is None:  # read by Trainer when it builds the accelerator, just below
+            args.ddp_find_unused_parameters = self.adapter.may_leave_weights_unused
 
         super().__init__(
             model=transformer, args=args, data_collator=_identity_collator, train_dataset=train_dataset,
