@@ -175,6 +175,7 @@ class _StepHooks(TrainerCallback):
 
     def __init__(self, trainer: FlowGRPOTrainer):
         self.trainer = trainer
+        self._startup_logged = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._micro_step = state.global_step * args.gradient_accumulation_steps
@@ -188,6 +189,13 @@ class _StepHooks(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
+        if not self._startup_logged:
+            # Seconds from the start of this process to the end of its first optimizer step (imports, loading,
+            # set-up and one step): logged once, with that step's metrics, as timing/startup.
+            self._startup_logged = True
+            import psutil
+
+            t._metrics["train"]["timing/startup"].append(time.time() - psutil.Process().create_time())
         if t.ema is not None and not t.last_step_skipped:  # a skipped (non-finite) step changed no weight
             t.ema.update(t._trainable_parameters(), state.global_step)
         if args.log_images_steps and state.global_step % args.log_images_steps == 0 and t._last_samples:
