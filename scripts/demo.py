@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         noise = summary.get("eval_noise", {}).get(name)
         if noise is not None:
             verdict = "beyond" if abs(last - first) > 2 * noise else "within"
-            line += f"; evaluation noise: +-{2 * noise:.4f} (two standard errors), so {verdict} it"
+            line += f"; evaluation noise: +-{2 * noise:.4f} (two standard errors over the same seeds), so {verdict} it"
         print(line)
     return 0
 

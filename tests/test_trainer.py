@@ -166,6 +166,10 @@ def test_full_finetune_and_evaluate(tiny_sd3_path, tmp_path):
     assert os.path.exists(os.path.join(trainer.args.output_dir, "eval_step_1.png"))
     again = trainer.evaluate(Dataset.from_dict({"prompt": PROMPTS[:5]}))
     assert again["eval_reward"] == metrics["eval_reward"]  # fixed seeds, ODE: deterministic
+    assert "eval_rewards/brightness_reward/change" not in metrics  # the first evaluation of this set: the baseline
+    assert again["eval_rewards/brightness_reward/change"] == 0.0
+    assert again["eval_rewards/brightness_reward/change_se"] == 0.0
+    assert again["eval_rewards/brightness_reward/count"] == 5.0
     trainer.save_model()
     from diffusers import SD3Transformer2DModel
 

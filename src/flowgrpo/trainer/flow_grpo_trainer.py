@@ -67,6 +67,7 @@ from .config import FlowGRPOConfig
 from .contact_sheet import make_contact_sheet
 from .datasets import INDEX_COLUMN, IndexedPromptDataset
 from .ema import EMAWeights
+from .eval_change import EvaluationBaseline
 from .lora_export import EXPERT_LORA_WEIGHTS_NAMES, LORA_WEIGHTS_NAME, save_diffusers_lora
 from .media import encode_gif, is_video, tensorboard_video_summary, video_grid
 from .prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
@@ -322,6 +323,7 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         self._last_samples: tuple | None = None
         self._warned_off_policy = False
         self._last_eval: dict | None = None
+        self._eval_baseline = EvaluationBaseline()
         if args.ddp_find_unused_parameters is None:  # read by Trainer when it builds the accelerator, just below
             args.ddp_find_unused_parameters = self.adapter.may_leave_weights_unused
 
@@ -929,7 +931,10 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         """ODE sampling (noise 0) at the eval step count and guidance with fixed seeds; rewards on the eval set.
 
         Logs ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/<name>/{mean,std,count}`` (``count``: the images
-        the reward scored, so that ``std / sqrt(count)`` is the standard error of the mean); writes a contact sheet of
+        the reward scored, so that ``std / sqrt(count)`` is the standard error of the mean) and, from the second
+        evaluation of the same prompts on, ``eval_rewards/<name>/{change,change_se}``: the change since the first
+        evaluation and its standard error, paired image by image (same prompts and seeds; ``eval_change.py``);
+        writes a contact sheet of
         prompts, images and scores to ``output_dir/eval_step_<N>.png``. With ``eval_images_per_prompt = k``,
         sample ``i`` is image ``i % k`` of prompt ``i // k`` and is drawn from its own seed, so evaluations at
         different steps compare the same noise; the metrics use every image, the sheet each prompt's first.
@@ -980,6 +985,12 @@ class FlowGRPOTrainer(FlowBaseTrainer):
             metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = mean
             metrics[f"{metric_key_prefix}_rewards/{name}/std"] = std
             metrics[f"{metric_key_prefix}_rewards/{name}/count"] = float(count)
+        # Paired with the first evaluation of the same prompts and seeds (eval_change.py).
+        changes = self._eval_baseline.compare(metric_key_prefix, [r[1] for r in gathered],
+                                              {name: [r[4][name] for r in gathered] for name in self.reward_set.names})
+        for name, (change, change_se, _) in changes.items():
+            metrics[f"{metric_key_prefix}_rewards/{name}/change"] = change
+            metrics[f"{metric_key_prefix}_rewards/{name}/change_se"] = change_se
         if self.is_world_process_zero():
             os.makedirs(args.output_dir, exist_ok=True)
             shown = [r for r in gathered if r[0] % per_prompt == 0]  # the sheet: each prompt's first image
