@@ -307,3 +307,23 @@ def test_short_rl_run_improves_the_target_reward_beyond_eval_noise(learning_worl
     assert gain > max(2 * noise, 0.03), (baseline, result["before"], result["after"])
     assert result["target_attribute"] == "shape"
     assert (tmp_path / "reward_curve.png").is_file() and (tmp_path / "before_after.png").is_file()
+
+
+def test_only_the_toy_worlds_own_t5_truncation_warning_is_dropped():
+    import logging
+
+    from flowgrpo.toy.build import quiet_toy_truncation_warnings
+
+    quiet_toy_truncation_warnings(8)
+    quiet_toy_truncation_warnings(8)  # once per process
+    logger = logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3")
+
+    def kept(message: str) -> bool:
+        return bool(logger.filter(logging.LogRecord(logger.name, logging.WARNING, __file__, 1, message, None, None)))
+
+    assert sum(type(f).__name__ == "_ToyT5TruncationFilter" for f in logger.filters) == 1
+    assert not kept("The following part of your input was truncated because `max_sequence_length` is set to  8 "
+                    "tokens: ['left']")
+    assert kept("The following part of your input was truncated because `max_sequence_length` is set to  256 "
+                "tokens: ['left']")
+    assert kept("The following part of your input was truncated because CLIP can only handle sequences up to 77")
