@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full",
                         help="'full' (the recipes' world) or 'light' (seconds, for tests); default full")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of the build (default 1: the same world on every machine)")
+                        help="torch threads of the build (default 1: the same world on every machine; the build is "
+                             "deterministic for a seed and thread count)")
     parser.add_argument("--no-eval", action="store_true", help="skip measuring the accuracies on the eval prompts")
     args = parser.parse_args(argv)
     if args.seed < 0:

@@ -516,15 +516,17 @@ def _torch_threads(threads: int):
 
 
 def build_toy_world(output_dir: str | os.PathLike[str], seed: int = 0, config: ToyWorldConfig | str = "full",
-                    evaluate: bool = True, log: Callable[[str], None] = _log_default, threads: int = 1) -> Path:
+                    evaluate: bool = True, log: Callable[[str], None] = _log_default,
+                    threads: int = 1) -> Path:
     """Train the toy world and save it to ``output_dir`` (a ``StableDiffusion3Pipeline`` folder).
 
     Besides the pipeline, the folder holds ``prompts_train.txt``, ``prompts_eval.txt`` (disjoint) and
     ``toy_world.json`` (seed, config, recommended generation settings and, with ``evaluate``, the accuracies on
     the eval prompts). ``config`` is a :class:`ToyWorldConfig` or a preset name (``"full"``, ``"light"``).
-    The build is deterministic for a seed, preset and torch thread count; ``threads`` (default 1) is set for the
-    build and restored afterwards, so that every machine builds the same world whatever its core count (the
-    model is small enough that more threads gain little: measured 1.25x with two).
+    ``threads`` (torch threads, set for the build and restored afterwards) defaults to 1: the build is deterministic
+    for a seed, preset and thread count, so one thread gives the same world on every machine, and it is the fast
+    choice where other work shares the cores (measured on 2 cores: two threads gained 1.25x alone, and the build took
+    3.5x longer than with one while another process was busy).
     """
     if threads < 1:
         raise ValueError(f"threads={threads} must be >= 1.")
@@ -596,17 +598,19 @@ def default_cache_dir() -> Path:
 
 
 def cached_toy_world(preset: str = "full", seed: int = 0, cache_dir: str | os.PathLike[str] | None = None,
-                     log: Callable[[str], None] = _log_default) -> Path:
+                     log: Callable[[str], None] = _log_default, threads: int = 1) -> Path:
     """Path of a built toy world (``preset``, ``seed``), built on first use and reused afterwards.
 
     The folder name carries a fingerprint of the builder's sources, the preset and the library versions, so a
-    changed builder makes a new folder. Built in a private temporary folder and renamed into place atomically;
-    concurrent callers wait for the first builder (``flowgrpo.build_cache``).
+    changed builder makes a new folder; a world missing from the cache is built with ``threads`` threads (see
+    :func:`build_toy_world`; ``toy_world.json`` records the count). Built in a private temporary folder and renamed
+    into place atomically; concurrent callers wait for the first builder (``flowgrpo.build_cache``).
     """
     from ..build_cache import build_folder_once
 
     name = preset if isinstance(preset, str) else "custom"
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / f"{name}-seed{seed}-{_fingerprint(preset, seed)}"
-    return build_folder_once(target, lambda path: build_toy_world(path, seed=seed, config=preset, log=log),
+    return build_folder_once(target, lambda path: build_toy_world(path, seed=seed, config=preset, log=log,
+                                                                  threads=threads),
                              what="toy world cache folder")
