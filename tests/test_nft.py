@@ -193,3 +193,37 @@ def test_config_defaults_and_checks(tmp_path):
         nft_args(tmp_path, noise_level=0.7)
     with pytest.raises(TypeError, match="same_noise_per_group"):
         nft_args(tmp_path, same_noise_per_group=True, epsilon=1e-3)
+
+
+# ---- the launch script: the trainer key, --help, settings of the other trainer ------------------------------------
+
+def test_recipes_pick_the_trainer_and_help_lists_the_nft_fields(monkeypatch):
+    from pathlib import Path
+
+    from flowgrpo.cli import RecipeError, parse_recipe
+    from flowgrpo.cli.parser import build_parser
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    script, model, args = parse_recipe(["recipes/nft_ocr.yaml", "--use_cpu", "true"])
+    assert script.trainer == "diffusion_nft" and isinstance(args, DiffusionNFTConfig)
+    assert model.model_name_or_path == "stabilityai/stable-diffusion-3.5-medium"
+    assert (args.nft_beta, args.old_policy_decay_start, args.old_policy_decay_rate, args.old_policy_decay_max) == (
+        0.1, 75, 0.0075, 0.999)
+    assert (args.sampler, args.guidance_scale, args.num_inference_steps, args.beta) == ("dpmpp_2m", 1.0, 10, 1e-4)
+    _, _, args = parse_recipe(["recipes/nft_geneval.yaml", "--use_cpu", "true"])
+    assert (args.nft_beta, args.old_policy_decay_rate, args.old_policy_decay_max) == (1.0, 0.001, 0.5)
+    script, _, args = parse_recipe(["recipes/nft_geneval.yaml", "--use_cpu", "true", "--trainer=diffusion_nft",
+                                    "--nft_beta", "0.3"])
+    assert script.trainer == "diffusion_nft" and args.nft_beta == 0.3
+    # settings of the other trainer are named as such, with the fix
+    with pytest.raises(RecipeError, match="'--noise_level': a Flow-GRPO setting that DiffusionNFT does not use"):
+        parse_recipe(["recipes/nft_ocr.yaml", "--use_cpu", "true", "--noise_level", "0.7"])
+    with pytest.raises(RecipeError, match="'nft_beta': a DiffusionNFT setting: add trainer: diffusion_nft"):
+        parse_recipe(["recipes/ocr.yaml", "--use_cpu", "true"], overrides={"nft_beta": 0.1})
+    with pytest.raises(RecipeError, match="trainer='nft' is not a trainer"):
+        parse_recipe(["recipes/ocr.yaml", "--trainer", "nft"])
+    plain, nft = build_parser().format_help(), build_parser("diffusion_nft").format_help()
+    for name in ("sampler", "timestep_fraction", "nft_beta", "old_policy_decay_start", "old_policy_decay_rate",
+                 "old_policy_decay_max"):
+        assert f"--{name}" in plain and f"--{name} " in nft.replace("\n", " ")
+    assert "--noise_level" in plain and "--noise_level " not in nft and "--trainer" in plain

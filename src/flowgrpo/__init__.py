@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_TRAINER_NAMES = ("DiffusionNFTConfig", "DiffusionNFTTrainer", "FlowGRPOConfig", "FlowGRPOTrainer")
-
-__all__ = [*_TRAINER_NAMES, "__version__"]
+__all__ = ["DiffusionNFTConfig", "DiffusionNFTTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "__version__"]
+_TRAINER_NAMES = frozenset(__all__) - {"__version__"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from .trainer import DiffusionNFTConfig, DiffusionNFTTrainer, FlowGRPOConfig, FlowGRPOTrainer
