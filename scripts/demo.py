@@ -117,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         (s0, r0), (s1, r1) = summary["eval_first"], summary["eval_last"]
         print(f"  eval reward:  {r0:.4f} (step {s0}) -> {r1:.4f} (step {s1})")
     for name, (first, last) in summary.get("eval_components", {}).items():
-        print(f"  eval {name}: {first:.4f} -> {last:.4f}")
+        line = f"  eval {name}: {first:.4f} -> {last:.4f} ({last - first:+.4f})"
+        noise = summary.get("eval_noise", {}).get(name)
+        if noise is not None:
+            verdict = "beyond" if abs(last - first) > 2 * noise else "within"
+            line += f"; evaluation noise: +-{2 * noise:.4f} (two standard errors), so {verdict} it"
+        print(line)
     return 0
 
 

@@ -4,8 +4,12 @@
     python scripts/make_ocr_prompts.py --output_dir data/ocr_synthetic            # what the repository ships
     python scripts/make_ocr_prompts.py --output_dir /tmp/ocr --num_train 500 --format jsonl
 
+    python scripts/make_ocr_prompts.py --edit --output_dir data/ocr_edit               # editing set (Kontext, Qwen-Edit)
+
 Prompts look like ``a wooden sign that says "OPEN"``; ``--format jsonl`` adds an ``ocr_text`` column with the target
-text. The same arguments always give the same files (see ``flowgrpo.cli.ocr_prompts``).
+text. ``--edit`` writes source images (a sign with one word) and ``train.jsonl`` / ``test.jsonl`` rows asking for
+another word (``Change the text on the sign to "HELLO"``, with ``image`` and ``ocr_text`` columns). The same
+arguments always give the same files (see ``flowgrpo.cli.ocr_prompts``).
 """
 
 from __future__ import annotations
@@ -22,17 +26,25 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="generator seed")
     parser.add_argument("--format", choices=("txt", "jsonl"), default="txt", dest="file_format",
                         help="txt: one prompt per line; jsonl: also the ocr_text target column")
+    parser.add_argument("--edit", action="store_true", help="write an editing set: source images + jsonl")
+    parser.add_argument("--size", type=int, default=512, help="side of the source images of --edit (pixels)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flowgrpo.cli.ocr_prompts import write_ocr_prompt_files
+    from flowgrpo.cli.ocr_prompts import write_ocr_edit_files, write_ocr_prompt_files
 
     args = build_arg_parser().parse_args(argv)
     if args.num_train < 1:
         print(f"error: --num_train={args.num_train} must be >= 1", file=sys.stderr)
         return 2
-    written = write_ocr_prompt_files(args.output_dir, args.num_train, args.num_test, args.seed, args.file_format)
+    if args.edit:
+        if args.size < 16:
+            print(f"error: --size={args.size} must be >= 16", file=sys.stderr)
+            return 2
+        written = write_ocr_edit_files(args.output_dir, args.num_train, args.num_test, args.seed, args.size)
+    else:
+        written = write_ocr_prompt_files(args.output_dir, args.num_train, args.num_test, args.seed, args.file_format)
     for split, path in written.items():
         print(f"{split}: {path}")
     return 0

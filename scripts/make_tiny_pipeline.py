@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""Build a tiny random-weight SD3 or FLUX pipeline offline and save it with ``save_pretrained``.
+"""Build a tiny random-weight pipeline of any supported family offline and save it with ``save_pretrained``.
 
     python scripts/make_tiny_pipeline.py --family sd3 --output /tmp/tiny-sd3 [--seed 0]
+    python scripts/make_tiny_pipeline.py --family wan --variant two_experts --output /tmp/tiny-wan22
 
-The folder loads with stock ``DiffusionPipeline.from_pretrained(DIR)``; see ``flowgrpo.testing.tiny_pipelines``
-for the architectures.
+Families: sd3, flux, qwenimage, wan, flux_kontext, qwenimage_edit (``flowgrpo.testing.TINY_FAMILIES``); variants:
+``flowgrpo.testing.TINY_VARIANTS`` (``wan``: ``two_experts``, Wan 2.2 A14B's layout). The folder loads with stock
+``DiffusionPipeline.from_pretrained(DIR)`` (``qwenimage_edit``: after ``import flowgrpo.testing``, which defines its
+image-only processor); see ``flowgrpo.testing.tiny_pipelines`` for the architectures.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 try:
-    from flowgrpo.testing import TINY_FAMILIES, save_tiny_pipeline
+    from flowgrpo.testing import TINY_FAMILIES, TINY_VARIANTS, save_tiny_pipeline
 except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from flowgrpo.testing import TINY_FAMILIES, save_tiny_pipeline
+    from flowgrpo.testing import TINY_FAMILIES, TINY_VARIANTS, save_tiny_pipeline
 
 
 def _folder_size(path: Path) -> int:
@@ -34,17 +37,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", choices=TINY_FAMILIES, required=True, help="pipeline family to build")
     parser.add_argument("--output", type=Path, required=True, help="folder to write (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default: 0)")
+    variants = sorted({v for vs in TINY_VARIANTS.values() for v in vs})
+    parser.add_argument("--variant", default=None, help=f"another layout of the family ({', '.join(variants)})")
     args = parser.parse_args(argv)
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.variant is not None and args.variant not in TINY_VARIANTS.get(args.family, ()):
+        known = TINY_VARIANTS.get(args.family, ())
+        parser.error(f"--variant {args.variant!r}: the {args.family} pipeline has "
+                     + (f"the variants {', '.join(known)}" if known else "no variants"))
     if args.output.exists() and any(args.output.iterdir()):
         parser.error(f"--output {args.output} exists and is not empty; choose a new or empty folder")
 
     start = time.perf_counter()
-    path = save_tiny_pipeline(args.family, args.output, seed=args.seed)
+    path = save_tiny_pipeline(args.family, args.output, seed=args.seed, variant=args.variant)
     elapsed = time.perf_counter() - start
     size_mb = _folder_size(path) / 2**20
-    print(f"Saved tiny {args.family} pipeline (seed {args.seed}) to {path.resolve()} "
+    what = args.family if args.variant is None else f"{args.family} ({args.variant})"
+    print(f"Saved tiny {what} pipeline (seed {args.seed}) to {path.resolve()} "
           f"({size_mb:.2f} MB, built in {elapsed:.1f} s)")
     return 0
 

@@ -57,3 +57,15 @@ def tiny_flux_path(tiny_pipeline_cache):
     from flowgrpo.testing import cached_tiny_pipeline_path
 
     return cached_tiny_pipeline_path("flux", seed=0, cache_dir=tiny_pipeline_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline_path(tiny_pipeline_cache):
+    """``tiny_pipeline_path(family, variant=None)``: a tiny pipeline of any of ``flowgrpo.testing.TINY_FAMILIES``
+    saved with ``save_pretrained``, built once per session."""
+    from flowgrpo.testing import cached_tiny_pipeline_path
+
+    def path(family: str, variant: str | None = None):
+        return cached_tiny_pipeline_path(family, seed=0, cache_dir=tiny_pipeline_cache, variant=variant)
+
+    return path

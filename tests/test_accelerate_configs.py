@@ -2,7 +2,7 @@
 fail), the ``accelerate launch`` argument handling (``_validate_launch_command``, ``prepare_multi_gpu_env`` /
 ``prepare_deepspeed_cmd_env``), and the plugin classes the launched script builds from that environment
 (``FullyShardedDataParallelPlugin``, ``DeepSpeedPlugin``). FSDP wrapping is checked with accelerate's FSDP2 wrap
-policy on the tiny SD3 and FLUX transformers. Running the GPU configs needs GPUs; the CPU config runs for real in
+policy on the tiny SD3, FLUX, Qwen-Image and Wan transformers. Running the GPU configs needs GPUs; the CPU config runs for real in
 tests/test_distributed.py.
 """
 
@@ -22,6 +22,8 @@ EXPECTED = {
     "multi_gpu.yaml": (DistributedType.MULTI_GPU, 8),
     "fsdp8.yaml": (DistributedType.FSDP, 8),
     "fsdp8_flux.yaml": (DistributedType.FSDP, 8),
+    "fsdp8_qwenimage.yaml": (DistributedType.FSDP, 8),
+    "fsdp8_wan.yaml": (DistributedType.FSDP, 8),
     "zero2.yaml": (DistributedType.DEEPSPEED, 8),
     "zero3.yaml": (DistributedType.DEEPSPEED, 8),
     "multi_node.yaml": (DistributedType.MULTI_GPU, 16),
@@ -104,6 +106,8 @@ def _wrapped_class_names(plugin, family: str) -> set[str]:
 @pytest.mark.parametrize("name, family, units", [
     ("fsdp8.yaml", "sd3", {"JointTransformerBlock", "SD3Transformer2DModel"}),
     ("fsdp8_flux.yaml", "flux", {"FluxTransformerBlock", "FluxSingleTransformerBlock", "FluxTransformer2DModel"}),
+    ("fsdp8_qwenimage.yaml", "qwenimage", {"QwenImageTransformerBlock", "QwenImageTransformer2DModel"}),
+    ("fsdp8_wan.yaml", "wan", {"WanTransformerBlock", "WanTransformer3DModel"}),
 ])
 def test_fsdp_configs_build_the_fsdp2_plugin_and_wrap_the_transformer(monkeypatch, name, family, units):
     from accelerate.utils import FullyShardedDataParallelPlugin

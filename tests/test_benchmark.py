@@ -12,7 +12,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flowgrpo.benchmarking import PRESETS, get_preset, step_flops, transformer_forward_flops
 from flowgrpo.benchmarking.flops import count_flops
-from flowgrpo.benchmarking.presets import FLUX_DEV_TRANSFORMER, SD35M_TRANSFORMER, build_preset_pipeline
+from flowgrpo.benchmarking.presets import (
+    FLUX_DEV_TRANSFORMER,
+    QWEN_IMAGE_TRANSFORMER,
+    SD35M_TRANSFORMER,
+    WAN_1_3B_TRANSFORMER,
+    WAN_14B_TRANSFORMER,
+    WAN_LORA_TARGETS,
+    build_preset_pipeline,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -53,6 +61,45 @@ def test_analytic_flops_match_torch_counter_on_tiny_models_with_lora(family):
         assert count_flops(lambda: out.setdefault("v", model(**kwargs)[0])) == batch * expected.total
         backward = count_flops(lambda: out["v"].float().square().mean().backward())
     assert backward == batch * expected.backward(full_finetune=False)
+
+
+def _family_inputs(family, batch, device="cpu"):
+    """Inputs of a 32 px call of the tiny Qwen-Image / Wan transformers (5 frames), and their token counts."""
+    if family == "qwenimage":  # 4 packed image tokens, 7 text tokens
+        return 4, 7, dict(hidden_states=torch.randn(batch, 4, 64, device=device),
+                          timestep=torch.full((batch,), 0.5, device=device),
+                          encoder_hidden_states=torch.randn(batch, 7, 32, device=device),
+                          encoder_hidden_states_mask=None, img_shapes=[[(1, 2, 2)]] * batch)
+    return 8, 9, dict(hidden_states=torch.randn(batch, 16, 2, 4, 4, device=device),  # 2 latent frames of 2x2 patches
+                      timestep=torch.full((batch,), 500.0, device=device),
+                      encoder_hidden_states=torch.randn(batch, 9, 48, device=device))
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+@pytest.mark.parametrize("family", ["qwenimage", "wan"])
+def test_analytic_flops_match_torch_counter_on_tiny_qwenimage_and_wan(family, full):
+    """Forward and backward, LoRA on the family's default targets or full fine-tuning."""
+    from peft import LoraConfig, get_peft_model
+
+    from flowgrpo.models import QwenImageAdapter, WanAdapter
+    from flowgrpo.testing import build_tiny_pipeline
+
+    targets = list((QwenImageAdapter if family == "qwenimage" else WanAdapter).default_lora_target_modules)
+    batch = 2
+    n_img, n_txt, kwargs = _family_inputs(family, batch)
+    transformer = build_tiny_pipeline(family).transformer
+    config = dict(transformer.config)
+    if full:
+        model, expected = transformer.requires_grad_(True), transformer_forward_flops(family, config, n_img, n_txt)
+    else:
+        model = get_peft_model(transformer, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        expected = transformer_forward_flops(family, config, n_img, n_txt, lora_rank=4, lora_targets=targets)
+        assert expected.lora > 0
+    with sdpa_kernel(SDPBackend.MATH):
+        out = {}
+        assert count_flops(lambda: out.setdefault("v", model(**kwargs)[0])) == batch * expected.total
+        backward = count_flops(lambda: out["v"].float().square().mean().backward())
+    assert backward == batch * expected.backward(full_finetune=full)
 
 
 def test_analytic_flops_full_finetune_backward_on_tiny_sd3():
@@ -97,6 +144,31 @@ def test_analytic_flops_match_torch_counter_on_full_size_architectures(family, c
     assert (params > 2.2e9) if family == "sd3" else (params > 11e9)
 
 
+@pytest.mark.parametrize("family, config", [("qwenimage", QWEN_IMAGE_TRANSFORMER), ("wan", WAN_1_3B_TRANSFORMER),
+                                            ("wan", WAN_14B_TRANSFORMER)], ids=["qwen-image", "wan-1.3b", "wan-14b"])
+def test_analytic_flops_match_torch_counter_on_full_size_qwenimage_and_wan(family, config):
+    """Qwen-Image (20 B) and Wan 2.1 (1.3 B, 14 B) at full size on the meta device, at their benchmark shapes."""
+    from diffusers import QwenImageTransformer2DModel, WanTransformer3DModel
+
+    with torch.device("meta"):
+        model = (QwenImageTransformer2DModel if family == "qwenimage" else WanTransformer3DModel)(**config)
+    if family == "qwenimage":  # 512 px: 32x32 packed tokens; a 40-token prompt
+        n_img, n_txt = 1024, 40
+        kwargs = dict(hidden_states=torch.empty(1, n_img, 64, device="meta"), timestep=torch.empty(1, device="meta"),
+                      encoder_hidden_states=torch.empty(1, n_txt, 3584, device="meta"),
+                      encoder_hidden_states_mask=None, img_shapes=[[(1, 32, 32)]])
+    else:  # 33 frames of 480x832: 9 latent frames of 30x52 patches; 512 text tokens
+        n_img, n_txt = 9 * 30 * 52, 512
+        kwargs = dict(hidden_states=torch.empty(1, 16, 9, 60, 104, device="meta"),
+                      timestep=torch.empty(1, device="meta"),
+                      encoder_hidden_states=torch.empty(1, n_txt, 4096, device="meta"))
+    expected = transformer_forward_flops(family, dict(model.config), n_img, n_txt)
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        assert count_flops(model, **kwargs) == expected.total
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    assert {"qwenimage": 20 < params < 21, "wan": 1.2 < params < 1.6 or 13.5 < params < 15}[family], params
+
+
 def test_step_flops_counts_calls_and_cfg():
     fwd = transformer_forward_flops("sd3", dict(SD35M_TRANSFORMER), 1024, 333, 32, LORA_TARGETS)
     plain = step_flops(fwd, micro_batches=8, micro_batch_size=8, num_inference_steps=10, trained_steps=3, cfg=False)
@@ -129,22 +201,25 @@ def test_gpu_presets_match_the_issue():
     small = get_preset("small-cpu")
     assert (small.resolution, small.num_prompts, small.num_generations, small.num_inference_steps,
             small.sde_window_size, small.reward) == (128, 2, 4, 6, 2, "ocr")
-    assert set(PRESETS) >= {"tiny", "small-cpu", "toy", "sd35m-random", "flux-random"}
+    assert set(PRESETS) >= {"tiny", "small-cpu", "toy", "sd35m-random", "flux-random", "qwenimage-random", "wan-random"}
     toy = get_preset("toy")  # the settings of recipes/toy.yaml
     assert (toy.resolution, toy.num_prompts, toy.num_generations, toy.num_inference_steps, toy.sde_window_size,
             toy.guidance_scale, toy.reward, toy.reward_weights) == (32, 4, 8, 8, 2, 3.0,
                                                                     ("toy_shape_score", "toy_color"), (1.0, 0.5))
     assert all(p.threads == "auto" for p in PRESETS.values())
+    qwen, wan = get_preset("qwenimage-random"), get_preset("wan-random")
+    assert (qwen.family, wan.family) == ("qwenimage", "wan") and wan.lora_targets == WAN_LORA_TARGETS
+    assert wan.config_kwargs()["num_frames"] == 33 and wan.config_kwargs()["width"] == 832
 
 
 def test_gpu_presets_fail_clearly_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for name in ("sd35m-random", "flux-random"):
+    for name in ("sd35m-random", "flux-random", "qwenimage-random", "wan-random"):
         with pytest.raises(RuntimeError, match=r"CUDA GPU.*small-cpu"):
             build_preset_pipeline(get_preset(name))
 
 
-@pytest.mark.parametrize("name", ["sd35m-random", "flux-random"])
+@pytest.mark.parametrize("name", ["sd35m-random", "flux-random", "qwenimage-random", "wan-random"])
 def test_full_size_pipelines_build_on_the_meta_device(name):
     """The GPU presets' build code, on the meta device: the configs make valid pipelines of the real sizes."""
     from flowgrpo.benchmarking.presets import _build_full_size
@@ -158,9 +233,16 @@ def test_full_size_pipelines_build_on_the_meta_device(name):
     if name == "sd35m-random":
         assert 2.2 < sizes["transformer"] < 2.6 and 4.6 < sizes["text_encoder_3"] < 4.9  # SD3.5-M, T5-XXL encoder
         assert 0.6 < sizes["text_encoder_2"] < 0.75 and 0.1 < sizes["text_encoder"] < 0.15  # CLIP-G, CLIP-L
-    else:
+    elif name == "flux-random":
         assert 11.5 < sizes["transformer"] < 12.2 and 4.6 < sizes["text_encoder_2"] < 4.9
-    assert pipe.vae_scale_factor == 8
+    elif name == "qwenimage-random":  # Qwen-Image 20 B, Qwen2.5-VL-7B (with its vision tower), the 127 M VAE
+        assert 20 < sizes["transformer"] < 21 and 8.0 < sizes["text_encoder"] < 8.5 and 0.1 < sizes["vae"] < 0.15
+    else:  # Wan 2.1 1.3 B, UMT5-XXL encoder, the 127 M VAE; the UniPC schedule keeps its flow_shift
+        assert 1.3 < sizes["transformer"] < 1.5 and 5.5 < sizes["text_encoder"] < 5.9 and 0.1 < sizes["vae"] < 0.15
+        adapter = get_family_adapter(pipe, num_frames=33)
+        assert adapter.sde_scheduler_config()["shift"] == 3.0
+    if name != "wan-random":
+        assert pipe.vae_scale_factor == 8
 
 
 def test_small_cpu_transformer_size():

@@ -256,8 +256,14 @@ def test_shipped_synthetic_ocr_prompts_are_reproducible(tmp_path):
 def test_lora_config_from_model_arguments():
     config = build_peft_config(ModelArguments(model_name_or_path="x", lora_r=8, lora_alpha=16, lora_init="gaussian"))
     assert (config.r, config.lora_alpha, config.init_lora_weights) == (8, 16, "gaussian")
-    assert set(config.target_modules) == set(DEFAULT_LORA_TARGET_MODULES)
+    assert config.target_modules is None  # the trainer fills in the family's default targets
+    named = build_peft_config(ModelArguments(model_name_or_path="x", lora_target_modules=["to_q", "to_v"]))
+    assert set(named.target_modules) == {"to_q", "to_v"}
     assert build_peft_config(ModelArguments(model_name_or_path="x", use_peft=False)) is None
+    from flowgrpo.models import SD3Adapter, WanAdapter
+
+    assert set(SD3Adapter.default_lora_target_modules) == set(DEFAULT_LORA_TARGET_MODULES)
+    assert all(t.startswith(("attn1.", "attn2.")) for t in WanAdapter.default_lora_target_modules)
 
 
 # ---- run reports (the demo's pictures) -----------------------------------------------------------------------------

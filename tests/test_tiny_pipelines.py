@@ -1,4 +1,5 @@
-"""The offline tiny SD3 / FLUX pipelines: build, save, reload with stock diffusers, generate, tokenize, determinism."""
+"""The offline tiny pipelines of every family: build, save, reload with stock diffusers, generate, tokenize,
+determinism."""
 
 from __future__ import annotations
 
@@ -12,9 +13,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
+from diffusers import (
+    DiffusionPipeline,
+    FluxKontextPipeline,
+    FluxPipeline,
+    QwenImageEditPipeline,
+    QwenImagePipeline,
+    StableDiffusion3Pipeline,
+    WanPipeline,
+)
+from PIL import Image
 
 from flowgrpo.testing import TINY_FAMILIES, build_tiny_pipeline, cached_tiny_pipeline_path, save_tiny_pipeline
+from flowgrpo.testing.tiny_qwenimage import ImageOnlyQwen2VLProcessor
+from flowgrpo.testing.tiny_tokenizers import QWEN_TEMPLATE_PREFIXES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,12 +42,9 @@ CURLY_PROMPTS = ["a storefront with “Bakery & Café” above the door", "a neo
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_sd3_path, tiny_flux_path):
-    """Both tiny pipelines as stock ``DiffusionPipeline.from_pretrained`` loads them from disk."""
-    return {
-        "sd3": DiffusionPipeline.from_pretrained(tiny_sd3_path),
-        "flux": DiffusionPipeline.from_pretrained(tiny_flux_path),
-    }
+def loaded(tiny_pipeline_path):
+    """Every tiny pipeline as stock ``DiffusionPipeline.from_pretrained`` loads it from disk."""
+    return {family: DiffusionPipeline.from_pretrained(tiny_pipeline_path(family)) for family in TINY_FAMILIES}
 
 
 def _squash(text: str) -> str:
@@ -79,20 +88,86 @@ def test_reloads_as_stock_pipelines(loaded):
                    for p in m.parameters())
 
 
+def test_newer_families_reload_as_stock_pipelines(loaded):
+    qwen, edit, wan, kontext = (loaded[f] for f in ("qwenimage", "qwenimage_edit", "wan", "flux_kontext"))
+    assert isinstance(qwen, QwenImagePipeline) and isinstance(edit, QwenImageEditPipeline)
+    assert isinstance(wan, WanPipeline) and isinstance(kontext, FluxKontextPipeline)
+    assert isinstance(edit.processor, ImageOnlyQwen2VLProcessor) and edit.processor.tokenizer is not None
+    for pipe in (qwen, edit):
+        text = pipe.text_encoder.config.text_config
+        assert pipe.transformer.config.joint_attention_dim == text.hidden_size
+        assert sum(text.rope_parameters["mrope_section"]) == text.hidden_size // text.num_attention_heads // 2
+        assert pipe.vae_scale_factor == 8 and not pipe.transformer.config.guidance_embeds
+        assert pipe.scheduler.config.use_dynamic_shifting and pipe.scheduler.config.shift_terminal == 0.02
+    assert wan.transformer.config.text_dim == wan.text_encoder.config.d_model
+    assert (wan.vae_scale_factor_temporal, wan.vae_scale_factor_spatial) == (4, 8)
+    assert wan.transformer_2 is None and wan.config.boundary_ratio is None
+    assert any(n.endswith("attn1.to_q") for n, _ in wan.transformer.named_modules())
+    assert kontext.transformer.config.guidance_embeds  # FLUX.1-dev style guidance embedding, as Kontext [dev]
+
+
+def test_qwen_template_prefixes_have_exactly_the_dropped_token_counts(loaded):
+    """The Qwen pipelines cut a fixed number of hidden states (their system prompt): the tokenizer must agree."""
+    for family, pipe in (("qwenimage", loaded["qwenimage"]), ("qwenimage_edit", loaded["qwenimage_edit"])):
+        prefix, count = QWEN_TEMPLATE_PREFIXES[family]
+        assert pipe.prompt_template_encode.startswith(prefix)
+        assert pipe.prompt_template_encode_start_idx == count == len(pipe.tokenizer(prefix).input_ids)
+        for prompt in PROMPTS + CURLY_PROMPTS:
+            text = pipe.prompt_template_encode.format(prompt)
+            full = pipe.tokenizer(text).input_ids
+            assert pipe.tokenizer.decode(full[count:]) == text[len(prefix):]  # the cut falls right after the prefix
+            ids = pipe.tokenizer(prompt).input_ids
+            assert pipe.tokenizer.decode(ids) == prompt and len(ids) < len(prompt.encode("utf-8"))
+    image_pad = loaded["qwenimage_edit"].tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert loaded["qwenimage_edit"].text_encoder.config.image_token_id == image_pad
+
+
+def test_two_expert_wan_variant(tiny_pipeline_path):
+    pipe = DiffusionPipeline.from_pretrained(tiny_pipeline_path("wan", "two_experts"))
+    assert pipe.config.boundary_ratio == 0.875 and pipe.transformer_2 is not None
+    first, second = (dict(t.named_parameters()) for t in (pipe.transformer, pipe.transformer_2))
+    assert first.keys() == second.keys() and any(not torch.equal(first[k], second[k]) for k in first)
+    with pytest.raises(ValueError, match="two_experts"):
+        build_tiny_pipeline("wan", variant="three_experts")
+    with pytest.raises(ValueError, match="no variants"):
+        build_tiny_pipeline("sd3", variant="two_experts")
+
+
+def _family_kwargs(family: str, size: tuple[int, int], batch: int) -> dict:
+    """What each family's call needs besides the prompt: frames (Wan), a source image (the editing pipelines)."""
+    source = Image.fromarray(np.random.default_rng(0).integers(0, 255, (*size, 3), dtype=np.uint8))
+    if family == "wan":
+        return {"num_frames": 5}
+    if family == "flux_kontext":
+        return {"image": [source] * batch, "max_area": size[0] * size[1], "_auto_resize": False}
+    if family == "qwenimage_edit":
+        return {"image": [source] * batch}
+    return {}
+
+
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_generates_finite_images_of_requested_size(loaded, family):
+def test_generates_finite_images_of_requested_size(loaded, family, monkeypatch):
     pipe = loaded[family]
     pipe.set_progress_bar_config(disable=True)
-    images = pipe(["a red circle above a blue square", 'a sign that says "HELLO"'], height=64, width=64,
-                  num_inference_steps=2, guidance_scale=3.5, output_type="np",
-                  generator=torch.Generator().manual_seed(0)).images
+    if family == "qwenimage_edit":  # its call resizes the source to ~1024^2 (slow on a CPU); keep it at 64 px
+        import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit_module
+
+        monkeypatch.setattr(edit_module, "calculate_dimensions", lambda area, ratio: (64, 64, None))
+    out = pipe(prompt=["a red circle above a blue square", 'a sign that says "HELLO"'], height=64, width=64,
+               num_inference_steps=2, guidance_scale=3.5, output_type="np",
+               generator=torch.Generator().manual_seed(0), **_family_kwargs(family, (64, 64), 2))
+    images = out.frames[:, 2] if family == "wan" else out.images  # Wan: the middle of 5 frames
     assert images.shape == (2, 64, 64, 3)
     assert np.isfinite(images).all()
     assert np.abs(images[0] - images[1]).mean() > 1e-3  # different prompts and noise, different images
-
-    small = pipe("a green star", height=32, width=48, num_inference_steps=1, max_sequence_length=32,
-                 output_type="pt", generator=torch.Generator().manual_seed(1)).images
-    assert small.shape == (1, 3, 32, 48) and torch.isfinite(small).all()
+    if family == "qwenimage_edit":
+        return
+    # Two steps: with one, Qwen-Image's shift_terminal stretch divides 0 by 0 (NaN sigmas, a diffusers limit)
+    small = pipe(prompt="a green star", height=32, width=48, num_inference_steps=2, max_sequence_length=32,
+                 output_type="pt", generator=torch.Generator().manual_seed(1), **_family_kwargs(family, (32, 48), 1))
+    small = small.frames if family == "wan" else small.images
+    expected = (1, 5, 3, 32, 48) if family == "wan" else (1, 3, 32, 48)
+    assert small.shape == expected and torch.isfinite(small).all()
 
 
 # --- tokenizers ------------------------------------------------------------------------------------------------------
@@ -162,10 +237,26 @@ def test_cli_writes_the_same_folder_as_the_library(tiny_sd3_path, tmp_path):
 
 
 
-def test_cli_refuses_a_non_empty_output(tmp_path, capsys):
+def _script():
     spec = importlib.util.spec_from_file_location("make_tiny_pipeline", REPO_ROOT / "scripts" / "make_tiny_pipeline.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_cli_builds_every_family_and_variant(tmp_path, capsys):
+    script = _script()
+    assert script.main(["--family", "wan", "--variant", "two_experts", "--output", str(tmp_path / "wan22")]) == 0
+    assert "two_experts" in capsys.readouterr().out
+    pipe = DiffusionPipeline.from_pretrained(tmp_path / "wan22")
+    assert pipe.transformer_2 is not None and pipe.config.boundary_ratio == 0.875
+    with pytest.raises(SystemExit):
+        script.main(["--family", "qwenimage", "--variant", "two_experts", "--output", str(tmp_path / "x")])
+    assert "no variants" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_non_empty_output(tmp_path, capsys):
+    script = _script()
     (tmp_path / "taken.txt").write_text("keep me")
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--family", "flux", "--output", str(tmp_path)])
@@ -173,8 +264,9 @@ def test_cli_refuses_a_non_empty_output(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["taken.txt"]
 
 
-def test_saved_folder_is_small(tiny_sd3_path, tiny_flux_path):
-    for path in (tiny_sd3_path, tiny_flux_path):
+def test_saved_folder_is_small(tiny_pipeline_path):
+    for family in TINY_FAMILIES:
+        path = tiny_pipeline_path(family)
         size = sum(len(data) for data in _folder_bytes(path).values())
         assert size < 6 * 2**20, (path, size)
 

@@ -1,10 +1,13 @@
-"""Analytic matmul FLOPs of the SD3 / FLUX transformers, from their configs and the token counts.
+"""Analytic matmul FLOPs of the SD3, FLUX, Qwen-Image and Wan transformers, from their configs and the token counts.
 
 A forward pass is enumerated layer by layer as the matmuls diffusers runs (``SD3Transformer2DModel``,
-``FluxTransformer2DModel``): every ``nn.Linear`` (and the patch-embedding convolution) as ``2 * rows * in * out``
+``FluxTransformer2DModel``, ``QwenImageTransformer2DModel``, ``WanTransformer3DModel``): every ``nn.Linear`` (and the
+patch-embedding convolution) as ``2 * rows * in * out``
 and the attention core as ``4 * tokens_q * tokens_kv * inner_dim`` (Q K^T and A V), per sample. Element-wise work
 (norms, activations, RoPE, softmax) is not counted, as is customary for model FLOPs. Per-sample layers (timestep /
-pooled-text embeddings, adaLN modulation) have one row per sample; per-token layers one row per token.
+pooled-text embeddings, adaLN modulation) have one row per sample; per-token layers one row per token. The editing
+families (FLUX.1 Kontext, Qwen-Image-Edit) count their source-image tokens as image tokens (they run through every
+image-stream layer); Wan's image tokens are all latent frames' patches ``F' * H/16 * W/16``.
 
 LoRA adds ``2 * rows * r * (in + out)`` to each adapted linear; which linears are adapted follows peft's rule for a
 list of target names (the module's name equals the target or ends with ``"." + target``) or a regex string (full
@@ -14,7 +17,8 @@ A backward pass is counted from what autograd actually runs (:meth:`ForwardFlops
 costs twice its forward (dQ, dK and dV); a frozen linear costs once its forward (the input gradient only); a
 trained linear (full fine-tuning, or a LoRA branch) twice. Input gradients are left out where autograd skips them.
 With a frozen base (LoRA): the embedders, the per-sample adaLN modulation linears (the conditioning vector depends on
-no trained weight) and the first block's q/k/v projections (they read embedder outputs). With full fine-tuning: only
+no trained weight), the first block's q/k/v projections (they read embedder outputs) and Wan's cross-attention keys
+and values (they read the text embedding, which no block changes). With full fine-tuning: only
 the layers that read raw model inputs (patch / latent embedding, context embedder, the embedders' first linears).
 Gradient checkpointing recomputes one more forward.
 
@@ -25,7 +29,7 @@ models and on the full-size architectures (built on the meta device, where nothi
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +40,8 @@ __all__ = [
     "transformer_forward_flops",
     "sd3_forward_matmuls",
     "flux_forward_matmuls",
+    "qwenimage_forward_matmuls",
+    "wan_forward_matmuls",
     "step_flops",
     "count_flops",
 ]
@@ -54,18 +60,33 @@ class Matmul:
     rows: int = 0
     in_features: int = 0
     out_features: int = 0
+    #: attention cores: the linears whose outputs make the queries, the keys and the values
+    sources: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] = ((), (), ())
+    #: the output never reaches the model's output (e.g. Qwen-Image's last text stream): no backward at all
+    dead: bool = False
 
     @property
     def is_linear(self) -> bool:
         return self.in_features > 0
 
 
-def _linear(name: str, rows: int, in_features: int, out_features: int) -> Matmul:
-    return Matmul(name, 2 * rows * in_features * out_features, rows, in_features, out_features)
+def _linear(name: str, rows: int, in_features: int, out_features: int, dead: bool = False) -> Matmul:
+    return Matmul(name, 2 * rows * in_features * out_features, rows, in_features, out_features, dead=dead)
 
 
-def _attention(name: str, tokens_q: int, tokens_kv: int, inner_dim: int) -> Matmul:
-    return Matmul(f"{name}.sdpa", 4 * tokens_q * tokens_kv * inner_dim)
+def _attention(name: str, tokens_q: int, tokens_kv: int, inner_dim: int,
+               sources: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None) -> Matmul:
+    """The attention core ``softmax(Q K^T) V``; ``sources`` default to the module's ``to_q`` / ``to_k`` / ``to_v``
+    (joint attention adds the text stream's ``add_*_proj``)."""
+    if sources is None:
+        sources = ((f"{name}.to_q",), (f"{name}.to_k",), (f"{name}.to_v",))
+    return Matmul(f"{name}.sdpa", 4 * tokens_q * tokens_kv * inner_dim, sources=sources)
+
+
+def _joint(name: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """Sources of a joint (image + text) attention: each of Q, K, V concatenates both streams' projections."""
+    return tuple((f"{name}.{img}", f"{name}.{txt}") for img, txt in
+                 (("to_q", "add_q_proj"), ("to_k", "add_k_proj"), ("to_v", "add_v_proj")))
 
 
 def _cfg(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -108,7 +129,7 @@ def sd3_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_token
             mm.append(_linear(f"{b}.attn.{proj}", n_i, d, d))
         for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
             mm.append(_linear(f"{b}.attn.{proj}", n_t, d, d))
-        mm.append(_attention(f"{b}.attn", n, n, d))
+        mm.append(_attention(f"{b}.attn", n, n, d, _joint(f"{b}.attn")))
         mm.append(_linear(f"{b}.attn.to_out.0", n_i, d, d))
         if not pre_only:
             mm.append(_linear(f"{b}.attn.to_add_out", n_t, d, d))
@@ -155,15 +176,16 @@ def flux_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_toke
     mm.append(_linear("time_text_embed.text_embedder.linear_2", 1, d, d))
     for i in range(int(_cfg(config, "num_layers"))):
         b = f"transformer_blocks.{i}"
+        last = False  # FLUX's text stream goes on into the single-stream blocks
         mm.append(_linear(f"{b}.norm1.linear", 1, d, 6 * d))
         mm.append(_linear(f"{b}.norm1_context.linear", 1, d, 6 * d))
         for proj in ("to_q", "to_k", "to_v"):
             mm.append(_linear(f"{b}.attn.{proj}", n_i, d, d))
         for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
             mm.append(_linear(f"{b}.attn.{proj}", n_t, d, d))
-        mm.append(_attention(f"{b}.attn", n, n, d))
+        mm.append(_attention(f"{b}.attn", n, n, d, _joint(f"{b}.attn")))
         mm.append(_linear(f"{b}.attn.to_out.0", n_i, d, d))
-        mm.append(_linear(f"{b}.attn.to_add_out", n_t, d, d))
+        mm.append(_linear(f"{b}.attn.to_add_out", n_t, d, d, dead=last))
         mm.append(_linear(f"{b}.ff.net.0.proj", n_i, d, mlp))
         mm.append(_linear(f"{b}.ff.net.2", n_i, mlp, d))
         mm.append(_linear(f"{b}.ff_context.net.0.proj", n_t, d, mlp))
@@ -181,7 +203,92 @@ def flux_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_toke
     return mm
 
 
-_FAMILIES = {"sd3": sd3_forward_matmuls, "flux": flux_forward_matmuls}
+def qwenimage_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_tokens: int) -> list[Matmul]:
+    """The matmuls of one ``QwenImageTransformer2DModel`` forward for one sample.
+
+    ``image_tokens`` = packed latent sequence length ((H / 16) x (W / 16); Qwen-Image-Edit: twice that, target and
+    source); ``text_tokens`` = the prompt embedding's length (after the template's system part is dropped).
+    """
+    heads, head_dim = int(_cfg(config, "num_attention_heads")), int(_cfg(config, "attention_head_dim"))
+    d = heads * head_dim
+    patch = int(_cfg(config, "patch_size", 2))
+    c_in = int(_cfg(config, "in_channels", 64))
+    c_out = int(_cfg(config, "out_channels", None) or c_in)
+    n_i, n_t = int(image_tokens), int(text_tokens)
+    n = n_i + n_t
+    mm = [
+        _linear("img_in", n_i, c_in, d),
+        _linear("txt_in", n_t, int(_cfg(config, "joint_attention_dim")), d),
+        _linear("time_text_embed.timestep_embedder.linear_1", 1, 256, d),
+        _linear("time_text_embed.timestep_embedder.linear_2", 1, d, d),
+    ]
+    layers = int(_cfg(config, "num_layers"))
+    for i in range(layers):
+        b = f"transformer_blocks.{i}"
+        last = i == layers - 1  # the last block's text stream is computed but never used
+        mm.append(_linear(f"{b}.img_mod.1", 1, d, 6 * d))
+        mm.append(_linear(f"{b}.txt_mod.1", 1, d, 6 * d))
+        for proj in ("to_q", "to_k", "to_v"):
+            mm.append(_linear(f"{b}.attn.{proj}", n_i, d, d))
+        for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
+            mm.append(_linear(f"{b}.attn.{proj}", n_t, d, d))
+        mm.append(_attention(f"{b}.attn", n, n, d, _joint(f"{b}.attn")))
+        mm.append(_linear(f"{b}.attn.to_out.0", n_i, d, d))
+        mm.append(_linear(f"{b}.attn.to_add_out", n_t, d, d, dead=last))
+        mm.append(_linear(f"{b}.img_mlp.net.0.proj", n_i, d, 4 * d))
+        mm.append(_linear(f"{b}.img_mlp.net.2", n_i, 4 * d, d))
+        mm.append(_linear(f"{b}.txt_mlp.net.0.proj", n_t, d, 4 * d, dead=last))
+        mm.append(_linear(f"{b}.txt_mlp.net.2", n_t, 4 * d, d, dead=last))
+    mm.append(_linear("norm_out.linear", 1, d, 2 * d))
+    mm.append(_linear("proj_out", n_i, d, patch * patch * c_out))
+    return mm
+
+
+def wan_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_tokens: int) -> list[Matmul]:
+    """The matmuls of one ``WanTransformer3DModel`` forward for one sample (text-to-video, one timestep per sample).
+
+    ``image_tokens`` = F' x (H / 16) x (W / 16) latent patches of all frames; ``text_tokens`` = the (zero-padded)
+    UMT5 length, ``max_sequence_length``. The patch embedding is a 3-D convolution counted like a linear over the
+    patches.
+    """
+    heads, head_dim = int(_cfg(config, "num_attention_heads")), int(_cfg(config, "attention_head_dim"))
+    d = heads * head_dim
+    patch = [int(p) for p in _cfg(config, "patch_size", (1, 2, 2))]
+    c_in = int(_cfg(config, "in_channels", 16))
+    c_out = int(_cfg(config, "out_channels", None) or c_in)
+    ffn = int(_cfg(config, "ffn_dim"))
+    n_i, n_t = int(image_tokens), int(text_tokens)
+    volume = patch[0] * patch[1] * patch[2]
+    mm = [
+        _linear("patch_embedding", n_i, c_in * volume, d),
+        _linear("condition_embedder.time_embedder.linear_1", 1, int(_cfg(config, "freq_dim", 256)), d),
+        _linear("condition_embedder.time_embedder.linear_2", 1, d, d),
+        _linear("condition_embedder.time_proj", 1, d, 6 * d),
+        _linear("condition_embedder.text_embedder.linear_1", n_t, int(_cfg(config, "text_dim")), d),
+        _linear("condition_embedder.text_embedder.linear_2", n_t, d, d),
+    ]
+    for i in range(int(_cfg(config, "num_layers"))):
+        b = f"blocks.{i}"
+        for proj in ("to_q", "to_k", "to_v"):
+            mm.append(_linear(f"{b}.attn1.{proj}", n_i, d, d))
+        mm.append(_attention(f"{b}.attn1", n_i, n_i, d))
+        mm.append(_linear(f"{b}.attn1.to_out.0", n_i, d, d))
+        mm.append(_linear(f"{b}.attn2.to_q", n_i, d, d))
+        mm.append(_linear(f"{b}.attn2.to_k", n_t, d, d))
+        mm.append(_linear(f"{b}.attn2.to_v", n_t, d, d))
+        mm.append(_attention(f"{b}.attn2", n_i, n_t, d))
+        mm.append(_linear(f"{b}.attn2.to_out.0", n_i, d, d))
+        mm.append(_linear(f"{b}.ffn.net.0.proj", n_i, d, ffn))
+        mm.append(_linear(f"{b}.ffn.net.2", n_i, ffn, d))
+    mm.append(_linear("proj_out", n_i, d, c_out * volume))
+    return mm
+
+
+#: The FLOP model of each family (the editing families share their base model's).
+_FAMILIES = {
+    "sd3": sd3_forward_matmuls, "flux": flux_forward_matmuls, "flux_kontext": flux_forward_matmuls,
+    "qwenimage": qwenimage_forward_matmuls, "qwenimage_edit": qwenimage_forward_matmuls, "wan": wan_forward_matmuls,
+}
 
 
 def _lora_targets_match(name: str, targets: str | Iterable[str]) -> bool:
@@ -193,13 +300,18 @@ def _lora_targets_match(name: str, targets: str | Iterable[str]) -> bool:
 # Linears whose input never needs a gradient when the base model is frozen: the embedders (model inputs), and the
 # first block's q/k/v projections, which read the (normalised) embedder outputs.
 _NO_INPUT_GRAD = re.compile(
-    r"^(pos_embed\.proj|x_embedder|context_embedder|time_text_embed\..*"
-    r"|transformer_blocks\.0\.attn2?\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj))$"
+    r"^(pos_embed\.proj|x_embedder|context_embedder|time_text_embed\..*|img_in|txt_in|patch_embedding"
+    r"|condition_embedder\..*"
+    r"|transformer_blocks\.0\.attn2?\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)"
+    r"|blocks\.0\.attn1\.(to_q|to_k|to_v)|blocks\.\d+\.attn2\.(to_k|to_v))$"
 )
 
 
 # With every weight trained, only the layers that read the raw model inputs skip the input gradient.
-_READS_MODEL_INPUT = re.compile(r"^(pos_embed\.proj|x_embedder|context_embedder|time_text_embed\.\w+\.linear_1)$")
+_READS_MODEL_INPUT = re.compile(
+    r"^(pos_embed\.proj|x_embedder|context_embedder|time_text_embed\.\w+\.linear_1|img_in|patch_embedding"
+    r"|condition_embedder\.(time_embedder|text_embedder)\.linear_1)$"
+)
 
 
 def _needs_input_grad(m: Matmul) -> bool:
@@ -209,10 +321,13 @@ def _needs_input_grad(m: Matmul) -> bool:
 
 @dataclass(frozen=True)
 class ForwardFlops:
-    """FLOPs of one transformer forward for one sample, split into base linears, attention core and LoRA.
+    """FLOPs of one transformer forward for one sample, split into base linears, attention core and LoRA, with what
+    its backward costs (see the module docstring).
 
-    ``linear_input_grad`` is the part of ``linear`` whose input gradient a backward computes (see the module
-    docstring).
+    ``linear_input_grad`` is the part of ``linear`` whose input gradient a LoRA backward computes;
+    ``attention_backward`` what the attention cores' backward costs there (``dQ`` and ``dK`` through ``Q K^T``, the
+    attention weights' gradient and ``dV``, each half a forward, only where the queries, keys or values need a
+    gradient). The ``*_full`` fields are the same for full fine-tuning (``linear_weight_grad``: every weight gradient).
     """
 
     linear: int
@@ -221,6 +336,9 @@ class ForwardFlops:
     linear_input_grad: int = 0
     lora_backward: int = 0
     linear_input_grad_full: int = 0
+    attention_backward: int = 0
+    attention_backward_full: int = 0
+    linear_weight_grad: int = 0
 
     @property
     def total(self) -> int:
@@ -234,34 +352,61 @@ class ForwardFlops:
     def backward(self, full_finetune: bool = False) -> int:
         """FLOPs of the backward of one forward: LoRA training (frozen base) or full fine-tuning."""
         if full_finetune:
-            return self.linear_input_grad_full + self.linear + 2 * self.attention + self.lora_backward
-        return self.linear_input_grad + 2 * self.attention + self.lora_backward
+            return self.linear_input_grad_full + self.linear_weight_grad + self.attention_backward_full \
+                + self.lora_backward
+        return self.linear_input_grad + self.attention_backward + self.lora_backward
+
+
+def _attention_backward(m: Matmul, needs_grad: Callable[[str], bool]) -> int:
+    """Backward of one attention core: ``dQ`` / ``dK`` (through ``Q K^T``), the attention weights' gradient (needed
+    for either) and ``dV``, each costing half the core's forward, computed only where needed."""
+    q, k, v = (any(needs_grad(name) for name in group) for group in m.sources)
+    half = m.flops // 2
+    return half * (int(q) + int(k) + int(q or k) + int(v))
 
 
 def transformer_forward_flops(
     family: str, config: Mapping[str, Any], image_tokens: int, text_tokens: int, lora_rank: int = 0,
     lora_targets: str | Iterable[str] | None = None,
 ) -> ForwardFlops:
-    """Matmul FLOPs of one forward of one sample of a ``family`` ("sd3" or "flux") transformer."""
+    """Matmul FLOPs of one forward of one sample of a ``family`` transformer (a key of the adapters' families).
+
+    The backward counts assume that every layer after the first block's attention projections needs its input
+    gradient: true for full fine-tuning and for LoRA on the attention projections of every block (the default
+    targets); LoRA only on later layers makes autograd stop earlier than counted here.
+    """
     if family not in _FAMILIES:
         raise ValueError(f"No FLOP model for family {family!r}; choose one of {', '.join(_FAMILIES)}.")
     matmuls = _FAMILIES[family](config, image_tokens, text_tokens)
+    live = [m for m in matmuls if not m.dead]
     linear = sum(m.flops for m in matmuls if m.is_linear)
     attention = sum(m.flops for m in matmuls if not m.is_linear)
-    input_grad = sum(m.flops for m in matmuls if _needs_input_grad(m))
+    input_grad = sum(m.flops for m in live if _needs_input_grad(m))
+    targets = (lora_targets if isinstance(lora_targets, str) else list(lora_targets)) \
+        if lora_rank and lora_targets else None
     lora = lora_backward = 0
-    if lora_rank and lora_targets:
-        targets = lora_targets if isinstance(lora_targets, str) else list(lora_targets)
-        for m in matmuls:
-            if m.is_linear and _lora_targets_match(m.name, targets):
-                # forward: x A (in -> r), then B (r -> out); backward: both weight gradients, the gradient into
-                # B's input, and the one into A's input only where the layer's input needs it.
-                a, b = 2 * m.rows * lora_rank * m.in_features, 2 * m.rows * lora_rank * m.out_features
-                lora += a + b
+    for m in matmuls:
+        if targets is not None and m.is_linear and _lora_targets_match(m.name, targets):
+            # forward: x A (in -> r), then B (r -> out); backward: both weight gradients, the gradient into
+            # B's input, and the one into A's input only where the layer's input needs it.
+            a, b = 2 * m.rows * lora_rank * m.in_features, 2 * m.rows * lora_rank * m.out_features
+            lora += a + b
+            if not m.dead:
                 lora_backward += a + 2 * b + (a if _needs_input_grad(m) else 0)
-    input_grad_full = sum(m.flops for m in matmuls if m.is_linear and _READS_MODEL_INPUT.match(m.name) is None)
+    by_name = {m.name: m for m in matmuls if m.is_linear}
+
+    def output_needs_grad(name: str) -> bool:  # with a frozen base: a LoRA on the layer, or an input needing one
+        m = by_name[name]
+        trained = targets is not None and _lora_targets_match(name, targets)
+        return trained or _needs_input_grad(m) or (m.rows > 1 and _NO_INPUT_GRAD.match(name) is None)
+
+    attention_backward = sum(_attention_backward(m, output_needs_grad) for m in live if not m.is_linear)
+    attention_backward_full = sum(_attention_backward(m, lambda name: True) for m in live if not m.is_linear)
+    input_grad_full = sum(m.flops for m in live if m.is_linear and _READS_MODEL_INPUT.match(m.name) is None)
     return ForwardFlops(linear=linear, attention=attention, lora=lora, linear_input_grad=input_grad,
-                        lora_backward=lora_backward, linear_input_grad_full=input_grad_full)
+                        lora_backward=lora_backward, linear_input_grad_full=input_grad_full,
+                        attention_backward=attention_backward, attention_backward_full=attention_backward_full,
+                        linear_weight_grad=sum(m.flops for m in live if m.is_linear))
 
 
 @dataclass

@@ -105,22 +105,25 @@ class FloorRunner:
         dtype = trainer.model_dtype
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            shapes = self.adapter.encode_prompts(["a"], args.max_sequence_length, self.device)
+            source = None  # editing families: a plain source image of the working size
+            if self.adapter.accepts_images:
+                from PIL import Image
+
+                source = [Image.new("RGB", (self.width, self.height), (128, 128, 128))]
+            shapes = self.adapter.encode_prompts(["a"], args.max_sequence_length, self.device, images=source,
+                                                 height=self.height, width=self.width)
         from ..models import PromptEmbeds
 
+        # Random embeddings of the real shapes; masks and ids (integer tensors) keep their real values.
         self.embeds = PromptEmbeds({
-            k: torch.randn((self.rows, *v.shape[1:]), generator=gen).to(self.device, dtype)
+            k: (torch.randn((self.rows, *v.shape[1:]), generator=gen).to(self.device, dtype) if v.is_floating_point()
+                else v[:1].expand(self.rows, *v.shape[1:]).to(self.device))
             for k, v in shapes.tensors.items()
         })
         self.latents = self.adapter.prepare_latents(self.rows, self.height, self.width, gen, torch.device("cpu"),
                                                     torch.float32).to(self.device, dtype)
         self.timestep = torch.full((self.rows,), 500.0, device=self.device)
-        self.text_tokens = int(shapes.tensors["prompt_embeds"].shape[1])
-        if self.adapter.family == "flux":
-            self.image_tokens = int(self.latents.shape[1])
-        else:
-            patch = int(trainer.pipeline.transformer.config.patch_size)
-            self.image_tokens = int(self.latents.shape[-2] // patch) * int(self.latents.shape[-1] // patch)
+        self.image_tokens, self.text_tokens = self.adapter.sequence_lengths(self.embeds, self.latents)
 
     def _pass(self, model):
         return self.adapter.predict_velocity(model, self.latents, self.timestep, self.embeds, self.pass_guidance,

@@ -21,6 +21,14 @@ preset             device   what it runs
                             use) with the settings of ``recipes/toy.yaml``: 32 px, 4 prompts x G=8 in one
                             micro-batch, 8 steps with CFG 3, SDE window 2 in steps 0-3, LoRA r=32 on every linear
                             layer, ``toy_shape_score`` + 0.5 ``toy_color``.
+``qwenimage-random`` CUDA   Qwen-Image at full size (60 MMDiT blocks, 24 heads of 128, 20.4 B parameters; the
+                            Qwen2.5-VL-7B text encoder with its vision tower; the Qwen-Image VAE; the released
+                            dynamic-shift schedule), bf16, 512 px, 4 prompts x G=8 (micro-batches of 4), 10 steps,
+                            SDE window 3, true CFG 4.0 (two passes), LoRA r=32, gradient checkpointing, OCR reward.
+``wan-random``     CUDA     Wan 2.1 T2V 1.3B at full size (30 blocks, 12 heads of 128, FFN 8960; UMT5-XXL; the Wan
+                            VAE; the released UniPC configuration with flow_shift 3.0, converted), bf16, 33 frames
+                            of 480x832, 2 prompts x G=4 (micro-batches of 2), 10 steps, SDE window 3, CFG 5.0, LoRA
+                            r=32 on attn1 / attn2, gradient checkpointing, JPEG-compressibility reward on frames.
 =================  =======  ======================================================================================
 
 The tokenizers are always the small locally made ones of :mod:`flowgrpo.testing.tiny_tokenizers` (their ids
@@ -82,6 +90,41 @@ SD3_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
 FLUX_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
                   "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096}
 
+# Qwen-Image (Qwen/Qwen-Image): the MMDiT, the Qwen2.5-VL-7B-Instruct encoder, the VAE, the released schedule.
+QWEN_IMAGE_TRANSFORMER = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
+                          "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584,
+                          "guidance_embeds": False, "axes_dims_rope": [16, 56, 56]}
+QWEN25_VL_7B_TEXT = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                     "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 128000,
+                     "rms_norm_eps": 1e-6, "vocab_size": 152064,
+                     "rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}}
+QWEN25_VL_7B_VISION = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                       "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu"}
+QWEN_IMAGE_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+                  "temperal_downsample": [False, True, True]}   # latents_mean / latents_std: the class defaults
+QWEN_IMAGE_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                        "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192,
+                        "shift_terminal": 0.02, "time_shift_type": "exponential"}
+
+# Wan 2.1 text-to-video (Wan-AI/Wan2.1-T2V-1.3B-Diffusers; the 14B model: 40 heads, FFN 13824, 40 blocks).
+WAN_1_3B_TRANSFORMER = {"patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128,
+                        "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960,
+                        "num_layers": 30, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
+                        "rope_max_seq_len": 1024}
+WAN_14B_TRANSFORMER = {**WAN_1_3B_TRANSFORMER, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
+UMT5_XXL = {"d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64,
+            "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
+            "relative_attention_max_distance": 128, "dropout_rate": 0.0, "tie_word_embeddings": False,
+            "vocab_size": 256384}
+WAN_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+           "temperal_downsample": [False, True, True]}     # latents_mean / latents_std: the class defaults
+#: The released checkpoints' scheduler (480p): UniPC with flow sigmas and flow_shift 3.0.
+WAN_UNIPC_SCHEDULER = {"num_train_timesteps": 1000, "prediction_type": "flow_prediction", "use_flow_sigmas": True,
+                       "flow_shift": 3.0}
+WAN_LORA_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
+                    "attn2.to_v", "attn2.to_out.0")
+
 # ---- the small CPU transformer: SD3.5-Medium's block design, shrunk to ~34 M parameters ------------------------
 SMALL_CPU_TRANSFORMER = {"sample_size": 16, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 6,
                          "attention_head_dim": 64, "num_attention_heads": 6, "joint_attention_dim": 96,
@@ -95,8 +138,8 @@ class BenchmarkPreset:
 
     name: str
     description: str
-    family: str                      # "sd3" | "flux"
-    architecture: str                # "tiny" | "small-cpu" | "sd35m" | "flux-dev" | "toy"
+    family: str                      # "sd3" | "flux" | "qwenimage" | "wan"
+    architecture: str                # "tiny" | "small-cpu" | "sd35m" | "flux-dev" | "qwen-image" | "wan-1.3b" | "toy"
     device: str                      # "cpu" | "cuda"
     dtype: str                       # FlowGRPOConfig.dtype
     resolution: int
@@ -183,9 +226,25 @@ PRESETS: dict[str, BenchmarkPreset] = {
         name="toy", description="the toy world with recipes/toy.yaml: 32 px, 4x8 images, 8 steps, CFG 3, window 2",
         family="sd3", architecture="toy", device="cpu", dtype="float32", resolution=32, num_prompts=4,
         num_generations=8, per_device_train_batch_size=32, num_inference_steps=8, sde_window_size=2,
-        guidance_scale=3.0, max_sequence_length=16, reward=("toy_shape_score", "toy_color"), reward_weights=(1.0, 0.5),
+        guidance_scale=3.0, max_sequence_length=8, reward=("toy_shape_score", "toy_color"), reward_weights=(1.0, 0.5),
         lora_rank=32, lora_targets=TOY_LORA_TARGET_MODULES, default_steps=10, warmup_steps=2,
         extra_args={"sde_window_range": [0, 3], "scale_rewards": "group", "epsilon": 1e-3, "learning_rate": 3e-4},
+    ),
+    "qwenimage-random": BenchmarkPreset(
+        name="qwenimage-random", description="Qwen-Image architecture, random weights, bf16, 512 px, 4x8, 10 steps",
+        family="qwenimage", architecture="qwen-image", device="cuda", dtype="bfloat16", resolution=512,
+        num_prompts=4, num_generations=8, per_device_train_batch_size=4, num_inference_steps=10, sde_window_size=3,
+        guidance_scale=4.0, max_sequence_length=256, lora_rank=32,
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        gradient_checkpointing=True, default_steps=5,
+    ),
+    "wan-random": BenchmarkPreset(
+        name="wan-random", description="Wan 2.1 T2V 1.3B architecture, random weights, bf16, 33x480x832, 2x4, 10 steps",
+        family="wan", architecture="wan-1.3b", device="cuda", dtype="bfloat16", resolution=480, num_prompts=2,
+        num_generations=4, per_device_train_batch_size=2, num_inference_steps=10, sde_window_size=3,
+        guidance_scale=5.0, max_sequence_length=512, reward="jpeg_compressibility", lora_rank=32,
+        lora_targets=WAN_LORA_TARGETS, gradient_checkpointing=True,
+        default_steps=3, extra_args={"width": 832, "num_frames": 33},
     ),
 }
 
@@ -253,6 +312,10 @@ def _build_full_size(preset: BenchmarkPreset, seed: int, device: str = "cuda"):
 
     from ..testing.tiny_tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
+    if preset.architecture == "qwen-image":
+        return _build_qwen_image(seed, device)
+    if preset.architecture == "wan-1.3b":
+        return _build_wan(seed, device)
     dtype = torch.bfloat16
     clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
     parts: dict[str, Any] = {}
@@ -275,6 +338,55 @@ def _build_full_size(preset: BenchmarkPreset, seed: int, device: str = "cuda"):
                             tokenizer_2=t5_tok, **{k: v.eval() for k, v in parts.items()})
 
 
+def _build_qwen_image(seed: int, device: str):
+    """Qwen-Image at full size (the locally made Qwen2 tokenizer; its ids fit the real vocabulary)."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from ..testing.tiny_tokenizers import build_qwen2_tokenizer
+
+    tokenizer = build_qwen2_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in
+           ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|endoftext|>", "<|im_end|>")}
+    text = dict(QWEN25_VL_7B_TEXT, rope_parameters=dict(QWEN25_VL_7B_TEXT["rope_parameters"]), bos_token_id=None,
+                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(QWEN25_VL_7B_VISION),
+                              image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                              vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"])
+    with _building(device, torch.bfloat16, seed):
+        parts = {"text_encoder": Qwen2_5_VLForConditionalGeneration(config),
+                 "transformer": QwenImageTransformer2DModel(**QWEN_IMAGE_TRANSFORMER),
+                 "vae": AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)}
+    return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), tokenizer=tokenizer,
+                             **{k: v.eval() for k, v in parts.items()})
+
+
+def _build_wan(seed: int, device: str):
+    """Wan 2.1 T2V 1.3B at full size, with the released UniPC scheduler configuration."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from ..testing.tiny_tokenizers import build_t5_tokenizer
+
+    tokenizer = build_t5_tokenizer()
+    umt5 = dict(UMT5_XXL)
+    vocab = max(int(umt5.pop("vocab_size")), len(tokenizer))
+    with _building(device, torch.bfloat16, seed):
+        parts = {"text_encoder": UMT5EncoderModel(UMT5Config(
+                     vocab_size=vocab, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                     decoder_start_token_id=tokenizer.pad_token_id, **umt5)),
+                 "transformer": WanTransformer3DModel(**WAN_1_3B_TRANSFORMER),
+                 "vae": AutoencoderKLWan(**WAN_VAE)}
+    return WanPipeline(tokenizer=tokenizer, scheduler=UniPCMultistepScheduler(**WAN_UNIPC_SCHEDULER),
+                       **{k: v.eval() for k, v in parts.items()})
+
+
 def build_preset_pipeline(preset: BenchmarkPreset, seed: int = 0):
     """Build the preset's pipeline with random weights (nothing is downloaded).
 
@@ -292,7 +404,7 @@ def build_preset_pipeline(preset: BenchmarkPreset, seed: int = 0):
                 transformer = SD3Transformer2DModel(**SMALL_CPU_TRANSFORMER).eval()
             pipe.register_modules(transformer=transformer)
         return pipe
-    if preset.architecture in ("sd35m", "flux-dev"):
+    if preset.architecture in ("sd35m", "flux-dev", "qwen-image", "wan-1.3b"):
         return _build_full_size(preset, seed)
     if preset.architecture == "toy":
         from diffusers import DiffusionPipeline

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: LoRA targets of the published Flow-GRPO SD3.5 recipes: the joint attention's image and text projections.
-#: FLUX's blocks use the same names (its single-stream blocks have no ``add_*`` projections; peft skips them).
+#: LoRA targets of the published Flow-GRPO SD3.5 recipes: the joint attention's image and text projections, the
+#: default of the SD3, FLUX(-Kontext) and Qwen-Image(-Edit) families (FLUX's single-stream blocks have no ``add_*``
+#: projections; peft skips them). Wan's default names its ``attn1`` / ``attn2`` modules instead; each family's
+#: default is ``ModelFamilyAdapter.default_lora_target_modules``, applied by the trainer.
 DEFAULT_LORA_TARGET_MODULES = [
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
@@ -29,7 +31,7 @@ LORA_INITS = {
 
 #: ``build_tiny_pipeline_if_missing`` values: the random tiny pipelines of ``flowgrpo.testing`` and the pretrained
 #: toy world of ``flowgrpo.toy`` (a small SD3 pipeline that follows shape prompts).
-TINY_PIPELINE_FAMILIES = ("sd3", "flux", "toy")
+TINY_PIPELINE_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "toy")
 
 
 @dataclass
@@ -99,8 +101,10 @@ class ModelArguments:
     )
     build_tiny_pipeline_if_missing: str | None = field(
         default=None,
-        metadata={"help": "'sd3', 'flux' or 'toy': when model_name_or_path is a local folder that does not exist "
-                          "yet, build it there first: the offline tiny random-weight pipeline of that family "
+        metadata={"help": "A family of flowgrpo.testing.TINY_FAMILIES ('sd3', 'flux', 'qwenimage', 'wan', "
+                          "'flux_kontext', 'qwenimage_edit') or 'toy': when model_name_or_path is a local folder that "
+                          "does not exist yet, build it there first: the offline tiny random-weight pipeline of that "
+                          "family "
                           "(flowgrpo.testing), or the pretrained toy world (flowgrpo.toy, a few CPU minutes). For the "
                           "CPU recipes; leave unset for real models."},
     )
@@ -120,8 +124,10 @@ class ModelArguments:
     )
     lora_target_modules: list[str] | None = field(
         default=None,
-        metadata={"help": "Module names (or suffixes) that get a LoRA. Default: the attention projections of the "
-                          "Flow-GRPO recipes: " + ", ".join(DEFAULT_LORA_TARGET_MODULES) + "."},
+        metadata={"help": "Module names (or suffixes) that get a LoRA. Default: the model family's attention "
+                          "projections, chosen by the trainer once it knows the family: " +
+                          ", ".join(DEFAULT_LORA_TARGET_MODULES) + " (SD3, FLUX, Kontext, Qwen-Image, Qwen-Image-Edit); "
+                          "to_q, to_k, to_v and to_out.0 of attn1 and attn2 (Wan; on each expert of Wan 2.2 A14B)."},
     )
     lora_init: str = field(
         default="gaussian",

@@ -8,6 +8,9 @@
 A local folder holds one file per split, named ``<split>.<ext>`` or ``<split>_metadata.<ext>`` (Flow-GRPO's
 GenEval layout), e.g. ``data/ocr/train.txt`` and ``data/ocr/test.txt``. The prompt column is renamed to
 ``prompt``; every other column is kept and reaches the reward functions (e.g. GenEval's object tags).
+
+Editing sets have an ``image`` column (each prompt's source image). In a local file it holds paths; relative paths are
+read relative to the file's own folder (so a folder with ``train.jsonl`` and ``images/`` moves as one).
 """
 
 from __future__ import annotations
@@ -40,10 +43,23 @@ def _looks_local(name: str) -> bool:
 
 
 def read_prompt_file(path: str | os.PathLike) -> Any:
-    """Read one prompt file (see the module docstring for the formats) into a ``datasets.Dataset``."""
+    """Read one prompt file (see the module docstring for the formats) into a ``datasets.Dataset``; relative source
+    image paths (an ``image`` column) are resolved against the file's folder."""
+    path = Path(path).expanduser()
+    dataset = _read_prompt_file(path)
+    if "image" in dataset.column_names and isinstance(dataset[0]["image"], str):
+        folder = path.resolve().parent
+
+        def resolve(value: Any) -> Any:
+            return str(folder / value) if isinstance(value, str) and value and not Path(value).is_absolute() else value
+
+        dataset = dataset.map(lambda row: {"image": resolve(row["image"])})
+    return dataset
+
+
+def _read_prompt_file(path: Path) -> Any:
     from datasets import Dataset
 
-    path = Path(path).expanduser()
     suffix = path.suffix.lower()
     if suffix not in PROMPT_FILE_SUFFIXES:
         raise RecipeError(f"Prompt file {str(path)!r} has an unsupported extension {suffix or '(none)'!r}; use one "

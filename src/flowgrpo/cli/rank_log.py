@@ -14,6 +14,14 @@ from transformers import TrainerCallback
 from .train import RANK_LOG_ENV
 
 
+def _sample_digest(sample: Any) -> str:
+    """SHA-1 of a sample's pixels (every frame of a video, in order)."""
+    digest = hashlib.sha1()
+    for frame in sample if isinstance(sample, (list, tuple)) else [sample]:
+        digest.update(frame.tobytes())
+    return digest.hexdigest()
+
+
 class RankLogCallback(TrainerCallback):
     """Appends per-process training records to ``<log_dir>/rank<N>.jsonl`` (see the module docstring)."""
 
@@ -36,10 +44,8 @@ class RankLogCallback(TrainerCallback):
         samples = getattr(trainer, "_last_samples", None)
         if samples:
             images, prompts, rewards = samples
-            record["samples"] = [
-                {"prompt": p, "reward": r, "image_sha1": hashlib.sha1(im.tobytes()).hexdigest()}
-                for im, p, r in zip(images, prompts, rewards)
-            ]
+            record["samples"] = [{"prompt": p, "reward": r, "image_sha1": _sample_digest(im)}
+                                 for im, p, r in zip(images, prompts, rewards)]
         buffer = getattr(trainer, "_buffer", None) or []
         advantages = [float(a) for batch in buffer for a in batch.get("advantages", []).reshape(-1).tolist()] \
             if buffer else []

@@ -115,7 +115,9 @@ def summarize_run(output_dir: str | os.PathLike, title: str = "Flow-GRPO") -> di
     rewards (``train_reward_first``, ``train_reward_last``: means over the first and last tenth of the steps) and
     the first and last evaluation rewards with their steps (``eval_first``, ``eval_last``: ``(step, reward)``),
     and ``eval_components``: ``{reward name: (first, last)}`` of each reward's evaluation mean
-    (``eval_rewards/<name>/mean``), zero-weight monitors included.
+    (``eval_rewards/<name>/mean``), zero-weight monitors included, and ``eval_noise``: ``{reward name: standard
+    error of last - first}`` = sqrt(std_first^2 / n_first + std_last^2 / n_last) from each evaluation's per-image
+    std and count (the sampling noise of a finite evaluation; a change beyond twice it is beyond that noise).
     """
     out = Path(output_dir)
     history = read_log_history(out)
@@ -124,7 +126,7 @@ def summarize_run(output_dir: str | os.PathLike, title: str = "Flow-GRPO") -> di
     summary: dict[str, Any] = {
         "reward_curve": str(plot_reward_curve(history, out / REWARD_CURVE_FILE, title=title)),
         "before_after": None, "train_reward_first": None, "train_reward_last": None,
-        "eval_first": None, "eval_last": None, "eval_components": {},
+        "eval_first": None, "eval_last": None, "eval_components": {}, "eval_noise": {},
     }
     sheet = before_after_sheet(out)
     summary["before_after"] = str(sheet) if sheet is not None else None
@@ -140,8 +142,27 @@ def summarize_run(output_dir: str | os.PathLike, title: str = "Flow-GRPO") -> di
     for key in keys:
         _, values = reward_series(history, key)
         if len(values) >= 2:
-            summary["eval_components"][key[len("eval_rewards/"):-len("/mean")]] = (values[0], values[-1])
+            name = key[len("eval_rewards/"):-len("/mean")]
+            summary["eval_components"][name] = (values[0], values[-1])
+            noise = _difference_standard_error(history, name)
+            if noise is not None:
+                summary["eval_noise"][name] = noise
     return summary
+
+
+def _difference_standard_error(history: list[dict[str, Any]], name: str) -> float | None:
+    """Standard error of (last - first) evaluation mean of reward ``name``, or ``None`` without std and count."""
+    records = [r for r in history if isinstance(r.get(f"eval_rewards/{name}/mean"), (int, float))
+               and math.isfinite(r[f"eval_rewards/{name}/mean"])]
+    if len(records) < 2:
+        return None
+    variance = 0.0
+    for record in (records[0], records[-1]):
+        std, count = record.get(f"eval_rewards/{name}/std"), record.get(f"eval_rewards/{name}/count")
+        if not isinstance(std, (int, float)) or not isinstance(count, (int, float)) or count < 1:
+            return None
+        variance += std**2 / count
+    return math.sqrt(variance)
 
 
 __all__ = ["BEFORE_AFTER_FILE", "REWARD_CURVE_FILE", "before_after_sheet", "eval_sheets", "plot_reward_curve",

@@ -4,23 +4,43 @@ from __future__ import annotations
 
 from diffusers import DiffusionPipeline
 
-from .base import ModelFamilyAdapter, PromptEmbeds
+from .base import MMDIT_LORA_TARGET_MODULES, ModelFamilyAdapter, PromptEmbeds
 from .flux import FluxAdapter
+from .flux_kontext import FluxKontextAdapter
+from .qwenimage import QwenImageAdapter
+from .qwenimage_edit import QwenImageEditAdapter
 from .sd3 import SD3Adapter
+from .wan import WanAdapter, WanExperts
 
-ADAPTERS: list[type[ModelFamilyAdapter]] = [SD3Adapter, FluxAdapter]
+ADAPTERS: list[type[ModelFamilyAdapter]] = [
+    SD3Adapter, FluxAdapter, FluxKontextAdapter, QwenImageAdapter, QwenImageEditAdapter, WanAdapter,
+]
 
 
-def get_family_adapter(pipeline: DiffusionPipeline) -> ModelFamilyAdapter:
-    """The adapter for ``pipeline``'s family; a clear error for unsupported pipelines."""
+def family_adapter_class(pipeline: DiffusionPipeline | str) -> type[ModelFamilyAdapter]:
+    """The adapter class for a pipeline or a pipeline class name (``model_index.json``'s ``_class_name``).
+
+    Knowing the family from the class name lets family-specific settings be checked before anything is loaded.
+    """
     for adapter_cls in ADAPTERS:
         if adapter_cls.supports(pipeline):
-            return adapter_cls(pipeline)
+            return adapter_cls
+    name = pipeline if isinstance(pipeline, str) else type(pipeline).__name__
     supported = ", ".join(name for cls in ADAPTERS for name in cls.pipeline_class_names)
     raise ValueError(
-        f"{type(pipeline).__name__} is not a supported pipeline; supported: {supported}. "
+        f"{name} is not a supported pipeline; supported: {supported}. "
         "Add a family by writing a ModelFamilyAdapter subclass in flowgrpo/models/ and listing it in ADAPTERS."
     )
 
 
-__all__ = ["ADAPTERS", "FluxAdapter", "ModelFamilyAdapter", "PromptEmbeds", "SD3Adapter", "get_family_adapter"]
+def get_family_adapter(pipeline: DiffusionPipeline, num_frames: int = 1) -> ModelFamilyAdapter:
+    """The adapter for ``pipeline``'s family (``num_frames`` for video families); a clear error for unsupported
+    pipelines or a frame count the family cannot generate."""
+    return family_adapter_class(pipeline)(pipeline, num_frames=num_frames)
+
+
+__all__ = [
+    "ADAPTERS", "FluxAdapter", "FluxKontextAdapter", "MMDIT_LORA_TARGET_MODULES", "ModelFamilyAdapter", "PromptEmbeds",
+    "QwenImageAdapter", "QwenImageEditAdapter", "SD3Adapter", "WanAdapter", "WanExperts", "family_adapter_class",
+    "get_family_adapter",
+]

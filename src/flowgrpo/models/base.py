@@ -1,72 +1,148 @@
 """The small interface every model family implements.
 
-A family adapter hides what differs between flow-matching pipelines (prompt encoding, latent layout,
-how the transformer is called, how latents are decoded) behind five methods, so the trainer is written
-once. Adding a family (Qwen-Image, SANA, a video model) means one new file with one new adapter class.
+A family adapter hides what differs between flow-matching pipelines (prompt encoding, the source image of editing
+models, latent layout and frames, how the transformer is called, how latents are decoded) behind a few methods, so
+the trainer is written once. Adding a family means one new file with one new adapter class, listed in
+``flowgrpo.models.ADAPTERS``.
+
+What a family declares (class attributes):
+
+* ``accepts_images``: an editing family; every sample is conditioned on a source image, which
+  ``encode_prompts(..., images=...)`` encodes at the working resolution (the result is part of the conditioning).
+* ``negative_depends_on_image``: the negative prompt's embedding depends on the source image (Qwen-Image-Edit:
+  the vision-language encoder sees the image), so the trainer encodes it per image (``PromptEmbeds.negative``).
+* ``is_video``: latents carry frames; ``num_frames`` (checked by :meth:`check_num_frames`) sets their number and
+  :meth:`decode` returns frames.
+* ``default_lora_target_modules``: the LoRA targets used when a ``LoraConfig`` names none.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from diffusers import DiffusionPipeline
 
+#: Attention projections of the joint (MMDiT-style) attention blocks of SD3, FLUX and Qwen-Image: the LoRA targets
+#: of the published Flow-GRPO recipes. FLUX's single-stream blocks have no ``add_*`` projections; peft skips them.
+MMDIT_LORA_TARGET_MODULES = (
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+)
+
 
 @dataclass
 class PromptEmbeds:
-    """Text conditioning for a batch of prompts: a dict of tensors whose first dimension is the batch."""
+    """Conditioning for a batch of samples: a dict of tensors whose first dimension is the batch.
+
+    ``negative`` optionally holds per-sample negative-prompt conditioning (families whose negative embedding
+    depends on the source image); it follows every selection, slice and move of its rows.
+    """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    negative: PromptEmbeds | None = None
 
     def __len__(self) -> int:
         return next(iter(self.tensors.values())).shape[0]
 
     def index_select(self, index: torch.Tensor) -> PromptEmbeds:
         """Rows ``index`` (used to expand unique-prompt embeddings to the G samples of each group)."""
-        return PromptEmbeds({k: v.index_select(0, index.to(v.device)) for k, v in self.tensors.items()})
+        negative = self.negative.index_select(index) if self.negative is not None else None
+        return PromptEmbeds({k: v.index_select(0, index.to(v.device)) for k, v in self.tensors.items()}, negative)
 
     def __getitem__(self, item: slice) -> PromptEmbeds:
-        return PromptEmbeds({k: v[item] for k, v in self.tensors.items()})
+        negative = self.negative[item] if self.negative is not None else None
+        return PromptEmbeds({k: v[item] for k, v in self.tensors.items()}, negative)
 
     def to(self, *args: Any, **kwargs: Any) -> PromptEmbeds:
-        return PromptEmbeds({k: v.to(*args, **kwargs) for k, v in self.tensors.items()})
+        negative = self.negative.to(*args, **kwargs) if self.negative is not None else None
+        return PromptEmbeds({k: v.to(*args, **kwargs) if v.is_floating_point() else v.to(device=_device_of(args, kwargs))
+                             for k, v in self.tensors.items()}, negative)
 
     def expand_to(self, batch_size: int) -> PromptEmbeds:
         """Repeat a single-row embedding (e.g. the negative prompt) to ``batch_size`` rows."""
-        return PromptEmbeds({k: v.expand(batch_size, *v.shape[1:]) for k, v in self.tensors.items()})
+        negative = self.negative.expand_to(batch_size) if self.negative is not None else None
+        return PromptEmbeds({k: v.expand(batch_size, *v.shape[1:]) for k, v in self.tensors.items()}, negative)
 
     @staticmethod
     def cat(parts: list[PromptEmbeds]) -> PromptEmbeds:
         keys = parts[0].tensors.keys()
-        return PromptEmbeds({k: torch.cat([p.tensors[k] for p in parts], dim=0) for k in keys})
+        negative = None
+        if all(p.negative is not None for p in parts):
+            negative = PromptEmbeds.cat([p.negative for p in parts])
+        return PromptEmbeds({k: torch.cat([p.tensors[k] for p in parts], dim=0) for k in keys}, negative)
+
+
+def _device_of(args: tuple, kwargs: dict) -> Any:
+    """The device of a ``.to(...)`` call (masks and ids keep their integer dtype)."""
+    if "device" in kwargs:
+        return kwargs["device"]
+    for a in args:
+        if isinstance(a, (torch.device, str)):
+            return a
+    return None
 
 
 class ModelFamilyAdapter(ABC):
-    """What the trainer needs from a text-to-image flow-matching pipeline.
+    """What the trainer needs from a flow-matching text-to-image, editing or text-to-video pipeline.
 
     Latents handed around by the trainer are exactly what the family's transformer consumes (packed
-    sequences for FLUX, 4-D maps for SD3); every SDE/log-prob computation reduces over all non-batch
-    dimensions, so the layout does not matter to the algorithm.
+    sequences for FLUX and Qwen-Image, 4-D maps for SD3, 5-D video latents for Wan); every SDE/log-prob computation
+    reduces over all non-batch dimensions, so the layout does not matter to the algorithm.
     """
 
     family: str = ""
     pipeline_class_names: tuple[str, ...] = ()
+    accepts_images: bool = False
+    negative_depends_on_image: bool = False
+    is_video: bool = False
+    default_lora_target_modules: tuple[str, ...] = MMDIT_LORA_TARGET_MODULES
 
-    def __init__(self, pipeline: DiffusionPipeline):
+    def __init__(self, pipeline: DiffusionPipeline, num_frames: int = 1):
+        self.check_num_frames(num_frames)
         self.pipeline = pipeline
+        self.num_frames = int(num_frames)
+        # The pipeline's own scheduler configuration, kept before the trainer swaps in its SDE scheduler.
+        self.scheduler_config = dict(pipeline.scheduler.config)
 
     @classmethod
-    def supports(cls, pipeline: DiffusionPipeline) -> bool:
-        return type(pipeline).__name__ in cls.pipeline_class_names
+    def supports(cls, pipeline: DiffusionPipeline | str) -> bool:
+        """Whether this adapter handles ``pipeline`` (a pipeline or its class name)."""
+        name = pipeline if isinstance(pipeline, str) else type(pipeline).__name__
+        return name in cls.pipeline_class_names
 
-    # --- text -------------------------------------------------------------------------------------
+    @classmethod
+    def check_num_frames(cls, num_frames: int) -> None:
+        """Raise a clear error when ``num_frames`` does not suit this family (image families: exactly 1)."""
+        if not cls.is_video and num_frames != 1:
+            raise ValueError(f"num_frames={num_frames}, but {cls.family} ({', '.join(cls.pipeline_class_names)}) "
+                             "generates images; set num_frames=1 (the default).")
+
+    # --- conditioning -----------------------------------------------------------------------------
     @abstractmethod
-    def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device) -> PromptEmbeds:
-        """Encode each prompt once (no CFG duplication)."""
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
+                       images: Sequence[Any] | None = None, *, height: int | None = None,
+                       width: int | None = None) -> PromptEmbeds:
+        """Encode each prompt once (no CFG duplication).
+
+        ``images`` (editing families): one source ``PIL.Image`` per prompt, encoded at ``height`` x ``width``, the
+        working resolution; its encoding is part of the returned conditioning.
+        """
+
+    def _require_images(self, prompts: list[str], images: Sequence[Any] | None, height: int | None,
+                        width: int | None) -> list[Any]:
+        if images is None:
+            raise ValueError(f"{type(self.pipeline).__name__} edits a source image: pass one image per prompt "
+                             "(a dataset column 'image' holding paths, PIL images or a datasets.Image feature).")
+        images = list(images)
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(images)} source images; give one image per prompt.")
+        if height is None or width is None:
+            raise ValueError("Encoding source images needs the working resolution: pass height= and width=.")
+        return images
 
     # --- latents ----------------------------------------------------------------------------------
     @abstractmethod
@@ -74,12 +150,16 @@ class ModelFamilyAdapter(ABC):
         self, batch_size: int, height: int, width: int, generator: torch.Generator | list[torch.Generator] | None,
         device: torch.device, dtype: torch.dtype,
     ) -> torch.Tensor:
-        """Initial noise x_1 ~ N(0, I) in the transformer's latent layout."""
+        """Initial noise x_1 ~ N(0, I) in the transformer's latent layout (with ``num_frames`` for video)."""
 
     @abstractmethod
     def set_timesteps(self, scheduler: Any, num_inference_steps: int, height: int, width: int,
                       device: torch.device) -> None:
         """Configure ``scheduler`` exactly as the family's pipeline does (shift / dynamic shift)."""
+
+    def sde_scheduler_config(self) -> dict[str, Any]:
+        """The configuration that the trainer's ``FlowMatchSDEScheduler`` is built from (the pipeline's own)."""
+        return dict(self.scheduler_config)
 
     # --- the transformer call ---------------------------------------------------------------------
     @abstractmethod
@@ -89,17 +169,34 @@ class ModelFamilyAdapter(ABC):
     ) -> torch.Tensor:
         """Velocity v (after classifier-free guidance or with the guidance embedding) for ``latents``.
 
-        ``timestep`` is a 1-D tensor of per-sample timesteps on the scheduler's 0..1000 scale.
+        ``timestep`` is a 1-D tensor of per-sample timesteps on the scheduler's 0..1000 scale. ``transformer`` is
+        what :meth:`trainable_module` returned (possibly wrapped by peft / DDP).
         """
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Whether ``guidance_scale`` means two transformer passes (true CFG) for this family."""
         return guidance_scale > 1.0
 
+    def trainable_module(self) -> torch.nn.Module:
+        """The module the trainer trains (and hands back to :meth:`predict_velocity`): the transformer."""
+        return self.pipeline.transformer
+
+    def transformers(self) -> list[torch.nn.Module]:
+        """Every diffusers transformer that samples (for gradient checkpointing and FLOP counts)."""
+        return [self.pipeline.transformer]
+
+    def sequence_lengths(self, embeds: PromptEmbeds, latents: torch.Tensor) -> tuple[int, int]:
+        """``(image_tokens, text_tokens)`` that one transformer call of one sample attends over (FLOP counts).
+
+        ``image_tokens`` counts every latent token of the call (target and, for editing families, source image).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not report its sequence lengths.")
+
     # --- pixels -----------------------------------------------------------------------------------
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Decode latents to images in [0, 1], shape (B, 3, H, W), float32."""
+        """Decode latents to pixels in [0, 1], float32: images ``(B, 3, H, W)``, or frames ``(B, F, 3, H, W)`` for a
+        video family."""
 
     # --- helpers shared by families ---------------------------------------------------------------
     def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -108,3 +205,16 @@ class ModelFamilyAdapter(ABC):
         latents = latents / vae.config.scaling_factor + shift
         image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    def _preprocess_images(self, images: Sequence[Any], height: int, width: int, device: torch.device,
+                           dtype: torch.dtype) -> torch.Tensor:
+        """Source images resized to ``height`` x ``width`` and scaled to [-1, 1] by the pipeline's image processor,
+        as its own editing call does for an image of that size."""
+        processor = self.pipeline.image_processor
+        return processor.preprocess(self._resize_images(images, height, width), height, width).to(device=device,
+                                                                                               dtype=dtype)
+
+    def _resize_images(self, images: Sequence[Any], height: int, width: int) -> list[Any]:
+        """RGB copies of ``images`` resized to ``height`` x ``width`` as the pipeline's image processor resizes."""
+        processor = self.pipeline.image_processor
+        return [processor.resize(im.convert("RGB"), height, width) for im in images]

@@ -6,7 +6,7 @@ as an embedding and needs one pass; otherwise ``guidance_scale > 1`` means true 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,9 @@ class FluxAdapter(ModelFamilyAdapter):
     def uses_cfg(self, guidance_scale: float) -> bool:
         return (not self._guidance_embeds) and guidance_scale > 1.0
 
-    def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device) -> PromptEmbeds:
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
+                       images: Sequence[Any] | None = None, *, height: int | None = None,
+                       width: int | None = None) -> PromptEmbeds:
         prompt_embeds, pooled, _text_ids = self.pipeline.encode_prompt(
             prompt=list(prompts), prompt_2=None, device=device, num_images_per_prompt=1,
             max_sequence_length=max_sequence_length,
@@ -68,22 +70,29 @@ class FluxAdapter(ModelFamilyAdapter):
         txt_ids = torch.zeros(embeds["prompt_embeds"].shape[1], 3, device=device, dtype=dtype)
         return txt_ids, img_ids
 
+    def _transformer_inputs(self, latents: torch.Tensor, cond: dict[str, torch.Tensor], height: int,
+                            width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image-token sequence the transformer sees and its position ids (FLUX.1: the target latents only)."""
+        _, img_ids = self._ids(cond, height, width)
+        return latents, img_ids
+
     def predict_velocity(self, transformer: Callable[..., Any], latents, timestep, embeds, guidance_scale,
                          negative_embeds, height, width) -> torch.Tensor:
         cond = embeds.tensors
-        txt_ids, img_ids = self._ids(cond, height, width)
+        txt_ids, _ = self._ids(cond, height, width)
+        hidden, img_ids = self._transformer_inputs(latents, cond, height, width)
         cfg = self.uses_cfg(guidance_scale)
         if cfg:
             if negative_embeds is None:
                 raise ValueError("guidance_scale > 1 needs negative prompt embeddings for a FLUX model without "
                                  "guidance embedding")
             neg = negative_embeds.tensors
-            model_input = torch.cat([latents, latents])
+            model_input = torch.cat([hidden, hidden])
             t = torch.cat([timestep, timestep])
             prompt_embeds = torch.cat([neg["prompt_embeds"], cond["prompt_embeds"]])
             pooled = torch.cat([neg["pooled_prompt_embeds"], cond["pooled_prompt_embeds"]])
         else:
-            model_input, t = latents, timestep
+            model_input, t = hidden, timestep
             prompt_embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
         guidance = None
         if self._guidance_embeds:
@@ -92,10 +101,14 @@ class FluxAdapter(ModelFamilyAdapter):
         out = transformer(hidden_states=model_input, timestep=t / 1000, guidance=guidance,
                           pooled_projections=pooled, encoder_hidden_states=prompt_embeds, txt_ids=txt_ids,
                           img_ids=img_ids, return_dict=False)[0]
+        out = out[:, : latents.shape[1]]  # the target tokens (editing families append the source image's)
         if cfg:
             uncond, text = out.chunk(2)
             out = uncond + guidance_scale * (text - uncond)
         return out
+
+    def sequence_lengths(self, embeds: PromptEmbeds, latents: torch.Tensor) -> tuple[int, int]:
+        return int(latents.shape[1]), int(embeds.tensors["prompt_embeds"].shape[1])
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         unpacked = self.pipeline._unpack_latents(latents, height, width, self.pipeline.vae_scale_factor)

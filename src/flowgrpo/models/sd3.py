@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +18,9 @@ class SD3Adapter(ModelFamilyAdapter):
     family = "sd3"
     pipeline_class_names = ("StableDiffusion3Pipeline",)
 
-    def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device) -> PromptEmbeds:
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
+                       images: Sequence[Any] | None = None, *, height: int | None = None,
+                       width: int | None = None) -> PromptEmbeds:
         prompt_embeds, _, pooled, _ = self.pipeline.encode_prompt(
             prompt=list(prompts), prompt_2=None, prompt_3=None, device=device, num_images_per_prompt=1,
             do_classifier_free_guidance=False, max_sequence_length=max_sequence_length,
@@ -68,6 +70,11 @@ class SD3Adapter(ModelFamilyAdapter):
             uncond, text = out.chunk(2)
             out = uncond + guidance_scale * (text - uncond)
         return out
+
+    def sequence_lengths(self, embeds: PromptEmbeds, latents: torch.Tensor) -> tuple[int, int]:
+        patch = int(self.pipeline.transformer.config.patch_size)
+        image_tokens = int(latents.shape[-2] // patch) * int(latents.shape[-1] // patch)
+        return image_tokens, int(embeds.tensors["prompt_embeds"].shape[1])
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return self._vae_decode(latents)

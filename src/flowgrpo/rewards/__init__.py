@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from .composition import RewardResult, RewardSet, resolve_reward_funcs, reward_statistics
+from .composition import RewardResult, RewardSet, accepts_video, resolve_reward_funcs, reward_statistics
 from .failures import RewardFailedError
 from .registry import get_reward, list_rewards, register_reward
 
@@ -23,6 +23,7 @@ __all__ = [
     "RewardResult",
     "reward_statistics",
     "RewardFailedError",
+    "accepts_video",
 ]
 
 # Modules whose import registers built-in rewards. Each must keep heavy imports inside functions.

@@ -14,6 +14,12 @@ A reward that raises is handled by its ``on_failure`` policy (see `flowgrpo.rewa
 default) lets the exception through; ``"skip"`` scores the batch ``None`` for that reward and counts the samples
 in ``RewardResult.failed[name]``.
 
+Videos: a sample may be a list of frames (``PIL.Image`` each) instead of one image; a batch holds either images or
+videos. A reward written for images scores every frame (one call over all frames of the batch, the other columns
+repeated per frame) and a video's score is the mean of its frames' scores (frames it could not score are left out;
+``None`` when it scored none). A reward whose callable has ``accepts_video = True`` receives the videos themselves,
+one list of frames per sample.
+
 Asynchronous scoring: ``RewardSet.submit(prompts, images, **columns)`` returns a
 `concurrent.futures.Future` and scores in a small background thread pool, so that scoring batch k
 (OCR on CPU, a CLIP model, an HTTP round trip to a reward server) overlaps with sampling batch k + 1 on
@@ -41,7 +47,7 @@ from .registry import get_reward, list_rewards
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RewardResult", "RewardSet", "resolve_reward_funcs", "reward_statistics"]
+__all__ = ["RewardResult", "RewardSet", "accepts_video", "resolve_reward_funcs", "reward_statistics"]
 
 RewardSpec = str | Callable[..., Any]
 
@@ -109,6 +115,20 @@ class RewardResult:
             weights=dict(results[0].weights),
             failed={n: sum(r.failed.get(n, 0) for r in results) for n in names},
         )
+
+
+def accepts_video(fn: Any) -> bool:
+    """Whether the reward ``fn`` scores whole videos (``fn.accepts_video = True``, also through functools.partial)."""
+    while True:
+        if getattr(fn, "accepts_video", False):
+            return True
+        if not hasattr(fn, "func"):
+            return False
+        fn = fn.func
+
+
+def _is_video(sample: Any) -> bool:
+    return isinstance(sample, (list, tuple))
 
 
 def _callable_name(fn: Any) -> str:
@@ -325,7 +345,8 @@ class RewardSet:
     # ---- scoring ---------------------------------------------------------------------------------
 
     def __call__(self, prompts: Sequence[str], images: Sequence[Any], **columns: Sequence[Any]) -> RewardResult:
-        """Score a batch with every reward; see the module docstring for ``None`` and the total."""
+        """Score a batch of images (or of videos: lists of frames) with every reward; see the module docstring for
+        videos, ``None`` and the total."""
         prompts = list(prompts)
         images = list(images)
         n = len(prompts)
@@ -337,12 +358,20 @@ class RewardSet:
             if len(values) != n:
                 raise ValueError(f"column {key!r} has {len(values)} values but there are {n} prompts")
             cols[key] = values
+        videos = [_is_video(im) for im in images]
+        is_video = bool(videos) and all(videos)
+        if any(videos) and not is_video:
+            raise ValueError("a batch mixes images and videos (lists of frames); score them in separate batches")
         per_reward: dict[str, list[float | None]] = {}
         failed: dict[str, int] = {}
         for name, fn in zip(self.names, self.funcs):
             with collect_failed_samples() as reported:
                 try:
-                    raw = fn(prompts, images, **cols)
+                    frame_scores = None
+                    if is_video and not accepts_video(fn):
+                        frame_scores = self._score_frames(name, fn, prompts, images, cols)
+                    else:
+                        raw = fn(prompts, images, **cols)
                 except Exception as e:
                     if self.on_failure.get(name, "raise") != "skip":
                         if hasattr(e, "add_note"):  # Python >= 3.11
@@ -353,7 +382,7 @@ class RewardSet:
                     per_reward[name] = [None] * n
                     failed[name] = n
                     continue
-            per_reward[name] = self._check_scores(name, raw, n)
+            per_reward[name] = frame_scores if frame_scores is not None else self._check_scores(name, raw, n)
             failed[name] = min(n, sum(reported))
         total: list[float | None] = []
         for i in range(n):
@@ -369,6 +398,20 @@ class RewardSet:
             total.append(acc)
         return RewardResult(per_reward=per_reward, total=total, weights=dict(zip(self.names, self.weights)),
                             failed=failed)
+
+    @classmethod
+    def _score_frames(cls, name: str, fn: Callable, prompts: list[str], videos: list[Sequence[Any]],
+                      cols: dict[str, list[Any]]) -> list[float | None]:
+        """An image reward on videos: every frame scored (one call), each video's score the mean of its frames'."""
+        owner = [i for i, frames in enumerate(videos) for _ in frames]
+        frames = [frame for video in videos for frame in video]
+        frame_cols = {k: [v[i] for i in owner] for k, v in cols.items()}
+        scores = cls._check_scores(name, fn([prompts[i] for i in owner], frames, **frame_cols), len(frames))
+        per_video: list[list[float]] = [[] for _ in videos]
+        for i, score in zip(owner, scores):
+            if score is not None:
+                per_video[i].append(score)
+        return [math.fsum(v) / len(v) if v else None for v in per_video]
 
     @staticmethod
     def _check_scores(name: str, raw: Any, n: int) -> list[float | None]:

@@ -1,4 +1,5 @@
-"""Offline tiny Stable Diffusion 3 and FLUX pipelines (random weights, locally made tokenizers).
+"""Offline tiny pipelines of every supported family (random weights, locally made tokenizers): SD3, FLUX.1,
+Qwen-Image, Wan (and Wan 2.2 A14B's two-expert layout), FLUX.1 Kontext and Qwen-Image-Edit.
 
 Used by the tests, the demo and the benchmarks wherever a real checkpoint cannot be downloaded::
 
@@ -11,6 +12,12 @@ Used by the tests, the demo and the benchmarks wherever a real checkpoint cannot
 See :mod:`flowgrpo.testing.tiny_pipelines` for the architectures.
 """
 
-from .tiny_pipelines import TINY_FAMILIES, build_tiny_pipeline, cached_tiny_pipeline_path, save_tiny_pipeline
+from .tiny_pipelines import (
+    TINY_FAMILIES,
+    TINY_VARIANTS,
+    build_tiny_pipeline,
+    cached_tiny_pipeline_path,
+    save_tiny_pipeline,
+)
 
-__all__ = ["TINY_FAMILIES", "build_tiny_pipeline", "cached_tiny_pipeline_path", "save_tiny_pipeline"]
+__all__ = ["TINY_FAMILIES", "TINY_VARIANTS", "build_tiny_pipeline", "cached_tiny_pipeline_path", "save_tiny_pipeline"]

@@ -1,4 +1,4 @@
-"""Tiny random-weight Stable Diffusion 3 and FLUX pipelines, built offline, for tests, demos and benchmarks.
+"""Tiny random-weight pipelines of every supported family, built offline, for tests, demos and benchmarks.
 
 The pipelines are the stock diffusers classes with the real components, only shrunk. The text encoders, the
 pooled projection and the transformer all have different widths, so that a mixed-up dimension fails loudly
@@ -30,6 +30,12 @@ instead of broadcasting by luck.
 * ``vae``            as for SD3, with FLUX's scaling 0.3611 and shift 0.1159.
 * ``scheduler``      ``FlowMatchEulerDiscreteScheduler`` with FLUX's resolution-dependent (dynamic) shift.
 
+``"flux_kontext"``: :class:`~diffusers.FluxKontextPipeline` (image editing) with the FLUX components above. Call it
+with ``max_area=height * width, _auto_resize=False`` to keep a small source image small.
+
+``"qwenimage"`` / ``"qwenimage_edit"``: see :mod:`flowgrpo.testing.tiny_qwenimage`; ``"wan"`` (and its variant
+``"two_experts"``, Wan 2.2 A14B's layout): see :mod:`flowgrpo.testing.tiny_wan`.
+
 Any image side that is a multiple of 16 px works (32, 64, 128, ..., non-square too; SD3 up to 512 px). The SD3 pipeline
 defaults to 64 px; ``FluxPipeline`` hard-codes a 1024 px default, so pass ``height``/``width`` to it. Four 64 px
 images with 10 steps take well under a second on 2 idle CPU cores. Building is deterministic: the same ``seed``
@@ -39,13 +45,10 @@ parameters; a third of the size is T5's normalisation table in ``tokenizer.json`
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,7 @@ from diffusers import (
     AutoencoderKL,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     SD3Transformer2DModel,
@@ -61,18 +65,25 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+from .seeding import seeded_component
+from .tiny_qwenimage import QWEN_CONFIGS, build_tiny_qwenimage, build_tiny_qwenimage_edit
 from .tiny_tokenizers import (
     CLIP_MODEL_MAX_LENGTH,
     PROMPT_CORPUS,
     build_clip_tokenizer,
     build_t5_tokenizer,
     clip_vocab_and_merges,
+    qwen2_vocab_and_merges,
     t5_sentencepiece_model,
 )
+from .tiny_wan import WAN_CONFIGS, WAN_VARIANTS, build_tiny_wan
 
-__all__ = ["TINY_FAMILIES", "build_tiny_pipeline", "save_tiny_pipeline", "cached_tiny_pipeline_path"]
+__all__ = ["TINY_FAMILIES", "TINY_VARIANTS", "build_tiny_pipeline", "save_tiny_pipeline", "cached_tiny_pipeline_path"]
 
-TINY_FAMILIES = ("sd3", "flux")
+TINY_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit")
+
+#: Variants a family can be built in besides its default layout.
+TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS}
 
 # Bump when the build changes in a way the configs below do not show (e.g. initialisation), to refresh caches.
 _BUILD_REVISION = 1
@@ -169,20 +180,7 @@ _FLUX_SCHEDULER = {
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _seeded(seed: int, component: int) -> Iterator[None]:
-    """Seed torch's CPU generator for one component, in float32, without disturbing the caller's state.
-
-    Each component gets its own stream, so its weights depend only on ``seed`` and not on build order.
-    """
-    default_dtype = torch.get_default_dtype()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed * 1009 + component)
-        torch.set_default_dtype(torch.float32)
-        try:
-            yield
-        finally:
-            torch.set_default_dtype(default_dtype)
+_seeded = seeded_component
 
 
 def _clip_config(arch: dict[str, Any], tokenizer) -> CLIPTextConfig:
@@ -259,13 +257,29 @@ def _build_flux(seed: int) -> FluxPipeline:
     )
 
 
-_BUILDERS: dict[str, Callable[[int], DiffusionPipeline]] = {"sd3": _build_sd3, "flux": _build_flux}
+def _build_flux_kontext(seed: int) -> FluxKontextPipeline:
+    flux = _build_flux(seed)
+    return FluxKontextPipeline(**{k: v for k, v in flux.components.items() if v is not None})
+
+
+_BUILDERS: dict[str, Callable[[int], DiffusionPipeline]] = {
+    "sd3": _build_sd3, "flux": _build_flux, "qwenimage": build_tiny_qwenimage, "wan": build_tiny_wan,
+    "flux_kontext": _build_flux_kontext, "qwenimage_edit": build_tiny_qwenimage_edit,
+}
 
 
 def _check_family(family: str) -> str:
     if family not in _BUILDERS:
         raise ValueError(f"Unknown tiny pipeline family {family!r}; choose one of {', '.join(TINY_FAMILIES)}.")
     return family
+
+
+def _check_variant(family: str, variant: str | None) -> str | None:
+    if variant is not None and variant not in TINY_VARIANTS.get(family, ()):
+        known = TINY_VARIANTS.get(family, ())
+        raise ValueError(f"Unknown variant {variant!r} of the tiny {family} pipeline; "
+                         + (f"choose one of {', '.join(known)} or none." if known else "it has no variants."))
+    return variant
 
 
 def _check_seed(seed: int) -> int:
@@ -279,27 +293,32 @@ def _check_seed(seed: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def build_tiny_pipeline(family: str = "sd3", seed: int = 0) -> DiffusionPipeline:
-    """Build a tiny random-weight pipeline of ``family`` (``"sd3"`` or ``"flux"``) in memory, in float32, on CPU.
+def build_tiny_pipeline(family: str = "sd3", seed: int = 0, variant: str | None = None) -> DiffusionPipeline:
+    """Build a tiny random-weight pipeline of ``family`` (one of :data:`TINY_FAMILIES`) in memory, in float32, on CPU.
 
     Nothing is downloaded. The same ``seed`` always gives bit-identical weights; see the module docstring for
-    the architectures.
+    the architectures. ``variant`` picks another layout of a family (:data:`TINY_VARIANTS`, e.g. ``"two_experts"``
+    for ``"wan"``).
     """
-    return _BUILDERS[_check_family(family)](_check_seed(seed))
+    family, seed = _check_family(family), _check_seed(seed)
+    if _check_variant(family, variant) is not None:
+        return _BUILDERS[family](seed, variant)
+    return _BUILDERS[family](seed)
 
 
-def save_tiny_pipeline(family: str, output_dir: str | os.PathLike[str], seed: int = 0) -> Path:
+def save_tiny_pipeline(family: str, output_dir: str | os.PathLike[str], seed: int = 0,
+                       variant: str | None = None) -> Path:
     """Build the tiny ``family`` pipeline and write it to ``output_dir`` with ``save_pretrained``.
 
     The folder loads back with stock ``DiffusionPipeline.from_pretrained(output_dir)``. Returns the folder's path.
     """
     output_dir = Path(output_dir)
-    pipeline = build_tiny_pipeline(family, seed)
+    pipeline = build_tiny_pipeline(family, seed, variant)
     pipeline.save_pretrained(output_dir, safe_serialization=True)
     return output_dir
 
 
-def _fingerprint(family: str, seed: int) -> str:
+def _fingerprint(family: str, seed: int, variant: str | None = None) -> str:
     """Hash of everything that determines the saved folder, so a changed builder never reuses a stale cache."""
     import diffusers
     import transformers
@@ -308,12 +327,14 @@ def _fingerprint(family: str, seed: int) -> str:
     spec = {
         "revision": _BUILD_REVISION,
         "family": family,
+        "variant": variant,
         "seed": seed,
         "configs": [_CLIP_L, _CLIP_G, _T5, _VAE_SD3, _VAE_FLUX, _SD3_TRANSFORMER, _FLUX_TRANSFORMER,
-                    _SD3_SCHEDULER, _FLUX_SCHEDULER],
+                    _SD3_SCHEDULER, _FLUX_SCHEDULER, QWEN_CONFIGS, WAN_CONFIGS],
         "versions": [torch.__version__, diffusers.__version__, transformers.__version__],
         "corpus": PROMPT_CORPUS,
         "clip": [sorted(vocab.items()), merges],
+        "qwen2": list(qwen2_vocab_and_merges()[1]),
     }
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode("utf-8"))
     digest.update(t5_sentencepiece_model())
@@ -328,8 +349,8 @@ def _default_cache_dir() -> Path:
     return Path(base) / "flowgrpo" / "tiny-pipelines"
 
 
-def cached_tiny_pipeline_path(family: str = "sd3", seed: int = 0, cache_dir: str | os.PathLike[str] | None = None
-                              ) -> Path:
+def cached_tiny_pipeline_path(family: str = "sd3", seed: int = 0, cache_dir: str | os.PathLike[str] | None = None,
+                              variant: str | None = None) -> Path:
     """Path of a saved tiny ``family`` pipeline, built on first use and reused afterwards.
 
     ``cache_dir`` defaults to ``$FLOWGRPO_TINY_PIPELINE_CACHE``, else ``$XDG_CACHE_HOME/flowgrpo/tiny-pipelines``
@@ -340,21 +361,9 @@ def cached_tiny_pipeline_path(family: str = "sd3", seed: int = 0, cache_dir: str
     from ..build_cache import build_folder_once
 
     family, seed = _check_family(family), _check_seed(seed)
+    variant = _check_variant(family, variant)
     cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    target = cache_dir / f"{family}-seed{seed}-{_fingerprint(family, seed)}"
-    return build_folder_once(target, lambda path: save_tiny_pipeline(family, path, seed),
+    name = family if variant is None else f"{family}-{variant}"
+    target = cache_dir / f"{name}-seed{seed}-{_fingerprint(family, seed, variant)}"
+    return build_folder_once(target, lambda path: save_tiny_pipeline(family, path, seed, variant=variant),
                              what="tiny pipeline cache folder")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
-    try:
-        save_tiny_pipeline(family, staging / "pipeline", seed)
-        try:
-            os.rename(staging / "pipeline", target)
-        except OSError:
-            # Another process finished first (the target now exists and is not empty): use its folder.
-            if not (target / "model_index.json").is_file():
-                raise RuntimeError(f"Cannot create the tiny pipeline cache folder {target}: it exists but holds no "
-                                   "model_index.json. Delete it and retry.") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target

@@ -4,6 +4,11 @@
   the vocabulary holds all 256 byte symbols, alone and with ``</w>``, so any text encodes without unknown tokens;
   merges are learned here by plain byte-pair counting over :data:`PROMPT_CORPUS` (ties broken lexically), then
   ``<|startoftext|>`` and ``<|endoftext|>`` close the vocabulary, as in CLIP.
+* **Qwen2** (byte-level BPE without an end-of-word suffix, Qwen2's pre-tokenisation pattern, the chat and vision
+  special tokens of ``Qwen/Qwen2.5-VL-7B-Instruct``): merges learned by the same byte-pair counting, then extended
+  so that every pre-token of the Qwen-Image / Qwen-Image-Edit system prompts is one token. Those pipelines drop a
+  fixed number of leading hidden states (34, and 64 for the edit template): the system part of each template must
+  tokenise to exactly that many tokens, as it does with the real tokenizer.
 * **T5** (SentencePiece unigram with ``nmt_nfkc`` normalisation, ``<pad>``=0, ``</s>``=1, ``<unk>``=2, 100 sentinel
   ``<extra_id_*>`` tokens, as in ``google/t5-v1_1-*``): trained single-threaded by the ``sentencepiece`` library on
   the same corpus, with every printable ASCII character and the common typographic quotes and dashes required.
@@ -18,19 +23,24 @@ import io
 import itertools
 import string
 import tempfile
+import unicodedata
 from collections import Counter
 from pathlib import Path
 
 import regex
-from transformers import CLIPTokenizer, T5Tokenizer
+from transformers import CLIPTokenizer, Qwen2Tokenizer, T5Tokenizer
 
 __all__ = [
     "PROMPT_CORPUS",
     "CLIP_MODEL_MAX_LENGTH",
     "T5_MODEL_MAX_LENGTH",
+    "QWEN_SPECIAL_TOKENS",
+    "QWEN_TEMPLATE_PREFIXES",
     "build_clip_tokenizer",
+    "build_qwen2_tokenizer",
     "build_t5_tokenizer",
     "clip_vocab_and_merges",
+    "qwen2_vocab_and_merges",
     "t5_sentencepiece_model",
 ]
 
@@ -297,4 +307,127 @@ def build_t5_tokenizer() -> T5Tokenizer:
         model_file = Path(tmp) / "spiece.model"
         model_file.write_bytes(t5_sentencepiece_model())
         tokenizer = T5Tokenizer.from_pretrained(tmp, model_max_length=T5_MODEL_MAX_LENGTH, legacy=False)
+    return tokenizer
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Qwen2: byte-level BPE with chat and vision special tokens
+# --------------------------------------------------------------------------------------------------------------------
+
+QWEN_NUM_MERGES = 600
+
+#: Special tokens in the order (and so with the relative ids) of the Qwen2.5-VL tokenizer.
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>",
+)
+
+#: The system part of the Qwen-Image (text-to-image) and Qwen-Image-Edit prompt templates of diffusers, and the
+#: number of tokens each must have (the pipelines' ``prompt_template_encode_start_idx``).
+QWEN_TEMPLATE_PREFIXES: dict[str, tuple[str, int]] = {
+    "qwenimage": (
+        "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+        "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n",
+        34,
+    ),
+    "qwenimage_edit": (
+        "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+        "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+        "image that meets the user's requirements while maintaining consistency with the original input where "
+        "appropriate.<|im_end|>\n<|im_start|>user\n",
+        64,
+    ),
+}
+
+# Qwen2's pre-tokenisation pattern (``transformers.Qwen2Tokenizer``).
+_QWEN_WORD_PATTERN = regex.compile(
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_QWEN_SPECIAL_PATTERN = regex.compile("|".join(regex.escape(t) for t in QWEN_SPECIAL_TOKENS))
+
+
+def _qwen_words(text: str) -> list[tuple[str, ...]]:
+    """Pre-tokenised words of ``text`` (special tokens removed) as tuples of byte symbols."""
+    table = _byte_table()
+    words = []
+    for chunk in _QWEN_SPECIAL_PATTERN.split(unicodedata.normalize("NFC", text)):
+        for word in _QWEN_WORD_PATTERN.findall(chunk):
+            words.append(tuple(table[b] for b in word.encode("utf-8")))
+    return words
+
+
+def _apply_bpe(word: tuple[str, ...], ranks: dict[tuple[str, str], int]) -> tuple[str, ...]:
+    """Byte-pair encoding of one word: repeatedly merge the adjacent pair of lowest rank (as ``tokenizers`` does)."""
+    while len(word) > 1:
+        best = min(((ranks.get(pair, len(ranks) + 1), i) for i, pair in enumerate(zip(word, word[1:]))))
+        if best[0] > len(ranks):
+            break
+        word = _merge_pair(word, (word[best[1]], word[best[1] + 1]))
+    return word
+
+
+@functools.lru_cache(maxsize=1)
+def qwen2_vocab_and_merges() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
+    """Learn the Qwen2 byte-level BPE from :data:`PROMPT_CORPUS`, then complete every template word (cached).
+
+    ``QWEN_NUM_MERGES`` merges are learned by frequency (ties: the lexically smallest pair). Then, for each word of
+    the template prefixes in :data:`QWEN_TEMPLATE_PREFIXES`, merges are appended (each one joining the first two
+    pieces the word still has) until the word encodes to a single token, so each prefix has exactly one token per
+    pre-token. Special tokens are not part of the vocabulary returned here (they are added tokens).
+    """
+    counts: Counter[tuple[str, ...]] = Counter()
+    for line in PROMPT_CORPUS:
+        counts.update(_qwen_words(line))
+    merges: list[tuple[str, str]] = []
+    words = counts
+    while len(merges) < QWEN_NUM_MERGES:
+        pair_counts: Counter[tuple[str, str]] = Counter()
+        for word, count in words.items():
+            for pair in zip(word, word[1:]):
+                pair_counts[pair] += count
+        if not pair_counts:
+            break
+        best, best_count = min(pair_counts.items(), key=lambda item: (-item[1], item[0]))
+        if best_count < 2:
+            break
+        merges.append(best)
+        merged: Counter[tuple[str, ...]] = Counter()
+        for word, count in words.items():
+            merged[_merge_pair(word, best) if best[0] in word else word] += count
+        words = merged
+
+    ranks = {pair: i for i, pair in enumerate(merges)}
+    template_words = [w for prefix, _ in QWEN_TEMPLATE_PREFIXES.values() for w in _qwen_words(prefix)]
+    for word in template_words + _qwen_words("assistant"):
+        pieces = _apply_bpe(word, ranks)
+        while len(pieces) > 1:
+            pair = (pieces[0], pieces[1])
+            ranks[pair] = len(merges)
+            merges.append(pair)
+            pieces = _apply_bpe(word, ranks)
+
+    tokens = list(_byte_table().values())
+    seen = set(tokens)
+    for left, right in merges:
+        if left + right not in seen:
+            tokens.append(left + right)
+            seen.add(left + right)
+    return {token: i for i, token in enumerate(tokens)}, tuple(merges)
+
+
+def build_qwen2_tokenizer() -> Qwen2Tokenizer:
+    """A Qwen2 tokenizer over the locally learned vocabulary, with the Qwen2.5-VL special tokens.
+
+    ``<|endoftext|>`` is the padding (and end-of-text) token, as in Qwen2.5-VL; ``model_max_length`` is 32768.
+    """
+    from tokenizers import AddedToken
+
+    vocab, merges = qwen2_vocab_and_merges()
+    vocab = dict(vocab)
+    for token in QWEN_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=list(merges), model_max_length=32768)
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS],
+                         special_tokens=True)
     return tokenizer

@@ -84,7 +84,7 @@ class RLSettings:
     epsilon: float = 1e-3
     scale_rewards: str = "group"
     num_iterations: int = 1
-    max_sequence_length: int = 16
+    max_sequence_length: int = 8
     seed: int = 0
     # ---- the Flow-GRPO family's variants (FlowGRPOConfig fields of the same names) ----
     sde_window_strategy: str = "random"

@@ -28,6 +28,9 @@ class FlowBaseTrainer(CrashSafeTrainerMixin, Trainer):
     _card_base_model: str | None = None
     _card_rewards: list[str] = []
     _last_eval: dict | None = None
+    #: the Hub task of the card, and the second expert's LoRA file of a two-expert pipeline
+    _card_pipeline_tag: str = "text-to-image"
+    _card_second_expert_lora: str | None = None
 
     def _card_extra_sections(self) -> str:
         """Subclasses add the training setup and evaluation scores here (markdown)."""
@@ -60,6 +63,7 @@ class FlowBaseTrainer(CrashSafeTrainerMixin, Trainer):
             tags=tag_list, trainer_name=self._name or "Flow-GRPO", paper=self._paper, dataset_name=dataset_name,
             extra_sections=self._card_extra_sections(), samples=samples, contact_sheet=sheet,
             metrics=(last_eval or {}).get("metrics"), is_lora=is_lora, license=license,
+            pipeline_tag=self._card_pipeline_tag, second_expert_lora=self._card_second_expert_lora,
         )
         Path(output_dir, "README.md").write_text(card, encoding="utf-8")
 

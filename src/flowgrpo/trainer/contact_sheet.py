@@ -1,4 +1,5 @@
-"""Contact sheets: a grid of images, each with its caption (prompt and score) underneath."""
+"""Contact sheets: a grid of images (or videos: first, middle and last frame side by side), each with its caption
+(prompt and score) underneath."""
 
 from __future__ import annotations
 
@@ -7,24 +8,30 @@ import textwrap
 
 from PIL import Image, ImageDraw, ImageFont
 
+from .media import is_video, key_frames
 
-def make_contact_sheet(images: list[Image.Image], captions: list[str] | None = None, columns: int | None = None,
-                       cell: int = 192, caption_lines: int = 3) -> Image.Image:
+
+def make_contact_sheet(images: list[Image.Image | list[Image.Image]], captions: list[str] | None = None,
+                       columns: int | None = None, cell: int = 192, caption_lines: int = 3) -> Image.Image:
+    """A grid with one cell per sample; a video sample (a list of frames) shows its first, middle and last frame."""
     if not images:
         return Image.new("RGB", (cell, cell), "white")
+    panels = [key_frames(im) if is_video(im) else [im] for im in images]
+    cell_w = cell * max(len(p) for p in panels)
     captions = captions or [""] * len(images)
     columns = columns or min(len(images), max(1, math.ceil(math.sqrt(len(images)))))
     rows = math.ceil(len(images) / columns)
     font = ImageFont.load_default()
     line_h = 12
     text_h = caption_lines * line_h + 4
-    sheet = Image.new("RGB", (columns * cell, rows * (cell + text_h)), "white")
+    sheet = Image.new("RGB", (columns * cell_w, rows * (cell + text_h)), "white")
     draw = ImageDraw.Draw(sheet)
-    chars = max(8, cell // 6)
-    for k, (im, cap) in enumerate(zip(images, captions)):
+    chars = max(8, cell_w // 6)
+    for k, (frames, cap) in enumerate(zip(panels, captions)):
         r, c = divmod(k, columns)
-        x, y = c * cell, r * (cell + text_h)
-        sheet.paste(im.convert("RGB").resize((cell, cell), Image.NEAREST), (x, y))
+        x, y = c * cell_w, r * (cell + text_h)
+        for j, frame in enumerate(frames):
+            sheet.paste(frame.convert("RGB").resize((cell, cell), Image.NEAREST), (x + j * cell, y))
         for n, line in enumerate(textwrap.wrap(cap, chars)[:caption_lines]):
             draw.text((x + 2, y + cell + 2 + n * line_h), line, fill="black", font=font)
     return sheet

@@ -49,7 +49,7 @@ from transformers.trainer_utils import set_seed
 from transformers.utils import logging
 
 from ..cpu_threads import apply_cpu_thread_plan, limit_worker_threads, plan_cpu_threads
-from ..models import PromptEmbeds, get_family_adapter
+from ..models import PromptEmbeds, family_adapter_class, get_family_adapter
 from ..rewards import RewardSet, resolve_reward_funcs
 from ..schedulers import (
     FlowMatchSDEScheduler,
@@ -62,11 +62,13 @@ from ..schedulers import (
 )
 from .advantages import compute_reward_advantages
 from .base import FlowBaseTrainer
+from .condition_images import IMAGE_COLUMN, image_key, load_condition_image
 from .config import FlowGRPOConfig
 from .contact_sheet import make_contact_sheet
 from .datasets import INDEX_COLUMN, IndexedPromptDataset
 from .ema import EMAWeights
-from .lora_export import LORA_WEIGHTS_NAME, save_diffusers_lora
+from .lora_export import EXPERT_LORA_WEIGHTS_NAMES, LORA_WEIGHTS_NAME, save_diffusers_lora
+from .media import encode_gif, is_video, tensorboard_video_summary, video_grid
 from .prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
 from .sampler import RepeatSampler
 from .sliced_decode import decode_in_slices
@@ -75,16 +77,51 @@ logger = logging.get_logger(__name__)
 
 EMA_STATE_NAME = "ema_state.pt"
 
+_TWO_EXPERTS_FULL_FINETUNE = (
+    "This Wan 2.2 pipeline has two experts (transformer and transformer_2); training it is supported with LoRA (one "
+    "adapter on each expert, each used on its own steps), not as full fine-tuning. Pass a peft_config (a "
+    "peft.LoraConfig, e.g. LoraConfig(r=32, lora_alpha=64)) or use_peft: true in a recipe."
+)
+
 
 def _identity_collator(features: list[dict]) -> list[dict]:
     return features
 
 
 def _to_pil(images: torch.Tensor) -> list:
+    """Decoded pixels in [0, 1] as PIL: ``(B, 3, H, W)`` -> B images, ``(B, F, 3, H, W)`` -> B lists of F frames."""
     from PIL import Image
 
+    if images.dim() == 5:
+        return [_to_pil(video) for video in images]
     arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
     return [Image.fromarray(a) for a in arr]
+
+
+def _import_own_components(index: dict | None) -> None:
+    """Import the flowgrpo modules that ``model_index.json`` names for components (the tiny Qwen-Image-Edit pipeline's
+    processor): diffusers loads a component of a custom class only once its module has been imported."""
+    import importlib
+
+    for value in (index or {}).values():
+        if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str) \
+                and value[0].startswith("flowgrpo."):
+            importlib.import_module(value[0])
+
+
+def _load_images(values: list) -> list:
+    """The ``image`` column's values as RGB PIL images (each distinct path read once)."""
+    loaded: dict[str, Any] = {}
+    out = []
+    for value in values:
+        if isinstance(value, (str, os.PathLike)):
+            key = os.fspath(value)
+            if key not in loaded:
+                loaded[key] = load_condition_image(value)
+            out.append(loaded[key])
+        else:
+            out.append(load_condition_image(value))
+    return out
 
 
 def _done_future(value: Any) -> Future:
@@ -167,8 +204,12 @@ class FlowGRPOTrainer(FlowBaseTrainer):
             ``"package.module:function"`` path, or a list of those (weighted by ``args.reward_weights``).
         args: a ``FlowGRPOConfig``.
         train_dataset / eval_dataset: a ``datasets.Dataset`` (or list of dicts / strings) with a ``prompt``
-            column; other columns are passed to the rewards.
-        peft_config: a ``peft.LoraConfig`` for LoRA training; ``None`` fine-tunes the whole transformer.
+            column; other columns are passed to the rewards. Editing families (FLUX.1 Kontext, Qwen-Image-Edit)
+            also need an ``image`` column (a path, a PIL image or a ``datasets.Image`` feature): each sample's
+            source image, encoded at the working resolution and given to the rewards as PIL images.
+        peft_config: a ``peft.LoraConfig`` for LoRA training; ``None`` fine-tunes the whole transformer. A config
+            without ``target_modules`` gets the family's default targets (``adapter.default_lora_target_modules``;
+            Wan 2.2 A14B: a LoRA on each of its two experts).
         callbacks, optimizers: as in ``transformers.Trainer``.
         pipeline_kwargs: extra ``from_pretrained`` arguments (e.g. ``revision``) when ``model`` is a string.
     """
@@ -213,19 +254,31 @@ class FlowGRPOTrainer(FlowBaseTrainer):
                              "needs a CUDA GPU; unset quantization on this machine.")
         if args.quantization and peft_config is None:
             raise ValueError("A quantized transformer cannot be fully fine-tuned; pass a LoRA peft_config.")
+        index = self._pipeline_index(model, pipeline_kwargs or {})
+        self._check_family_settings(index, args, peft_config, (train_dataset, eval_dataset))
+        _import_own_components(index)
 
         self.model_dtype = _torch_dtype(args.dtype)
         pipeline = self._load_pipeline(model, args, pipeline_kwargs or {})
         self.pipeline = pipeline
-        self.adapter = get_family_adapter(pipeline)
+        self.adapter = get_family_adapter(pipeline, num_frames=args.num_frames)
+        if len(self.adapter.transformers()) > 1 and peft_config is None:
+            raise ValueError(_TWO_EXPERTS_FULL_FINETUNE)
+        if peft_config is not None and not getattr(peft_config, "target_modules", None):
+            peft_config = copy.deepcopy(peft_config)
+            peft_config.target_modules = set(self.adapter.default_lora_target_modules)
         self._card_base_model = model if isinstance(model, str) else getattr(pipeline, "name_or_path", None)
         self._card_rewards = list(self.reward_set.names)
+        self._card_pipeline_tag = "text-to-video" if self.adapter.is_video else (
+            "image-to-image" if self.adapter.accepts_images else "text-to-image")
+        if len(self.adapter.transformers()) > 1:
+            self._card_second_expert_lora = EXPERT_LORA_WEIGHTS_NAMES["transformer_2"]
 
         for component in pipeline.components.values():
             if isinstance(component, torch.nn.Module):
                 component.requires_grad_(False)
                 component.eval()
-        transformer = pipeline.transformer
+        transformer = self.adapter.trainable_module()
 
         # Identical LoRA init on every rank: seed before building the adapter.
         set_seed(args.seed)
@@ -240,16 +293,17 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         else:
             transformer.requires_grad_(True)
             if args.beta > 0:
-                self.ref_model = copy.deepcopy(pipeline.transformer).requires_grad_(False).eval()
+                self.ref_model = copy.deepcopy(transformer).requires_grad_(False).eval()
         self.is_peft = peft_config is not None
 
         self._transformer_checkpointing = bool(args.gradient_checkpointing or args.activation_checkpointing)
         if self._transformer_checkpointing:
-            pipeline.transformer.enable_gradient_checkpointing()
+            for module in self.adapter.transformers():
+                module.enable_gradient_checkpointing()
             args.gradient_checkpointing = args.activation_checkpointing = False
 
         scheduler = FlowMatchSDEScheduler.from_config(
-            pipeline.scheduler.config, noise_level=args.noise_level, sde_type=args.sde_type,
+            self.adapter.sde_scheduler_config(), noise_level=args.noise_level, sde_type=args.sde_type,
         )
         pipeline.scheduler = scheduler
         self.sde_scheduler = scheduler
@@ -274,17 +328,21 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         self.cpu_thread_plan = apply_cpu_thread_plan(plan_cpu_threads(args.cpu_threads, on_cpu=device.type == "cpu"))
         if self.cpu_thread_plan is not None:
             logger.info("CPU threads: %s", self.cpu_thread_plan.describe())
-        for name, component in pipeline.components.items():
-            if isinstance(component, torch.nn.Module) and name != "transformer":
+        trained = {id(module) for module in self.adapter.transformers()}
+        for component in pipeline.components.values():
+            if isinstance(component, torch.nn.Module) and id(component) not in trained:
                 component.to(device=device, dtype=self.model_dtype)
         if self.ref_model is not None:
             self.ref_model.to(device)
         self.ema = None
         if args.use_ema:
             self.ema = EMAWeights(self._trainable_parameters(), args.ema_decay, args.ema_update_interval)
-        with torch.no_grad():
-            self._negative_embeds = self.adapter.encode_prompts([args.negative_prompt], args.max_sequence_length,
-                                                                device)
+        # The negative prompt's embedding; per source image instead (see _encode_unique) when it depends on it.
+        self._negative_embeds = None
+        if not self.adapter.negative_depends_on_image:
+            with torch.no_grad():
+                self._negative_embeds = self.adapter.encode_prompts([args.negative_prompt],
+                                                                    args.max_sequence_length, device)
         # Embedding cache and text-encoder offload (prompt_cache.py): filled, then the encoders leave the device.
         self.prompt_cache = setup_prompt_cache(args, self.adapter, pipeline, device,
                                                (self.train_dataset, self.eval_dataset), self.accelerator.autocast)
@@ -292,6 +350,53 @@ class FlowGRPOTrainer(FlowBaseTrainer):
     # ------------------------------------------------------------------------------------------------
     # set-up helpers
     # ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _pipeline_index(model: Any, pipeline_kwargs: dict) -> dict | None:
+        """The pipeline's ``model_index.json`` (class name and components) without loading it; ``None`` if unknown."""
+        from diffusers import DiffusionPipeline
+
+        if isinstance(model, DiffusionPipeline):
+            return {**dict(model.config), "_class_name": type(model).__name__}
+        if not isinstance(model, (str, os.PathLike)):
+            return None
+        try:
+            return dict(DiffusionPipeline.load_config(str(model), **{k: v for k, v in pipeline_kwargs.items()
+                                                                      if k in ("revision", "cache_dir", "token")}))
+        except Exception:  # unreadable here (e.g. offline): the same checks run right after loading
+            return None
+
+    @staticmethod
+    def _check_family_settings(index: dict | None, args: FlowGRPOConfig, peft_config: Any, datasets: tuple) -> None:
+        """Family-specific settings, checked from the pipeline's class name (``index``: its model_index.json) before
+        anything is loaded: the frame count, the source-image column of editing families, and what Wan 2.2's two
+        experts support."""
+        if not index or "_class_name" not in index:
+            return
+        adapter_cls = family_adapter_class(index["_class_name"])
+        adapter_cls.check_num_frames(args.num_frames)
+        if adapter_cls.accepts_images:
+            for name, dataset in zip(("train_dataset", "eval_dataset"), datasets):
+                if dataset is None:
+                    continue
+                first = dataset[0]
+                if IMAGE_COLUMN not in first:
+                    raise ValueError(
+                        f"{index['_class_name']} edits a source image, but {name} has no '{IMAGE_COLUMN}' column "
+                        f"(columns: {[k for k in first if not k.startswith('_')]}); add one holding each prompt's "
+                        "source image (a path, a PIL image or a datasets.Image feature).")
+                load_condition_image(first[IMAGE_COLUMN])
+            if args.cache_prompt_embeddings and args.precompute_prompt_embeddings:
+                raise ValueError(f"precompute_prompt_embeddings encodes the datasets' prompts alone, but "
+                                 f"{index['_class_name']} encodes each (prompt, source image) pair; set "
+                                 "precompute_prompt_embeddings: false (the cache then keeps each pair on first use).")
+        second = index.get("transformer_2")
+        if isinstance(second, (list, tuple)) and second and second[0] is not None and index.get("boundary_ratio"):
+            if peft_config is None:
+                raise ValueError(_TWO_EXPERTS_FULL_FINETUNE)
+            if args.quantization:
+                raise ValueError("quantization loads one quantized transformer, but this Wan 2.2 pipeline has two "
+                                 "experts; train its LoRAs without quantization.")
+
     def _load_pipeline(self, model: Any, args: FlowGRPOConfig, pipeline_kwargs: dict):
         from diffusers import DiffusionPipeline
 
@@ -385,19 +490,41 @@ class FlowGRPOTrainer(FlowBaseTrainer):
     # ------------------------------------------------------------------------------------------------
     # rollouts
     # ------------------------------------------------------------------------------------------------
-    def _encode_unique(self, prompts: list[str], device) -> tuple[PromptEmbeds, torch.Tensor]:
-        """Encode each distinct prompt once; returns the embeddings and, per sample, its row."""
-        if self.prompt_cache is not None:
-            return self.prompt_cache.encode_unique(prompts, device)
-        unique: dict[str, int] = {}
-        rows = [unique.setdefault(p, len(unique)) for p in prompts]
-        embeds = self.adapter.encode_prompts(list(unique), self.args.max_sequence_length, device)
+    def _encode_unique(self, prompts: list[str], device, images: list | None = None,
+                       guidance_scale: float | None = None) -> tuple[PromptEmbeds, torch.Tensor]:
+        """Encode each distinct prompt (editing families: each distinct (prompt, source image) pair) once; returns the
+        embeddings and, per sample, its row. With CFG and a negative embedding that depends on the source image,
+        the negative prompt is encoded once per pair too (``PromptEmbeds.negative``)."""
+        args = self.args
+        if images is None or not self.adapter.accepts_images:
+            images = None
+        guidance = args.guidance_scale if guidance_scale is None else guidance_scale
+        per_image_negative = (images is not None and self.adapter.negative_depends_on_image
+                              and self.adapter.uses_cfg(guidance))
+        if self.prompt_cache is not None and not per_image_negative:
+            return self.prompt_cache.encode_unique(prompts, device, conditions=images)
+        keys = list(prompts) if images is None else [(p, image_key(im)) for p, im in zip(prompts, images)]
+        unique: dict[Any, int] = {}
+        rows = [unique.setdefault(k, len(unique)) for k in keys]
+        first = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        unique_prompts = [prompts[first[k]] for k in unique]
+        unique_images = [images[first[k]] for k in unique] if images is not None else None
+        height, width = args.image_size
+        embeds = self.adapter.encode_prompts(unique_prompts, args.max_sequence_length, device, images=unique_images,
+                                             height=height, width=width)
+        if per_image_negative:
+            embeds.negative = self.adapter.encode_prompts([args.negative_prompt] * len(unique_prompts),
+                                                          args.max_sequence_length, device, images=unique_images,
+                                                          height=height, width=width)
         return embeds, torch.tensor(rows, dtype=torch.long)
 
     def _velocity(self, model, latents, timestep, embeds, guidance_scale, height, width):
         neg = None
         if self.adapter.uses_cfg(guidance_scale):
-            neg = self._negative_embeds.expand_to(latents.shape[0])
+            neg = embeds.negative if embeds.negative is not None else (
+                self._negative_embeds.expand_to(latents.shape[0]) if self._negative_embeds is not None else None)
         v = self.adapter.predict_velocity(model, latents.to(self.model_dtype), timestep, embeds, guidance_scale, neg,
                                           height, width)
         return v.float()
@@ -484,6 +611,8 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         prompts = [row["prompt"] for row in inputs]
         group_ids = torch.tensor([row[INDEX_COLUMN] for row in inputs], dtype=torch.long)
         columns = {k: [row[k] for row in inputs] for k in inputs[0] if k not in ("prompt", INDEX_COLUMN)}
+        if IMAGE_COLUMN in columns:  # source images: conditioning (editing families) and a column for the rewards
+            columns[IMAGE_COLUMN] = _load_images(columns[IMAGE_COLUMN])
 
         window_gen = torch.Generator().manual_seed(_seed_for(args.seed, gen_index))
         # A function of the optimizer step and the seed only (resuming continues the schedule exactly).
@@ -506,7 +635,7 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         overlap_decode = self._overlap_decode
         with self._generation_context() as model:
             tic = self._clock()
-            unique_embeds, rows = self._encode_unique(prompts, device)
+            unique_embeds, rows = self._encode_unique(prompts, device, columns.get(IMAGE_COLUMN), args.guidance_scale)
             embeds_all = unique_embeds.index_select(rows)
             timing["text_encoding"] += self._clock() - tic
             for sl in chunks:
@@ -750,21 +879,38 @@ class FlowGRPOTrainer(FlowBaseTrainer):
         self._metrics[mode].clear()
 
     def _log_images(self, images: list, prompts: list[str], rewards: list[float], step: int) -> None:
-        """Sample images with prompts and rewards to every image-capable ``report_to`` backend."""
+        """Sample images (or videos) with prompts and rewards to every image-capable ``report_to`` backend.
+
+        TensorBoard: a contact sheet (``samples``; videos show their first, middle and last frame), the captions, and
+        for videos all samples tiled into one animated GIF (``samples/video``). wandb: ``samples`` holds one image, or
+        one GIF video, per sample.
+        """
         if not self.is_world_process_zero() or not images:
             return
+        import io
+
         from transformers.integrations import TensorBoardCallback, WandbCallback
 
         captions = [f"{p[:120]} | reward={r:.3f}" for p, r in zip(prompts, rewards)]
+        videos = all(is_video(im) for im in images)
+        fps = self.args.log_video_fps
         for cb in self.callback_handler.callbacks:
             if isinstance(cb, TensorBoardCallback) and getattr(cb, "tb_writer", None) is not None:
                 sheet = np.asarray(make_contact_sheet(images, captions))
                 cb.tb_writer.add_image("samples", sheet, global_step=step, dataformats="HWC")
+                if videos:
+                    summary = tensorboard_video_summary("samples/video", video_grid(images), fps)
+                    cb.tb_writer._get_file_writer().add_summary(summary, step)
                 cb.tb_writer.add_text("samples/prompts", "\n\n".join(captions), global_step=step)
                 cb.tb_writer.flush()
             if isinstance(cb, WandbCallback) and getattr(cb, "_wandb", None) is not None and cb._wandb.run:
-                cb._wandb.log({"samples": [cb._wandb.Image(im, caption=c) for im, c in zip(images, captions)],
-                               "train/global_step": step})
+                wandb = cb._wandb
+                if videos:
+                    media = [wandb.Video(io.BytesIO(encode_gif(v, fps)), format="gif", caption=c)
+                             for v, c in zip(images, captions)]
+                else:
+                    media = [wandb.Image(im, caption=c) for im, c in zip(images, captions)]
+                wandb.log({"samples": media, "train/global_step": step})
 
     # ------------------------------------------------------------------------------------------------
     # evaluation
@@ -772,7 +918,8 @@ class FlowGRPOTrainer(FlowBaseTrainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """ODE sampling (noise 0) at the eval step count and guidance with fixed seeds; rewards on the eval set.
 
-        Logs ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/<name>/mean``; writes a contact sheet of
+        Logs ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/<name>/{mean,std,count}`` (``count``: the images
+        the reward scored, so that ``std / sqrt(count)`` is the standard error of the mean); writes a contact sheet of
         prompts, images and scores to ``output_dir/eval_step_<N>.png``. With ``eval_images_per_prompt = k``,
         sample ``i`` is image ``i % k`` of prompt ``i // k`` and is drawn from its own seed, so evaluations at
         different steps compare the same noise; the metrics use every image, the sheet each prompt's first.
@@ -793,14 +940,17 @@ class FlowGRPOTrainer(FlowBaseTrainer):
                 idx = indices[start:start + args.per_device_eval_batch_size]
                 rows = [dataset[i // per_prompt] for i in idx]
                 prompts = [r["prompt"] for r in rows]
-                embeds, row_map = self._encode_unique(prompts, self.accelerator.device)
+                cols = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", INDEX_COLUMN)}
+                if IMAGE_COLUMN in cols:
+                    cols[IMAGE_COLUMN] = _load_images(cols[IMAGE_COLUMN])
+                embeds, row_map = self._encode_unique(prompts, self.accelerator.device, cols.get(IMAGE_COLUMN),
+                                                      args.eval_guidance_scale)
                 embeds = embeds.index_select(row_map)
                 gens = [torch.Generator().manual_seed(_seed_for(args.seed, 7919, i)) for i in idx]
                 final, _ = self._sample(model, embeds, args.eval_num_inference_steps, args.eval_guidance_scale, 0.0,
                                         (0, 0), gens, record=False)
                 pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
                                                args.vae_decode_batch_size))
-                cols = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", INDEX_COLUMN)}
                 result = self.reward_set(prompts, pil, **cols)
                 for j, i in enumerate(idx):
                     records.append((i, prompts[j], pil[j], result.total[j],
@@ -810,15 +960,16 @@ class FlowGRPOTrainer(FlowBaseTrainer):
 
         def stat(values):
             vals = [v for v in values if v is not None and not math.isnan(v)]
-            return (float(np.mean(vals)), float(np.std(vals))) if vals else (math.nan, math.nan)
+            return (float(np.mean(vals)), float(np.std(vals)), len(vals)) if vals else (math.nan, math.nan, 0)
 
         metrics = {}
-        metrics[f"{metric_key_prefix}_reward"], metrics[f"{metric_key_prefix}_reward_std"] = stat(
+        metrics[f"{metric_key_prefix}_reward"], metrics[f"{metric_key_prefix}_reward_std"], _ = stat(
             [r[3] for r in gathered])
         for name in self.reward_set.names:
-            mean, std = stat([r[4][name] for r in gathered])
+            mean, std, count = stat([r[4][name] for r in gathered])
             metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = mean
             metrics[f"{metric_key_prefix}_rewards/{name}/std"] = std
+            metrics[f"{metric_key_prefix}_rewards/{name}/count"] = float(count)
         if self.is_world_process_zero():
             os.makedirs(args.output_dir, exist_ok=True)
             shown = [r for r in gathered if r[0] % per_prompt == 0]  # the sheet: each prompt's first image
@@ -873,7 +1024,8 @@ class FlowGRPOTrainer(FlowBaseTrainer):
             f"- algorithm: {self._name} ({args.sde_type}, noise level {args.noise_level}, "
             f"{'window ' + str(args.sde_window_size) if args.sde_window_size else 'all steps'})",
             f"- group size {args.num_generations}, {args.num_inference_steps} sampling steps, guidance "
-            f"{args.guidance_scale}, {args.height}x{args.width}",
+            f"{args.guidance_scale}, {args.height}x{args.width}"
+            + (f", {args.num_frames} frames" if args.num_frames > 1 else ""),
             f"- beta (KL) {args.beta}, clip range {args.epsilon}, learning rate {args.learning_rate}",
             f"- SDE window: sde_window_strategy={args.sde_window_strategy}, sde_window_range={args.sde_window_range}, "
             f"sde_window_shift_interval={args.sde_window_shift_interval}, sde_window_stride={args.sde_window_stride}, "

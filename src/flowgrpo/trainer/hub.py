@@ -17,11 +17,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .lora_export import LORA_WEIGHTS_NAME
+from .lora_export import EXPERT_LORA_WEIGHTS_NAMES, LORA_WEIGHTS_NAME
+from .media import encode_gif, is_video
 from .model_card import CardSample
 
-#: Files of a checkpoint that the Hub upload needs besides transformers' own list.
-CHECKPOINT_EXPORT_FILES = (LORA_WEIGHTS_NAME,)
+#: Files of a checkpoint that the Hub upload needs besides transformers' own list (the second one: the low-noise
+#: expert's LoRA of a two-expert pipeline).
+CHECKPOINT_EXPORT_FILES = (LORA_WEIGHTS_NAME, EXPERT_LORA_WEIGHTS_NAMES["transformer_2"])
 #: Folders of a checkpoint that the Hub upload needs (full fine-tuning writes a diffusers transformer folder).
 CHECKPOINT_EXPORT_FOLDERS = ("transformer",)
 #: Where the model card's sample images go, relative to ``output_dir``.
@@ -66,11 +68,15 @@ def write_card_images(output_dir: str | os.PathLike, last_eval: dict | None,
     entries = list(last_eval.get("samples") or [])[:max_images]
     if entries:
         images_dir.mkdir(parents=True, exist_ok=True)
-        for old in images_dir.glob("sample_*.png"):
+        for old in [*images_dir.glob("sample_*.png"), *images_dir.glob("sample_*.gif")]:
             old.unlink()
     for i, (prompt, image, score) in enumerate(entries):
-        name = f"{CARD_IMAGES_DIR}/sample_{i}.png"
-        image.convert("RGB").save(out / name)
+        if is_video(image):  # a video sample: an animated GIF
+            name = f"{CARD_IMAGES_DIR}/sample_{i}.gif"
+            (out / name).write_bytes(encode_gif(image))
+        else:
+            name = f"{CARD_IMAGES_DIR}/sample_{i}.png"
+            image.convert("RGB").save(out / name)
         samples.append(CardSample(image=name, prompt=str(prompt), score=None if score is None else float(score)))
     sheet = last_eval.get("contact_sheet")
     sheet_rel = None

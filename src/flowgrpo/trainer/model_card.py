@@ -12,6 +12,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+#: How the card's first sentence names each task.
+_TASK_WORDS = {"text-to-image": "text-to-image", "image-to-image": "image-editing", "text-to-video": "text-to-video"}
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
@@ -46,7 +49,8 @@ def render_model_card(repo_id: str, base_model: str | None, rewards: Sequence[st
                       trainer_name: str = "Flow-GRPO", paper: dict | None = None, dataset_name: str | None = None,
                       extra_sections: str = "", samples: Sequence[CardSample] = (),
                       contact_sheet: str | None = None, metrics: dict[str, float] | None = None,
-                      is_lora: bool = True, license: str | None = None) -> str:
+                      is_lora: bool = True, license: str | None = None, pipeline_tag: str = "text-to-image",
+                      second_expert_lora: str | None = None) -> str:
     """The card's text.
 
     Args:
@@ -59,13 +63,15 @@ def render_model_card(repo_id: str, base_model: str | None, rewards: Sequence[st
         contact_sheet: path (relative to the card) of the evaluation contact sheet.
         metrics: evaluation scores, rendered only when ``extra_sections`` has no evaluation section of its own.
         is_lora: LoRA (``load_lora_weights``) or a full transformer (``from_pretrained(subfolder="transformer")``).
+        pipeline_tag: the Hub task (``text-to-image``, ``image-to-image`` for editing, ``text-to-video``).
+        second_expert_lora: the file of the second expert's LoRA (Wan 2.2 A14B), loaded into ``transformer_2``.
     """
     from huggingface_hub import ModelCardData
 
     data = ModelCardData(
         library_name="diffusers",
         base_model=base_model if is_hub_id(base_model) else None,
-        pipeline_tag="text-to-image",
+        pipeline_tag=pipeline_tag,
         tags=list(dict.fromkeys(tags)),
         datasets=[dataset_name] if is_hub_id(dataset_name) else None,
         license=license,
@@ -78,7 +84,7 @@ def render_model_card(repo_id: str, base_model: str | None, rewards: Sequence[st
         "---", data.to_yaml(), "---", "",
         f"# {repo_id.rstrip('/').split('/')[-1]}", "",
         f"{kind} for {base_link} trained with {trainer_name} (online reinforcement learning of a flow-matching "
-        "text-to-image model) using the flowgrpo library.", "",
+        f"{_TASK_WORDS.get(pipeline_tag, pipeline_tag)} model) using the flowgrpo library.", "",
         f"Rewards: {', '.join(f'`{r}`' for r in rewards) if rewards else 'n/a'}.", "",
         "## Usage", "", "```python", "import torch", "from diffusers import DiffusionPipeline", "",
     ]
@@ -87,6 +93,9 @@ def render_model_card(repo_id: str, base_model: str | None, rewards: Sequence[st
             f'pipe = DiffusionPipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")',
             f'pipe.load_lora_weights("{repo_id}")',
         ]
+        if second_expert_lora:
+            lines += [f'pipe.load_lora_weights("{repo_id}", weight_name="{second_expert_lora}", '
+                      "load_into_transformer_2=True)"]
     else:
         lines += [
             "from diffusers import AutoModel", "",
@@ -95,10 +104,17 @@ def render_model_card(repo_id: str, base_model: str | None, rewards: Sequence[st
             f'pipe = DiffusionPipeline.from_pretrained("{base}", transformer=transformer, '
             'torch_dtype=torch.bfloat16).to("cuda")',
         ]
-    lines += ['image = pipe("a photo of a cat holding a sign that says \\"hello\\"").images[0]', "```", ""]
+    if pipeline_tag == "text-to-video":
+        lines += ['frames = pipe("a cat walking on a sunny beach", num_frames=81).frames[0]', "```", ""]
+    elif pipeline_tag == "image-to-image":
+        lines += ["from diffusers.utils import load_image", "",
+                  'image = pipe(image=load_image("source.png"), prompt="make the sky purple").images[0]', "```", ""]
+    else:
+        lines += ['image = pipe("a photo of a cat holding a sign that says \\"hello\\"").images[0]', "```", ""]
     if is_lora:
         lines += ["The weights are `pytorch_lora_weights.safetensors` in diffusers' LoRA format (keys prefixed "
-                  "`transformer.`, the LoRA configuration in the file's metadata).", ""]
+                  "`transformer.`, the LoRA configuration in the file's metadata)"
+                  + (f"; the low-noise expert's are `{second_expert_lora}`." if second_expert_lora else "."), ""]
     if dataset_name:
         lines += [f"Prompts: `{dataset_name}`.", ""]
     if extra_sections:

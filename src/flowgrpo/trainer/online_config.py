@@ -68,6 +68,12 @@ class OnlineRLConfig(TrainingArguments):
     )
     height: int | None = field(default=None, metadata={"help": "Image height; defaults to resolution."})
     width: int | None = field(default=None, metadata={"help": "Image width; defaults to resolution."})
+    num_frames: int = field(
+        default=1,
+        metadata={"help": "Frames per sample: 1 for image families (SD3, FLUX, Qwen-Image, the editing models); video "
+                          "families need their own counts (Wan: 4k + 1, e.g. 81 as released, 33 or 5 for small runs). "
+                          "The family's rule is checked as soon as the pipeline's class is known, before loading it."},
+    )
     num_inference_steps: int = field(
         default=10,
         metadata={"help": "Sampling steps of training rollouts (Flow-GRPO trains with 10 and evaluates with 40)."},
@@ -205,7 +211,10 @@ class OnlineRLConfig(TrainingArguments):
         metadata={"help": "Send sample images with prompts and rewards to wandb / tensorboard every N optimizer "
                           "steps (0 = never)."},
     )
-    num_log_images: int = field(default=8, metadata={"help": "Images per logged image panel."})
+    num_log_images: int = field(default=8, metadata={"help": "Images (or videos) per logged panel."})
+    log_video_fps: float = field(
+        default=16.0, metadata={"help": "Frame rate of the logged sample videos (Wan generates 16 fps)."},
+    )
     reward_num_workers: int = field(
         default=1,
         metadata={"help": "Background threads that score decoded images while the next chunk is sampled."},
@@ -281,6 +290,11 @@ class OnlineRLConfig(TrainingArguments):
                              "advantages; set num_generations >= 2.")
         if self.eval_images_per_prompt < 1:
             raise ValueError(f"eval_images_per_prompt={self.eval_images_per_prompt} must be >= 1.")
+        if isinstance(self.num_frames, bool) or not isinstance(self.num_frames, int) or self.num_frames < 1:
+            raise ValueError(f"num_frames={self.num_frames!r} must be an integer >= 1 (1 for image families; Wan: "
+                             "4k + 1).")
+        if self.log_video_fps <= 0:
+            raise ValueError(f"log_video_fps={self.log_video_fps} must be > 0.")
         if self.num_inference_steps < 2:
             raise ValueError(f"num_inference_steps={self.num_inference_steps} must be >= 2.")
         if self.num_iterations < 1:

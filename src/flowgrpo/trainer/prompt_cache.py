@@ -314,10 +314,14 @@ def setup_prompt_cache(args: Any, adapter: Any, pipeline: Any, device: torch.dev
     offload = None
     if args.offload_text_encoders:
         offload = TextEncoderOffload(text_encoders_of(pipeline), device)
-    cache = PromptEmbeddingCache(
-        lambda prompts, dev: adapter.encode_prompts(prompts, args.max_sequence_length, dev), device,
-        capacity=args.prompt_cache_size, offload=offload,
-    )
+    height, width = args.image_size
+
+    def encode(prompts: list[str], dev: torch.device, conditions: list | None = None) -> PromptEmbeds:
+        # conditions: the source images of an editing family, encoded at the run's working size
+        return adapter.encode_prompts(prompts, args.max_sequence_length, dev, images=conditions, height=height,
+                                      width=width)
+
+    cache = PromptEmbeddingCache(encode, device, capacity=args.prompt_cache_size, offload=offload)
     if args.precompute_prompt_embeddings:
         prompts = [p for dataset in datasets for p in dataset_prompts(dataset)]
         batch = max(1, int(getattr(args, "per_device_eval_batch_size", 0) or 32))

@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Compare the CPU thread policy with fixed thread counts on a benchmark preset, in alternating runs.
+
+    python scripts/thread_benchmark.py --preset toy --rounds 3 --steps 6
+    python scripts/thread_benchmark.py --preset small-cpu --settings auto,keep:1,keep:2 --json outputs/threads.json
+
+Each setting is one ``scripts/benchmark.py`` process: ``auto`` is the trainer's thread policy (``cpu_threads:
+auto``, flowgrpo.cpu_threads); ``keep:N`` applies no policy and fixes torch's process-wide intra-op threads at N
+before anything is built (what ``OMP_NUM_THREADS=N`` or ``torch.set_num_threads(N)`` gives, background threads and
+onnxruntime included); ``N`` is the policy with the main thread fixed at N. The settings run in turn, ``--rounds``
+times, so that a machine whose load drifts affects them alike; the table gives each setting's median step time
+over all its measured steps and its ratio to the best setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def benchmark_command(preset: str, setting: str, steps: int, warmup: int, json_out: str) -> list[str]:
+    """The ``scripts/benchmark.py`` command line of one setting (no floor measurement: only step times count)."""
+    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--preset", preset, "--steps", str(steps),
+           "--warmup-steps", str(warmup), "--no-floor", "--json", json_out]
+    if setting.startswith("keep:"):
+        cmd += ["--threads", "keep", "--torch-threads", setting.split(":", 1)[1]]
+    else:
+        cmd += ["--threads", setting]
+    return cmd
+
+
+def parse_settings(text: str) -> list[str]:
+    settings = [s.strip() for s in text.split(",") if s.strip()]
+    for s in settings:
+        value = s.split(":", 1)[1] if s.startswith("keep:") else s
+        if value != "auto" and not (value.isdigit() and int(value) >= 1):
+            raise ValueError(f"setting {s!r} is not valid; use auto, N or keep:N with N >= 1")
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", required=True, help="a CPU preset of scripts/benchmark.py (tiny, small-cpu, toy)")
+    parser.add_argument("--settings", default="auto,keep:1,keep:2", help="comma-separated settings (see above)")
+    parser.add_argument("--rounds", type=int, default=3, help="times each setting runs, in turn (default 3)")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per run (default 4)")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="unmeasured steps per run (default 1)")
+    parser.add_argument("--json", dest="json_out", default=None, help="write every run's step times here")
+    args = parser.parse_args(argv)
+    try:
+        settings = parse_settings(args.settings)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps must be >= 1")
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    times: dict[str, list[float]] = {s: [] for s in settings}
+    plans: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="flowgrpo-threads-") as tmp:
+        for round_index in range(args.rounds):
+            order = settings[round_index % len(settings):] + settings[:round_index % len(settings)]
+            for setting in order:
+                out = str(Path(tmp) / f"{round_index}-{setting.replace(':', '-')}.json")
+                cmd = benchmark_command(args.preset, setting, args.steps, args.warmup_steps, out)
+                proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    print(proc.stderr[-3000:], file=sys.stderr)
+                    return proc.returncode
+                result = json.loads(Path(out).read_text())
+                times[setting] += result["step_times_s"]
+                plans[setting] = result["machine"].get("thread_plan", "")
+                print(f"[threads] round {round_index + 1}/{args.rounds} {setting}: median "
+                      f"{statistics.median(result['step_times_s']):.3f} s/step", file=sys.stderr, flush=True)
+    medians = {s: statistics.median(v) for s, v in times.items()}
+    best = min(medians.values())
+    lines = [f"preset {args.preset}: {args.rounds} alternating runs per setting, {args.steps} measured steps each",
+             "", "| setting | median s/step | min-max s/step | vs best |", "|---|---|---|---|"]
+    for s in settings:
+        lines.append(f"| `{s}` | {medians[s]:.3f} | {min(times[s]):.3f}-{max(times[s]):.3f} | "
+                     f"{medians[s] / best:.2f}x |")
+    print("\n".join(lines))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps({"preset": args.preset, "rounds": args.rounds, "step_times_s": times,
+                                                   "median_s": medians, "thread_plans": plans}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

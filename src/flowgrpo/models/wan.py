@@ -1,0 +1,198 @@
+"""Wan 2.1 / 2.2 text-to-video: a 3-D DiT on video latents ``(B, C, F', H/8, W/8)``, conditioned on UMT5.
+
+* Frames: ``num_frames = 4k + 1`` pixels frames give ``F' = k + 1`` latent frames (the VAE's temporal factor is 4;
+  the first frame is encoded alone). The stock pipeline silently rounds other counts; here they are an error.
+* Text: UMT5 embeddings of each prompt, cut at its own length and zero-padded to ``max_sequence_length``, no mask.
+* Call: ``hidden_states`` the 5-D latents (no packing), ``timestep`` the raw 0..1000 value (Wan 2.2 TI2V-5B,
+  ``expand_timesteps``: one timestep per latent token, ``(B, F' * H/16 * W/16)``), ordinary CFG
+  ``v = v_u + w (v_c - v_u)`` with the negative prompt.
+* Schedule: a ``FlowMatchEulerDiscreteScheduler`` configuration is used as the pipeline uses it
+  (``set_timesteps(N)``). The released checkpoints ship ``UniPCMultistepScheduler`` with ``use_flow_sigmas`` and
+  ``flow_shift`` (3.0 at 480p, 5.0 at 720p) instead; converting that configuration naively would drop the shift (it
+  would silently become 1.0). Here it becomes ``shift = flow_shift`` with UniPC's grid
+  ``sigmas = linspace(1, 1/1000, N + 1)[:-1]``, shifted ``s' = shift s / (1 + (shift - 1) s)``, then 0: the same
+  noise levels as the stock sampler, stepped with Euler / the SDE.
+* Two experts (Wan 2.2 A14B: ``transformer_2`` and ``boundary_ratio``, 0.875): steps with
+  ``t >= boundary_ratio * 1000`` use ``transformer`` (high noise), the others ``transformer_2`` (low noise), with
+  the same guidance scale. Both are trained: the trainable module is :class:`WanExperts`, which holds the two, so one
+  LoRA config puts an adapter on each and every step's gradient reaches the expert that took it.
+* Decode: ``x * std + mean`` per channel, ``vae.decode`` to ``(B, 3, F, H, W)``, returned as ``(B, F, 3, H, W)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from .base import ModelFamilyAdapter, PromptEmbeds
+
+#: Wan's VAE compresses time 4x: videos have 4k + 1 frames.
+WAN_TEMPORAL_FACTOR = 4
+
+#: Wan's attention modules: self-attention ``attn1`` and cross-attention ``attn2`` (the MMDiT names would match none).
+WAN_LORA_TARGET_MODULES = (
+    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+    "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
+)
+
+
+class WanExperts(torch.nn.Module):
+    """Wan 2.2 A14B's two experts as one trainable module.
+
+    ``forward(expert=0, ...)`` runs ``transformer`` (the high-noise expert), ``expert=1`` runs ``transformer_2``. Both
+    stay the pipeline's own modules, so a LoRA injected here is the pipeline's LoRA.
+    """
+
+    expert_names = ("transformer", "transformer_2")
+
+    def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module):
+        super().__init__()
+        self.transformer = transformer
+        self.transformer_2 = transformer_2
+
+    def forward(self, *, expert: int, **kwargs: Any) -> Any:
+        return (self.transformer if expert == 0 else self.transformer_2)(**kwargs)
+
+
+class WanAdapter(ModelFamilyAdapter):
+    family = "wan"
+    pipeline_class_names = ("WanPipeline",)
+    is_video = True
+    default_lora_target_modules = WAN_LORA_TARGET_MODULES
+
+    def __init__(self, pipeline, num_frames: int = 1):
+        super().__init__(pipeline, num_frames)
+        if pipeline.transformer is None:
+            raise ValueError("This WanPipeline has no `transformer` (only `transformer_2`); training needs the "
+                             "high-noise expert too. Load the full pipeline.")
+        self.two_experts = getattr(pipeline, "transformer_2", None) is not None and \
+            pipeline.config.get("boundary_ratio") is not None
+        self.boundary_timestep = None
+        self._experts = None
+        if self.two_experts:
+            train_steps = self.scheduler_config.get("num_train_timesteps", 1000)
+            self.boundary_timestep = float(pipeline.config.boundary_ratio) * train_steps
+            self._experts = WanExperts(pipeline.transformer, pipeline.transformer_2)
+        self.expand_timesteps = bool(pipeline.config.get("expand_timesteps", False))
+        # The released checkpoints' UniPC configuration (flow sigmas with a fixed flow_shift).
+        self._unipc_flow_sigmas = bool(self.scheduler_config.get("use_flow_sigmas", False))
+
+    @classmethod
+    def check_num_frames(cls, num_frames: int) -> None:
+        if num_frames < 1 or (num_frames - 1) % WAN_TEMPORAL_FACTOR:
+            lower = max(1, (num_frames - 1) // WAN_TEMPORAL_FACTOR * WAN_TEMPORAL_FACTOR + 1)
+            raise ValueError(f"num_frames={num_frames}: Wan videos have 4k + 1 frames (1, 5, 9, ..., 81: the VAE "
+                             f"encodes the first frame alone, then groups of 4); use {lower} or "
+                             f"{lower + WAN_TEMPORAL_FACTOR}.")
+
+    # --- conditioning -----------------------------------------------------------------------------
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
+                       images: Sequence[Any] | None = None, *, height: int | None = None,
+                       width: int | None = None) -> PromptEmbeds:
+        prompt_embeds, _ = self.pipeline.encode_prompt(prompt=list(prompts), do_classifier_free_guidance=False,
+                                                       num_videos_per_prompt=1, max_sequence_length=max_sequence_length,
+                                                       device=device)
+        return PromptEmbeds({"prompt_embeds": prompt_embeds})
+
+    # --- latents ----------------------------------------------------------------------------------
+    def latent_shape(self, batch_size: int, height: int, width: int) -> tuple[int, ...]:
+        pipe = self.pipeline
+        frames = (self.num_frames - 1) // pipe.vae_scale_factor_temporal + 1
+        spatial = pipe.vae_scale_factor_spatial
+        return (batch_size, pipe.transformer.config.in_channels, frames, height // spatial, width // spatial)
+
+    def prepare_latents(self, batch_size, height, width, generator, device, dtype) -> torch.Tensor:
+        return randn_tensor(self.latent_shape(batch_size, height, width), generator=generator, device=device,
+                            dtype=dtype)
+
+    def sde_scheduler_config(self) -> dict[str, Any]:
+        config = dict(self.scheduler_config)
+        if self._unipc_flow_sigmas:
+            # UniPC's flow_shift is FlowMatchEulerDiscreteScheduler's shift; nothing else of UniPC carries over.
+            return {"num_train_timesteps": config.get("num_train_timesteps", 1000),
+                    "shift": float(config.get("flow_shift", 1.0)), "use_dynamic_shifting": False}
+        return config
+
+    def set_timesteps(self, scheduler: Any, num_inference_steps: int, height: int, width: int,
+                      device: torch.device) -> None:
+        if self._unipc_flow_sigmas:
+            train_steps = scheduler.config.get("num_train_timesteps", 1000)
+            sigmas = np.linspace(1.0, 1 / train_steps, num_inference_steps + 1)[:-1]
+            scheduler.set_timesteps(num_inference_steps, device=device, sigmas=sigmas)
+        else:
+            scheduler.set_timesteps(num_inference_steps, device=device)
+
+    # --- the transformer call ---------------------------------------------------------------------
+    def trainable_module(self) -> torch.nn.Module:
+        return self._experts if self.two_experts else self.pipeline.transformer
+
+    def transformers(self) -> list[torch.nn.Module]:
+        if self.two_experts:
+            return [self.pipeline.transformer, self.pipeline.transformer_2]
+        return [self.pipeline.transformer]
+
+    def expert_for(self, timestep: torch.Tensor) -> torch.Tensor:
+        """Per sample: 0 for ``transformer`` (``t >= boundary``), 1 for ``transformer_2``; all 0 with one expert."""
+        if not self.two_experts:
+            return torch.zeros(timestep.shape[0], dtype=torch.long, device=timestep.device)
+        return (timestep < self.boundary_timestep).long()
+
+    def _call(self, transformer, hidden, timestep, prompt_embeds, expert: int | None):
+        if self.expand_timesteps:
+            tokens = hidden.shape[2] * (hidden.shape[3] // 2) * (hidden.shape[4] // 2)
+            timestep = timestep[:, None].expand(timestep.shape[0], tokens)
+        kwargs = dict(hidden_states=hidden, timestep=timestep, encoder_hidden_states=prompt_embeds, return_dict=False)
+        if expert is not None:
+            kwargs["expert"] = expert
+        return transformer(**kwargs)[0]
+
+    def _velocity(self, transformer, latents, timestep, cond, neg, guidance_scale, expert: int | None):
+        if neg is None:
+            return self._call(transformer, latents, timestep, cond["prompt_embeds"], expert)
+        out = self._call(transformer, torch.cat([latents, latents]), torch.cat([timestep, timestep]),
+                         torch.cat([neg["prompt_embeds"], cond["prompt_embeds"]]), expert)
+        uncond, text = out.chunk(2)
+        return uncond + guidance_scale * (text - uncond)
+
+    def predict_velocity(self, transformer: Callable[..., Any], latents, timestep, embeds, guidance_scale,
+                         negative_embeds, height, width) -> torch.Tensor:
+        cond = embeds.tensors
+        neg = None
+        if self.uses_cfg(guidance_scale):
+            if negative_embeds is None:
+                raise ValueError("guidance_scale > 1 needs negative prompt embeddings for Wan")
+            neg = negative_embeds.tensors
+        if not self.two_experts:
+            return self._velocity(transformer, latents, timestep, cond, neg, guidance_scale, None)
+        experts = self.expert_for(timestep)
+        used = experts.unique().tolist()
+        if len(used) == 1:
+            return self._velocity(transformer, latents, timestep, cond, neg, guidance_scale, int(used[0]))
+        out = torch.empty_like(latents)
+        for expert in used:  # samples on both sides of the boundary: each expert on its own rows
+            rows = (experts == expert).nonzero().squeeze(1)
+            sub = {k: v.index_select(0, rows) for k, v in cond.items()}
+            sub_neg = {k: v.index_select(0, rows) for k, v in neg.items()} if neg is not None else None
+            v = self._velocity(transformer, latents.index_select(0, rows), timestep.index_select(0, rows), sub, sub_neg,
+                               guidance_scale, int(expert))
+            out = out.index_copy(0, rows, v.to(out.dtype))
+        return out
+
+    def sequence_lengths(self, embeds: PromptEmbeds, latents: torch.Tensor) -> tuple[int, int]:
+        patch = self.pipeline.transformer.config.patch_size
+        tokens = (latents.shape[2] // patch[0]) * (latents.shape[3] // patch[1]) * (latents.shape[4] // patch[2])
+        return int(tokens), int(embeds.tensors["prompt_embeds"].shape[1])
+
+    # --- pixels -----------------------------------------------------------------------------------
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        vae = self.pipeline.vae
+        latents = latents.to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]  # (B, 3, F, H, W)
+        return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
