@@ -63,11 +63,13 @@ class OldPolicy:
         if not 0 <= decay <= 1:
             raise ValueError(f"decay={decay} must be in [0, 1].")
         for theta, old in self.pairs:
+            value = theta.detach()
+            if hasattr(value, "full_tensor") and not hasattr(old, "full_tensor"):
+                value = value.full_tensor()  # a sharded (FSDP2) trained tensor and a whole frozen copy
             if decay == 0:
-                old.copy_(theta.detach())
+                old.copy_(value)
             else:
-                mixed = old.float().mul_(decay).add_(theta.detach().float(), alpha=1 - decay)
-                old.copy_(mixed)
+                old.copy_(old.float().mul_(decay).add_(value.float(), alpha=1 - decay))
 
     def save(self, folder: str | os.PathLike) -> None:
         """Write what ``load`` needs into a checkpoint folder (nothing when the model's own save holds it)."""
