@@ -207,3 +207,29 @@ log_images_steps: 0
     assert isinstance(trainer, DiffusionNFTTrainer) and trainer.args.sampler == "euler"
     assert trainer.state.global_step == 1 and (tmp_path / "run" / "pytorch_lora_weights.safetensors").exists()
     assert "nft/positive_loss" in trainer.state.log_history[0]
+
+
+def test_benchmark_presets_build_the_nft_trainer_and_count_its_flops():
+    from flowgrpo.benchmarking import get_preset, run_benchmark, step_flops, transformer_forward_flops
+    from flowgrpo.benchmarking.presets import SD35M_TRANSFORMER
+
+    gpu = get_preset("sd35m-nft-random")
+    kwargs = gpu.config_kwargs()
+    assert gpu.trainer == "diffusion_nft" and gpu.architecture == "sd35m" and "noise_level" not in kwargs
+    args = DiffusionNFTConfig(output_dir="unused", report_to=[], **{**kwargs, "bf16": False, "use_cpu": True})
+    assert (args.guidance_scale, args.num_inference_steps, args.num_trained_timesteps, args.nft_beta) == (1.0, 10, 9,
+                                                                                                           0.1)
+    # an NFT step: rollout forwards, then per trained noise level policy forward + backward, old-policy and
+    # reference forwards
+    fwd = transformer_forward_flops("sd3", dict(SD35M_TRANSFORMER), 1024, 333, 32, list(gpu.lora_targets))
+    flops = step_flops(fwd, micro_batches=8, micro_batch_size=8, num_inference_steps=10, trained_steps=9, cfg=False,
+                       beta=1e-4, gradient_checkpointing=True, old_policy=True)
+    assert (flops.rollout_forwards, flops.training_passes, flops.old_policy_forwards, flops.reference_forwards) == (
+        80, 72, 72, 72)
+    assert flops.old_policy == 72 * 8 * fwd.total and flops.reference == 72 * 8 * fwd.base
+    assert flops.total == flops.rollout + flops.training + flops.old_policy + flops.reference
+
+    result = run_benchmark("tiny-nft", steps=1, warmup_steps=0, log=None)
+    counted = result["flops"]
+    assert (counted["rollout_forwards"], counted["training_passes"], counted["old_policy_forwards"]) == (8, 6, 6)
+    assert result["floor_time_s"] > 0 and result["breakdown"]["training_backward"] > 0

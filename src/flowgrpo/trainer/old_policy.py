@@ -20,8 +20,9 @@ Two ways to hold it:
 * `FrozenCopyOldPolicy` (full fine-tuning): a frozen copy of the transformer, saved in each checkpoint as
   ``old_policy.safetensors``.
 
-Both update in float32 arithmetic and in place (``mul_`` / ``add_``), so that sharded (DTensor) LoRA tensors stay
-sharded.
+Both update in float32 arithmetic and in place, so that sharded (DTensor) LoRA tensors stay sharded. The pairs of
+trained and old tensors are looked up by name when they are used, not kept: FSDP2 replaces a module's parameters by
+sharded ones when it wraps the model, after the old policy was built.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ class OldPolicy:
     """The old policy's interface: ``forward_model(model)`` (a context giving the module whose forward is the old
     policy), ``update(decay)``, ``pairs`` (trained parameter, old-policy tensor), ``save`` / ``load``."""
 
-    pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]
+    @property
+    def pairs(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(trained tensor, old-policy tensor), as the model holds them now."""
+        raise NotImplementedError
 
     def forward_model(self, model: torch.nn.Module):
         """A context manager that gives the module whose forward is the old policy (``model``: the trained one)."""
@@ -91,28 +95,33 @@ class AdapterOldPolicy(OldPolicy):
         config = copy.deepcopy(peft_model.peft_config[trained_adapter])
         config.inference_mode = True
         peft_model.add_adapter(name, config)
+        self.model = peft_model
         self.layers = [m for m in peft_model.modules() if isinstance(m, BaseTunerLayer)]
         params = dict(peft_model.named_parameters())
         trained_tag, old_tag = f".{trained_adapter}.", f".{name}."
-        self.pairs = []
-        for key, theta in params.items():
+        self.names: list[tuple[str, str]] = []
+        for key in params:
             if trained_tag not in key:
                 continue
-            old = params.get(key.replace(trained_tag, old_tag))
-            if old is None:
+            old_key = key.replace(trained_tag, old_tag)
+            if old_key not in params:
                 raise RuntimeError(f"The old-policy adapter has no tensor for {key!r}.")
-            old.requires_grad_(False)
-            self.pairs.append((theta, old))
-        if not self.pairs:
+            params[old_key].requires_grad_(False)
+            self.names.append((key, old_key))
+        if not self.names:
             raise RuntimeError(f"No tensors of adapter {trained_adapter!r} found in the model.")
         self.update(0.0)  # start as a copy of the trained adapter
+
+    @property
+    def pairs(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        params = dict(self.model.named_parameters())
+        return [(params[a], params[b]) for a, b in self.names]
 
     @contextmanager
     def forward_model(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         """``model`` (the trained one, possibly wrapped by DDP) with the old adapter active in every LoRA layer; the
         trained adapter and every parameter's ``requires_grad`` are restored when the block ends."""
-        flags = [(p, p.requires_grad) for layer in self.layers for p in layer.parameters(recurse=False)]
-        flags += [(p, p.requires_grad) for pair in self.pairs for p in pair]
+        flags = [(p, p.requires_grad) for layer in self.layers for p in layer.parameters()]
         previous = [list(layer.active_adapters) for layer in self.layers]
         for layer in self.layers:
             layer.set_adapter(self.name, inference_mode=True)
@@ -129,12 +138,16 @@ class FrozenCopyOldPolicy(OldPolicy):
     """The old policy as a frozen copy of the fully fine-tuned transformer."""
 
     def __init__(self, module: torch.nn.Module):
+        self.trained = module
         self.module = copy.deepcopy(module).requires_grad_(False).eval()
-        trained = dict(module.named_parameters())
-        copies = dict(self.module.named_parameters())
-        self.pairs = [(p, copies[k]) for k, p in trained.items() if p.requires_grad]
-        if not self.pairs:
+        self.names = [k for k, p in module.named_parameters() if p.requires_grad]
+        if not self.names:
             raise RuntimeError("The model has no trainable parameters to copy into the old policy.")
+
+    @property
+    def pairs(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        trained, copies = dict(self.trained.named_parameters()), dict(self.module.named_parameters())
+        return [(trained[k], copies[k]) for k in self.names]
 
     @contextmanager
     def forward_model(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
