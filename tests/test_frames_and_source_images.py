@@ -109,7 +109,7 @@ def test_synthetic_ocr_edit_set_loads_with_resolved_image_paths(tmp_path, monkey
 
 
 def test_cards_and_rank_logs_take_videos(tmp_path):
-    from flowgrpo.cli.train import _sample_digest
+    from flowgrpo.cli.rank_log import _sample_digest
     from flowgrpo.trainer.hub import write_card_images
     from flowgrpo.trainer.model_card import render_model_card
 

@@ -252,6 +252,7 @@ def test_video_samples_reach_tensorboard_and_wandb(tiny_pipeline_path, tmp_path,
     import wandb
 
     wandb.finish()
+    wandb.teardown()  # wandb keeps process-wide settings (WANDB_DIR included) until torn down
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     event_dirs = {root for root, _, files in os.walk(tmp_path / "tb") if any("tfevents" in f for f in files)}

@@ -78,7 +78,7 @@ def test_first_pass_ratio_is_one_and_kl_zero(tiny_sd3_path, tmp_path, sde_type, 
     assert log["clip_frac"] == 0.0
     for key in ("reward", "reward_std", "rewards/brightness_reward/mean", "rewards/brightness_reward/std",
                 "frac_reward_zero_std", "policy_loss", "approx_kl", "grad_norm", "timing/sampling", "timing/reward",
-                "timing/training"):
+                "timing/training", "timing/startup"):
         assert key in log, key
         assert math.isfinite(log[key]), key
 
@@ -166,6 +166,10 @@ def test_full_finetune_and_evaluate(tiny_sd3_path, tmp_path):
     assert os.path.exists(os.path.join(trainer.args.output_dir, "eval_step_1.png"))
     again = trainer.evaluate(Dataset.from_dict({"prompt": PROMPTS[:5]}))
     assert again["eval_reward"] == metrics["eval_reward"]  # fixed seeds, ODE: deterministic
+    assert "eval_rewards/brightness_reward/change" not in metrics  # the first evaluation of this set: the baseline
+    assert again["eval_rewards/brightness_reward/change"] == 0.0
+    assert again["eval_rewards/brightness_reward/change_se"] == 0.0
+    assert again["eval_rewards/brightness_reward/count"] == 5.0
     trainer.save_model()
     from diffusers import SD3Transformer2DModel
 
@@ -302,6 +306,7 @@ def test_wandb_and_tensorboard_receive_scalars_and_images(tiny_sd3_path, tmp_pat
     import wandb
 
     wandb.finish()
+    wandb.teardown()  # wandb keeps process-wide settings (WANDB_DIR included) until torn down
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     event_dirs = {root for root, _, files in os.walk(tmp_path / "tb") if any("tfevents" in f for f in files)}

@@ -116,8 +116,9 @@ def summarize_run(output_dir: str | os.PathLike, title: str = "Flow-GRPO") -> di
     the first and last evaluation rewards with their steps (``eval_first``, ``eval_last``: ``(step, reward)``),
     and ``eval_components``: ``{reward name: (first, last)}`` of each reward's evaluation mean
     (``eval_rewards/<name>/mean``), zero-weight monitors included, and ``eval_noise``: ``{reward name: standard
-    error of last - first}`` = sqrt(std_first^2 / n_first + std_last^2 / n_last) from each evaluation's per-image
-    std and count (the sampling noise of a finite evaluation; a change beyond twice it is beyond that noise).
+    error of last - first}``: the paired one the trainer logs (``eval_rewards/<name>/change_se``: image by image over
+    the same prompts and seeds), else sqrt(std_first^2 / n_first + std_last^2 / n_last) from each evaluation's
+    per-image std and count. A change beyond twice it is beyond the evaluation's sampling noise.
     """
     out = Path(output_dir)
     history = read_log_history(out)
@@ -151,11 +152,15 @@ def summarize_run(output_dir: str | os.PathLike, title: str = "Flow-GRPO") -> di
 
 
 def _difference_standard_error(history: list[dict[str, Any]], name: str) -> float | None:
-    """Standard error of (last - first) evaluation mean of reward ``name``, or ``None`` without std and count."""
+    """Standard error of (last - first) evaluation mean of reward ``name``: the paired one when the last evaluation
+    logged it, else from both evaluations' std and count; ``None`` without either."""
     records = [r for r in history if isinstance(r.get(f"eval_rewards/{name}/mean"), (int, float))
                and math.isfinite(r[f"eval_rewards/{name}/mean"])]
     if len(records) < 2:
         return None
+    paired = records[-1].get(f"eval_rewards/{name}/change_se")
+    if isinstance(paired, (int, float)) and math.isfinite(paired):
+        return float(paired)
     variance = 0.0
     for record in (records[0], records[-1]):
         std, count = record.get(f"eval_rewards/{name}/std"), record.get(f"eval_rewards/{name}/count")

@@ -166,6 +166,13 @@ def run(script_args: ScriptArguments, model_args: ModelArguments, training_args:
         train_dataset, eval_dataset = load_prompt_dataset(script_args)
         model = prepare_model_path(model_args, training_args)
     _check_eval_settings(training_args, eval_dataset)
+    metadata = Path(str(model), "toy_world.json")
+    if metadata.is_file():  # the toy world reads the first T5 tokens of a caption by design: no warning per prompt
+        import json
+
+        from ..toy.build import quiet_toy_truncation_warnings
+
+        quiet_toy_truncation_warnings(json.loads(metadata.read_text())["generation"]["max_sequence_length"])
 
     from ..trainer.registry import trainer_class
 

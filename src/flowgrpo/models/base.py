@@ -100,6 +100,9 @@ class ModelFamilyAdapter(ABC):
     negative_depends_on_image: bool = False
     is_video: bool = False
     default_lora_target_modules: tuple[str, ...] = MMDIT_LORA_TARGET_MODULES
+    #: Whether a training forward may leave some trainable weights without a gradient (DDP then has to search for
+    #: them: ``find_unused_parameters``). False for families whose every block output reaches the velocity.
+    may_leave_weights_unused: bool = False
 
     def __init__(self, pipeline: DiffusionPipeline, num_frames: int = 1):
         self.check_num_frames(num_frames)

@@ -32,6 +32,8 @@ QWEN_MAX_SEQUENCE_LENGTH = 1024
 class QwenImageAdapter(ModelFamilyAdapter):
     family = "qwenimage"
     pipeline_class_names = ("QwenImagePipeline",)
+    # The last block's text-stream output is discarded: its weights (and LoRAs there) get no gradient.
+    may_leave_weights_unused = True
 
     def __init__(self, pipeline, num_frames: int = 1):
         super().__init__(pipeline, num_frames)

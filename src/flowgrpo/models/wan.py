@@ -74,6 +74,7 @@ class WanAdapter(ModelFamilyAdapter):
         self.boundary_timestep = None
         self._experts = None
         if self.two_experts:
+            self.may_leave_weights_unused = True  # a step runs one expert: the other's LoRA gets no gradient
             train_steps = self.scheduler_config.get("num_train_timesteps", 1000)
             self.boundary_timestep = float(pipeline.config.boundary_ratio) * train_steps
             self._experts = WanExperts(pipeline.transformer, pipeline.transformer_2)

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import logging
 import math
 import os
 import time
@@ -103,6 +104,27 @@ PRESETS: dict[str, ToyWorldConfig] = {
                             eval_images_per_prompt=1, num_inference_steps=4),
 }
 """``full`` is the world the recipes use; ``light`` is a seconds-long build of the same shape for tests."""
+
+
+class _ToyT5TruncationFilter(logging.Filter):
+    """Drops the SD3 pipeline's warning that a prompt was cut at the toy world's T5 length: the world reads the first
+    ``max_sequence_length`` (8) T5 tokens of a caption by design (its CLIP encoders carry the whole caption), so the
+    warning would repeat for nearly every prompt. Other truncations (other lengths, CLIP) still warn."""
+
+    def __init__(self, length: int):
+        super().__init__()
+        self.marker = f"`max_sequence_length` is set to  {length} tokens"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.marker not in record.getMessage()
+
+
+def quiet_toy_truncation_warnings(length: int | None = None) -> None:
+    """Install :class:`_ToyT5TruncationFilter` for the toy world's T5 length (once per process)."""
+    length = ToyWorldConfig.max_sequence_length if length is None else int(length)
+    target = logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3")
+    if not any(isinstance(f, _ToyT5TruncationFilter) and f.marker.endswith(f" {length} tokens") for f in target.filters):
+        target.addFilter(_ToyT5TruncationFilter(length))
 
 
 def _log_default(message: str) -> None:
@@ -332,6 +354,7 @@ def train_toy_pipeline(seed: int = 0, config: ToyWorldConfig | str = "full",
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     config = _resolve_config(config)
+    quiet_toy_truncation_warnings(config.max_sequence_length)
     _LAST_BUILD_INFO.clear()
     generator = _seed_everything(seed)
     train_scenes, eval_scenes = split_scenes(seed, config.eval_fraction)
@@ -409,6 +432,8 @@ def evaluate_pipeline(pipeline, prompts: Sequence[str], images_per_prompt: int =
 
     from .rewards import score_images
 
+    if max_sequence_length is not None:
+        quiet_toy_truncation_warnings(max_sequence_length)
     resolution = resolution or pipeline.transformer.config.sample_size * pipeline.vae_scale_factor
     # Deterministic Euler ODE whatever scheduler the pipeline holds now (a trainer swaps in its SDE scheduler).
     original_scheduler = pipeline.scheduler

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .build import evaluate_pipeline, read_prompts
+from .build import evaluate_pipeline, quiet_toy_truncation_warnings, read_prompts
 
 __all__ = ["RLSettings", "TOY_TRAINERS", "run_toy_rl", "plot_accuracy_curve", "before_after_sheet"]
 
@@ -197,6 +197,7 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
 
     config_class, trainer_class = toy_trainer_classes(settings.trainer)
     world_dir, output_dir = Path(world_dir), Path(output_dir)
+    quiet_toy_truncation_warnings(settings.max_sequence_length)
     output_dir.mkdir(parents=True, exist_ok=True)
     train_prompts = read_prompts(world_dir, "train")
     eval_prompts = read_prompts(world_dir, "eval")[:max_eval_prompts]

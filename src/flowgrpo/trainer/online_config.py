@@ -241,11 +241,11 @@ class OnlineRLConfig(TrainingArguments):
     )
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Images per evaluation batch per process."})
     ddp_find_unused_parameters: bool | None = field(
-        default=False,
-        metadata={"help": "DDP's find_unused_parameters. False (default): every trainable weight (LoRA or the whole "
-                          "transformer) takes part in every training forward, so DDP skips the extra graph traversal "
-                          "per step that True costs. Set True only for a model with trainable weights that some "
-                          "steps do not use."},
+        default=None,
+        metadata={"help": "DDP's find_unused_parameters. None (default): the model family decides: False where every "
+                          "trainable weight (LoRA or the whole transformer) takes part in every training forward (SD3, "
+                          "FLUX, Kontext, Wan 2.1), which spares DDP an extra graph traversal per step; True for "
+                          "Qwen-Image (its last text stream is discarded) and Wan 2.2's two experts (a step runs one)."},
     )
 
     def __post_init__(self):

@@ -54,6 +54,7 @@ from .condition_images import IMAGE_COLUMN, image_key, load_condition_image
 from .contact_sheet import make_contact_sheet
 from .datasets import INDEX_COLUMN, IndexedPromptDataset
 from .ema import EMAWeights
+from .eval_change import EvaluationBaseline
 from .lora_export import EXPERT_LORA_WEIGHTS_NAMES, save_diffusers_lora
 from .media import encode_gif, is_video, tensorboard_video_summary, video_grid
 from .online_config import OnlineRLConfig
@@ -164,6 +165,7 @@ class _StepHooks(TrainerCallback):
 
     def __init__(self, trainer: OnlineRLTrainer):
         self.trainer = trainer
+        self._startup_logged = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._micro_step = state.global_step * args.gradient_accumulation_steps
@@ -177,6 +179,13 @@ class _StepHooks(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
+        if not self._startup_logged:
+            # Seconds from the start of this process to the end of its first optimizer step (imports, loading,
+            # set-up and one step): logged once, with that step's metrics, as timing/startup.
+            self._startup_logged = True
+            import psutil
+
+            t._metrics["train"]["timing/startup"].append(time.time() - psutil.Process().create_time())
         if t.ema is not None and not t.last_step_skipped:  # a skipped (non-finite) step changed no weight
             t.ema.update(t._trainable_parameters(), state.global_step)
         t._on_optimizer_step_end(state.global_step)
@@ -297,6 +306,9 @@ class OnlineRLTrainer(FlowBaseTrainer):
         self._micro_step = 0
         self._last_samples: tuple | None = None
         self._last_eval: dict | None = None
+        self._eval_baseline = EvaluationBaseline()
+        if args.ddp_find_unused_parameters is None:  # read by Trainer when it builds the accelerator, just below
+            args.ddp_find_unused_parameters = self.adapter.may_leave_weights_unused
 
         super().__init__(
             model=transformer, args=args, data_collator=_identity_collator, train_dataset=train_dataset,
@@ -833,7 +845,10 @@ class OnlineRLTrainer(FlowBaseTrainer):
         step count and guidance with fixed seeds; rewards on the eval set.
 
         Logs ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/<name>/{mean,std,count}`` (``count``: the images
-        the reward scored, so that ``std / sqrt(count)`` is the standard error of the mean); writes a contact sheet of
+        the reward scored, so that ``std / sqrt(count)`` is the standard error of the mean) and, from the second
+        evaluation of the same prompts on, ``eval_rewards/<name>/{change,change_se}``: the change since the first
+        evaluation and its standard error, paired image by image (same prompts and seeds; ``eval_change.py``);
+        writes a contact sheet of
         prompts, images and scores to ``output_dir/eval_step_<N>.png``. With ``eval_images_per_prompt = k``,
         sample ``i`` is image ``i % k`` of prompt ``i // k`` and is drawn from its own seed, so evaluations at
         different steps compare the same noise; the metrics use every image, the sheet each prompt's first.
@@ -884,6 +899,12 @@ class OnlineRLTrainer(FlowBaseTrainer):
             metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = mean
             metrics[f"{metric_key_prefix}_rewards/{name}/std"] = std
             metrics[f"{metric_key_prefix}_rewards/{name}/count"] = float(count)
+        # Paired with the first evaluation of the same prompts and seeds (eval_change.py).
+        changes = self._eval_baseline.compare(metric_key_prefix, [r[1] for r in gathered],
+                                              {name: [r[4][name] for r in gathered] for name in self.reward_set.names})
+        for name, (change, change_se, _) in changes.items():
+            metrics[f"{metric_key_prefix}_rewards/{name}/change"] = change
+            metrics[f"{metric_key_prefix}_rewards/{name}/change_se"] = change_se
         if self.is_world_process_zero():
             os.makedirs(args.output_dir, exist_ok=True)
             shown = [r for r in gathered if r[0] % per_prompt == 0]  # the sheet: each prompt's first image
