@@ -7,13 +7,14 @@
 
 ``--leaderboard`` runs the Flow-GRPO family (``flowgrpo.toy.leaderboard.leaderboard_variants``: plain Flow-GRPO,
 Fast random windows, MixGRPO progressive windows, MixGRPO-Flash, GRPO-Guard, each KL estimator at beta 0.04,
-rewards normalised before summing, shared group noise) with ``--seeds`` (0,1,2) each, and writes the leaderboard
+rewards normalised before summing, shared group noise) and DiffusionNFT (``recipes/toy_nft.yaml``) with ``--seeds``
+(0,1,2) each, and writes the leaderboard
 (held-out shape accuracy at equal steps and at equal training-seconds budgets, colour kept, seconds per step, and
 which differences exceed the seed spread) to ``--leaderboard-md`` (``docs/learning_leaderboard.md``) and to
 ``--output``/leaderboard.md. Defaults: 120 steps, evaluations every 20 steps on all 43 eval prompts x 2 images
 (20 ODE steps); about an hour on 2 CPU cores. Finished runs (``--output``/<variant>/seed<k>/result.json with the
 same settings) are reused, so an interrupted leaderboard continues where it stopped; ``--fresh`` reruns them.
-``--leaderboard --quick`` is a smoke test of the machinery (2 variants x 2 seeds x 3 steps, 4 eval prompts; it
+``--leaderboard --quick`` is a smoke test of the machinery (3 variants x 2 seeds x 3 steps, 4 eval prompts; it
 writes only into ``--output``).
 
 Each setting trains the toy world's transformer with FlowGRPOTrainer on the recipe's rewards (the dense
@@ -61,7 +62,7 @@ except ImportError:  # running from a checkout without the package installed
 
 LEADERBOARD_SEEDS = (0, 1, 2)
 LEADERBOARD_STEPS = 120
-LEADERBOARD_QUICK_VARIANTS = ("fast-random", "mixgrpo-flash")
+LEADERBOARD_QUICK_VARIANTS = ("fast-random", "mixgrpo-flash", "diffusion-nft")
 EVAL_SEED = 1234
 
 
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-eval-prompts", type=int, default=None, help="(all 43; quick: 24)")
     parser.add_argument("--only", default=None, help="comma-separated setting (or leaderboard variant) names to run")
     parser.add_argument("--quick", action="store_true", help="3 settings, few steps, fewer eval images (with "
-                        "--leaderboard: 2 variants x 2 seeds x 3 steps on 4 eval prompts)")
+                        "--leaderboard: 3 variants x 2 seeds x 3 steps on 4 eval prompts)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--leaderboard", action="store_true",
                         help="run every algorithm variant with several seeds and write the leaderboard")

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from flowgrpo import FlowGRPOConfig
+from flowgrpo import DiffusionNFTConfig, FlowGRPOConfig
 from flowgrpo.cli import parse_recipe
 from flowgrpo.toy.leaderboard import (
+    NFT_VARIANT,
     REFERENCE_VARIANT,
     accuracy_at_budget,
     leaderboard_variants,
@@ -31,20 +32,26 @@ TOY_RECIPES = {
     "toy_mixgrpo_flash.yaml": "mixgrpo-flash", "toy_grpo_guard.yaml": "grpo-guard",
     "toy_kl_analytic.yaml": "kl-analytic", "toy_kl_k1.yaml": "kl-k1", "toy_kl_k3.yaml": "kl-k3",
     "toy_kl_velocity.yaml": "kl-velocity", "toy_normalize_then_sum.yaml": "normalize-then-sum",
-    "toy_same_noise.yaml": "same-noise",
+    "toy_same_noise.yaml": "same-noise", "toy_nft.yaml": "diffusion-nft",
 }
 
 
 def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp_path):
     variants = leaderboard_variants(120)
     names = [s.name for s, _ in variants]
-    assert len(set(names)) == len(names) == 11 and REFERENCE_VARIANT in names
+    assert len(set(names)) == len(names) == 12 and REFERENCE_VARIANT in names and names[-1] == NFT_VARIANT
     reference = next(s for s, _ in variants if s.name == REFERENCE_VARIANT)
     assert dataclasses.replace(reference, name="x") == dataclasses.replace(RLSettings(max_steps=120), name="x")
     algorithm_fields = {"sde_window_size", "sde_window_range", "sde_window_strategy", "sde_window_shift_interval",
                         "ode_solver", "ode_compression_ratio", "ratio_normalization", "beta", "kl_estimator",
                         "reward_aggregation", "same_noise_per_group"}
     for settings, what in variants:
+        if settings.name == NFT_VARIANT:  # the other trainer: its own fields, the recipe's world and batch
+            assert settings.trainer == "diffusion_nft" and what
+            args = DiffusionNFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
+            assert args.generation_batch_size == 32 and args.guidance_scale == reference.guidance_scale
+            assert (args.num_inference_steps, args.num_generations) == (reference.num_inference_steps, 8)
+            continue
         assert what and settings.trainer == "flow_grpo"
         changed = {f.name for f in dataclasses.fields(RLSettings)
                    if f.name != "name" and getattr(settings, f.name) != getattr(reference, f.name)}
@@ -58,6 +65,9 @@ def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp
     assert flash.sde_window_shift_interval == 20 and flash.sde_window_range == reference.sde_window_range
     # A later trainer is one more TOY_TRAINERS entry; unknown names fail clearly.
     assert toy_trainer_classes("flow_grpo")[0] is FlowGRPOConfig and "flow_grpo" in TOY_TRAINERS
+    assert toy_trainer_classes("diffusion_nft")[0] is DiffusionNFTConfig
+    with pytest.raises(ValueError, match=r"\['noise_level'\] configure Flow-GRPO"):  # no silent no-op settings
+        RLSettings(trainer="diffusion_nft", noise_level=0.5).config_kwargs()
     with pytest.raises(ValueError, match="trainer='nft'"):
         toy_trainer_classes("nft")
     assert RLSettings(extra_config={"beta": 0.5}).config_kwargs()["beta"] == 0.5
@@ -78,6 +88,7 @@ def test_toy_variant_recipes_run_the_leaderboard_variants(recipe):
             continue  # the config fills in its default
         assert actual == value, (recipe, key, actual, value)
     assert model.lora_r == settings.lora_r and model.use_peft == settings.use_lora
+    assert type(args) is (DiffusionNFTConfig if settings.trainer == "diffusion_nft" else FlowGRPOConfig)
     text = (REPO / "recipes" / recipe).read_text()
     assert f"python src/train.py recipes/{recipe}" in text and "# Hardware:" in text
 
@@ -151,5 +162,5 @@ def test_leaderboard_command_line_fails_fast_on_unknown_variants(tmp_path, capsy
     assert "no-such-variant" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
     runs, descriptions = bench.leaderboard_runs(50, [0, 1, 2], None, None)
-    assert len(runs) == 33 and len(descriptions) == 11 and {r.seed for r in runs} == {0, 1, 2}
+    assert len(runs) == 36 and len(descriptions) == 12 and {r.seed for r in runs} == {0, 1, 2}
     assert all(r.max_steps == 50 for r in runs)

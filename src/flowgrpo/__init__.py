@@ -1,21 +1,23 @@
 """flowgrpo: online reinforcement learning for flow-matching image generators (Flow-GRPO and family).
 
     from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
+    from flowgrpo import DiffusionNFTConfig, DiffusionNFTTrainer
 """
 
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["FlowGRPOConfig", "FlowGRPOTrainer", "__version__"]
+__all__ = ["DiffusionNFTConfig", "DiffusionNFTTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "__version__"]
+_TRAINER_NAMES = frozenset(__all__) - {"__version__"}
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .trainer import FlowGRPOConfig, FlowGRPOTrainer
+    from .trainer import DiffusionNFTConfig, DiffusionNFTTrainer, FlowGRPOConfig, FlowGRPOTrainer
 
 
 def __getattr__(name: str):
-    # Lazy: `import flowgrpo` stays cheap (no torch/diffusers import) until the trainer is used.
-    if name in ("FlowGRPOConfig", "FlowGRPOTrainer"):
+    # Lazy: `import flowgrpo` stays cheap (no torch/diffusers import) until a trainer is used.
+    if name in _TRAINER_NAMES:
         from . import trainer
 
         return getattr(trainer, name)

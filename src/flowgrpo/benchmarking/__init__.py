@@ -1,4 +1,5 @@
-"""Benchmarking: step-time breakdown, analytic transformer FLOPs and the FLOP floor of a Flow-GRPO step.
+"""Benchmarking: step-time breakdown, analytic transformer FLOPs and the FLOP floor of a training step
+(Flow-GRPO or DiffusionNFT).
 
 ``scripts/benchmark.py --preset NAME [--steps N] [--json OUT]`` (``make bench``) drives :func:`run_benchmark`;
 presets live in :mod:`flowgrpo.benchmarking.presets`, the FLOP model in :mod:`flowgrpo.benchmarking.flops`.

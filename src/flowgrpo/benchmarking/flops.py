@@ -421,10 +421,12 @@ class StepFlops:
     rollout: int = 0
     training: int = 0
     reference: int = 0
+    old_policy_forwards: int = 0   # no-grad old-policy calls (DiffusionNFT)
+    old_policy: int = 0
 
     @property
     def total(self) -> int:
-        return self.rollout + self.training + self.reference
+        return self.rollout + self.training + self.reference + self.old_policy
 
     def as_dict(self) -> dict[str, Any]:
         f = self.per_forward_sample
@@ -439,6 +441,8 @@ class StepFlops:
             "rollout": self.rollout,
             "training": self.training,
             "reference": self.reference,
+            "old_policy_forwards": self.old_policy_forwards,
+            "old_policy": self.old_policy,
             "total": self.total,
         }
 
@@ -446,19 +450,22 @@ class StepFlops:
 def step_flops(
     forward: ForwardFlops, *, micro_batches: int, micro_batch_size: int, num_inference_steps: int,
     trained_steps: int, cfg: bool, beta: float = 0.0, full_finetune: bool = False,
-    gradient_checkpointing: bool = False,
+    gradient_checkpointing: bool = False, old_policy: bool = False,
 ) -> StepFlops:
-    """Transformer FLOPs of one Flow-GRPO optimizer step (one generation batch, ``num_iterations = 1``).
+    """Transformer FLOPs of one optimizer step (one generation batch, ``num_iterations = 1``).
 
     Rollout: ``micro_batches x num_inference_steps`` calls. Training: ``micro_batches x trained_steps`` forward +
     backward calls (plus a recomputed forward with gradient checkpointing); with ``beta > 0`` as many no-grad
     reference calls without LoRA. Each call holds ``micro_batch_size`` samples, twice that with classifier-free
-    guidance.
+    guidance. Flow-GRPO trains the window's steps (``trained_steps``: the window size); DiffusionNFT trains
+    ``num_trained_timesteps`` noise levels per sample and, with ``old_policy=True``, adds one no-grad forward of the
+    old policy (with its LoRA) per trained noise level.
     """
     batch = micro_batch_size * (2 if cfg else 1)
     rollout_calls = micro_batches * num_inference_steps
     train_calls = micro_batches * trained_steps
     ref_calls = train_calls if beta > 0 else 0
+    old_calls = train_calls if old_policy else 0
     per_train_call = forward.total * (2 if gradient_checkpointing else 1) + forward.backward(full_finetune)
     return StepFlops(
         per_forward_sample=forward, rollout_forwards=rollout_calls, training_passes=train_calls,
@@ -466,6 +473,7 @@ def step_flops(
         rollout=rollout_calls * batch * forward.total,
         training=train_calls * batch * per_train_call,
         reference=ref_calls * batch * forward.base,
+        old_policy_forwards=old_calls, old_policy=old_calls * batch * forward.total,
     )
 
 

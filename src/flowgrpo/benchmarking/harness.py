@@ -1,10 +1,12 @@
-"""The benchmark run: full FlowGRPOTrainer steps, their time breakdown, and the FLOP floor measured alongside.
+"""The benchmark run: full trainer steps, their time breakdown, and the FLOP floor measured alongside.
 
-One run = ``warmup_steps + steps`` optimizer steps of ``FlowGRPOTrainer.train()`` on a preset (see
+One run = ``warmup_steps + steps`` optimizer steps of the preset's trainer (``FlowGRPOTrainer`` or, for
+``trainer="diffusion_nft"`` presets, ``DiffusionNFTTrainer``) ``.train()`` on a preset (see
 :mod:`flowgrpo.benchmarking.presets`). After every step a callback times the **floor**: the bare transformer passes
 that step needed, with the same number and shapes (the rollout's ``micro-batches x inference steps`` no-grad
 forwards of ``micro-batch`` rows, doubled with classifier-free guidance; the training's ``micro-batches x trained
-steps`` forward + backward passes; the reference forwards when ``beta > 0``), on the same model (LoRA included),
+steps`` forward + backward passes; the reference forwards when ``beta > 0``; for DiffusionNFT the trained noise
+levels and one old-policy forward each), on the same model (LoRA included),
 dtype, autocast and thread count, with random inputs and nothing else around them. Interleaving floor and step
 measurements makes their ratio robust to a machine whose load drifts. The floor's time is not counted in the step.
 
@@ -98,9 +100,15 @@ class FloorRunner:
         self.rows = micro * (2 if self.cfg else 1)
         self.micro_batches = args.steps_per_generation
         self.rollout_calls = self.micro_batches * args.num_inference_steps
-        self.trained_steps = args.sde_window_size if args.sde_window_size > 0 else args.num_inference_steps - 1
+        # DiffusionNFT trains num_trained_timesteps noise levels, each with a forward of the old policy too.
+        self.old_policy = getattr(trainer, "old_policy", None)
+        if self.old_policy is not None:
+            self.trained_steps = args.num_trained_timesteps
+        else:
+            self.trained_steps = args.sde_window_size if args.sde_window_size > 0 else args.num_inference_steps - 1
         self.train_calls = self.micro_batches * self.trained_steps * args.num_iterations
         self.ref_calls = self.train_calls if args.beta > 0 else 0
+        self.old_calls = self.train_calls if self.old_policy is not None else 0
 
         dtype = trainer.model_dtype
         gen = torch.Generator().manual_seed(seed)
@@ -151,6 +159,9 @@ class FloorRunner:
             with accelerator.autocast():
                 out = self._pass(model)
             out.float().square().mean().backward()
+            if self.old_calls:
+                with torch.no_grad(), accelerator.autocast(), self.old_policy.forward_model(model) as old:
+                    self._pass(old)
             if self.ref_calls:
                 ctx = accelerator.unwrap_model(model).disable_adapter() if trainer.is_peft else nullcontext()
                 ref_model = model if trainer.is_peft else trainer.ref_model
@@ -255,14 +266,15 @@ def _machine() -> dict[str, Any]:
 
 
 def build_trainer(preset: BenchmarkPreset, max_steps: int, output_dir: str, seed: int = 0):
-    """A FlowGRPOTrainer on the preset's random-weight pipeline, LoRA, OCR prompts; nothing saved or reported."""
+    """The preset's trainer (``preset.trainer``) on its random-weight pipeline, LoRA, OCR prompts; nothing saved or
+    reported."""
     from datasets import Dataset
     from peft import LoraConfig
 
-    from ..trainer import FlowGRPOConfig, FlowGRPOTrainer
+    from ..trainer.registry import config_class, trainer_class
 
     pipeline = build_preset_pipeline(preset, seed=seed)
-    args = FlowGRPOConfig(
+    args = config_class(preset.trainer)(
         output_dir=output_dir, report_to=[], max_steps=max_steps, save_strategy="no", logging_steps=1,
         disable_tqdm=True, log_images_steps=0, seed=seed, **preset.config_kwargs(),
     )
@@ -275,8 +287,8 @@ def build_trainer(preset: BenchmarkPreset, max_steps: int, output_dir: str, seed
     else:
         prompts = OCR_PROMPTS[: max(preset.num_prompts, min(len(OCR_PROMPTS), 2 * preset.num_prompts))]
     reward = preset.reward if isinstance(preset.reward, str) else list(preset.reward)
-    return FlowGRPOTrainer(model=pipeline, reward_funcs=reward, args=args,
-                           train_dataset=Dataset.from_dict({"prompt": prompts}), peft_config=lora)
+    return trainer_class(preset.trainer)(model=pipeline, reward_funcs=reward, args=args,
+                                         train_dataset=Dataset.from_dict({"prompt": prompts}), peft_config=lora)
 
 
 def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, warmup_steps: int | None = None,
@@ -386,7 +398,8 @@ def _summarize(preset: BenchmarkPreset, trainer, clock: _BenchmarkClock, warmup:
                            num_inference_steps=args.num_inference_steps,
                            trained_steps=floor.trained_steps * args.num_iterations, cfg=floor.cfg, beta=args.beta,
                            full_finetune=not trainer.is_peft,
-                           gradient_checkpointing=bool(preset.gradient_checkpointing))
+                           gradient_checkpointing=bool(preset.gradient_checkpointing),
+                           old_policy=floor.old_policy is not None)
         result["flops"] = {**flops.as_dict(), "image_tokens": floor.image_tokens, "text_tokens": floor.text_tokens}
         result["achieved_flops_per_s"] = flops.total / step_time
         result["floor_flops_per_s"] = flops.total / floor_time

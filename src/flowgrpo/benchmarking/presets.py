@@ -25,6 +25,13 @@ preset             device   what it runs
                             Qwen2.5-VL-7B text encoder with its vision tower; the Qwen-Image VAE; the released
                             dynamic-shift schedule), bf16, 512 px, 4 prompts x G=8 (micro-batches of 4), 10 steps,
                             SDE window 3, true CFG 4.0 (two passes), LoRA r=32, gradient checkpointing, OCR reward.
+``sd35m-nft-random`` CUDA  the ``sd35m-random`` model trained with DiffusionNFT (``recipes/nft_ocr.yaml``): bf16,
+                            512 px, 8 prompts x G=8, CFG-free rollouts of 10 DPM-Solver++ 2M steps by the old
+                            policy, 9 of the 10 noise levels trained per image (each: policy forward + backward,
+                            old-policy forward, reference forward for beta 1e-4), LoRA r=32, gradient
+                            checkpointing, OCR reward.
+``tiny-nft``       CPU      the ``tiny`` preset trained with DiffusionNFT (3 of 4 noise levels): a smoke test of the
+                            DiffusionNFT path of the harness.
 ``wan-random``     CUDA     Wan 2.1 T2V 1.3B at full size (30 blocks, 12 heads of 128, FFN 8960; UMT5-XXL; the Wan
                             VAE; the released UniPC configuration with flow_shift 3.0, converted), bf16, 33 frames
                             of 480x832, 2 prompts x G=4 (micro-batches of 2), 10 steps, SDE window 3, CFG 5.0, LoRA
@@ -141,13 +148,13 @@ class BenchmarkPreset:
     family: str                      # "sd3" | "flux" | "qwenimage" | "wan"
     architecture: str                # "tiny" | "small-cpu" | "sd35m" | "flux-dev" | "qwen-image" | "wan-1.3b" | "toy"
     device: str                      # "cpu" | "cuda"
-    dtype: str                       # FlowGRPOConfig.dtype
+    dtype: str                       # the trainer config's dtype
     resolution: int
     num_prompts: int
     num_generations: int
     per_device_train_batch_size: int
     num_inference_steps: int
-    sde_window_size: int
+    sde_window_size: int             # Flow-GRPO's SDE window (trained steps); unused by DiffusionNFT
     guidance_scale: float
     max_sequence_length: int
     reward: str | tuple[str, ...] = "ocr"
@@ -156,18 +163,20 @@ class BenchmarkPreset:
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     gradient_checkpointing: bool = False
     beta: float = 0.0
-    threads: str | int = "auto"      # FlowGRPOConfig.cpu_threads: the thread policy (flowgrpo.cpu_threads)
+    threads: str | int = "auto"      # the config's cpu_threads: the thread policy (flowgrpo.cpu_threads)
     reward_threads: int | None = None  # onnxruntime threads of the OCR reward; None: the thread policy's
     default_steps: int = 5
     warmup_steps: int = 1
     extra_args: dict[str, Any] = field(default_factory=dict)
+    trainer: str = "flow_grpo"       # flowgrpo.trainer.registry: "flow_grpo" | "diffusion_nft"
 
     @property
     def images_per_step(self) -> int:
         return self.num_prompts * self.num_generations
 
     def config_kwargs(self) -> dict[str, Any]:
-        """``FlowGRPOConfig`` keyword arguments of this preset (without output_dir / max_steps)."""
+        """Keyword arguments of the preset trainer's config (``FlowGRPOConfig`` or ``DiffusionNFTConfig``; without
+        output_dir / max_steps). The SDE window and noise level go to Flow-GRPO only."""
         if self.images_per_step % self.per_device_train_batch_size:
             raise ValueError(f"preset {self.name!r}: {self.images_per_step} images per step is not a multiple of the "
                              f"micro-batch {self.per_device_train_batch_size}")
@@ -177,10 +186,11 @@ class BenchmarkPreset:
             gradient_accumulation_steps=self.images_per_step // self.per_device_train_batch_size,
             resolution=self.resolution, num_inference_steps=self.num_inference_steps,
             eval_num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
-            sde_window_size=self.sde_window_size, max_sequence_length=self.max_sequence_length, beta=self.beta,
-            dtype=self.dtype, learning_rate=1e-4, noise_level=0.7, use_cpu=self.device == "cpu",
-            cpu_threads=str(self.threads),
+            max_sequence_length=self.max_sequence_length, beta=self.beta, dtype=self.dtype, learning_rate=1e-4,
+            use_cpu=self.device == "cpu", cpu_threads=str(self.threads),
         )
+        if self.trainer == "flow_grpo":
+            kwargs.update(sde_window_size=self.sde_window_size, noise_level=0.7)
         if self.reward_weights is not None:
             kwargs["reward_weights"] = list(self.reward_weights)
         if self.gradient_checkpointing:
@@ -237,6 +247,25 @@ PRESETS: dict[str, BenchmarkPreset] = {
         guidance_scale=4.0, max_sequence_length=256, lora_rank=32,
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
         gradient_checkpointing=True, default_steps=5,
+    ),
+    "sd35m-nft-random": BenchmarkPreset(
+        name="sd35m-nft-random",
+        description="SD3.5-Medium architecture, random weights, bf16, 512 px, 8x8, DiffusionNFT: 10 CFG-free steps, "
+                    "9 noise levels trained",
+        family="sd3", architecture="sd35m", device="cuda", dtype="bfloat16", resolution=512, num_prompts=8,
+        num_generations=8, per_device_train_batch_size=8, num_inference_steps=10, sde_window_size=0,
+        guidance_scale=1.0, max_sequence_length=256, lora_rank=32,
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        gradient_checkpointing=True, beta=1e-4, default_steps=5, trainer="diffusion_nft",
+        extra_args={"sampler": "dpmpp_2m", "timestep_fraction": 0.99, "nft_beta": 0.1, "old_policy_decay_start": 75,
+                    "old_policy_decay_rate": 0.0075, "old_policy_decay_max": 0.999},
+    ),
+    "tiny-nft": BenchmarkPreset(
+        name="tiny-nft", description="tiny SD3 test pipeline, 64 px, 2x2 images, DiffusionNFT, 4 steps (smoke test)",
+        family="sd3", architecture="tiny", device="cpu", dtype="float32", resolution=64, num_prompts=2,
+        num_generations=2, per_device_train_batch_size=2, num_inference_steps=4, sde_window_size=0,
+        guidance_scale=1.0, max_sequence_length=16, lora_rank=4, beta=1e-4, default_steps=2, trainer="diffusion_nft",
+        extra_args={"timestep_fraction": 0.75},
     ),
     "wan-random": BenchmarkPreset(
         name="wan-random", description="Wan 2.1 T2V 1.3B architecture, random weights, bf16, 33x480x832, 2x4, 10 steps",

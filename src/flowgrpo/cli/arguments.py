@@ -1,5 +1,5 @@
-"""Argument groups of the launch script besides `FlowGRPOConfig`: the data (`ScriptArguments`) and the model
-(`ModelArguments`).
+"""Argument groups of the launch script besides the trainer's configuration (`FlowGRPOConfig` or
+`DiffusionNFTConfig`): the trainer and the data (`ScriptArguments`) and the model (`ModelArguments`).
 
 Every field can be set in a recipe (YAML, flat keys) or on the command line (``--key value``); see
 :func:`flowgrpo.cli.parse_recipe`.
@@ -36,7 +36,15 @@ TINY_PIPELINE_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qw
 
 @dataclass
 class ScriptArguments:
-    """Where the prompts come from and which rewards score the images."""
+    """Which trainer runs, where the prompts come from and which rewards score the images."""
+
+    trainer: str = field(
+        default="flow_grpo",
+        metadata={"help": "The algorithm: 'flow_grpo' (FlowGRPOTrainer: Flow-GRPO and its variants, configured by "
+                          "FlowGRPOConfig) or 'diffusion_nft' (DiffusionNFTTrainer: negative-aware fine-tuning on the "
+                          "forward process, configured by DiffusionNFTConfig). The other keys of a recipe are the "
+                          "fields of that trainer's configuration; `--trainer diffusion_nft --help` lists them."},
+    )
 
     dataset_name: str | None = field(
         default=None,

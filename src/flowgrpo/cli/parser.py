@@ -4,8 +4,10 @@
     accelerate launch --config_file accelerate_configs/fsdp8.yaml src/train.py recipes/ocr.yaml
 
 A recipe is a flat YAML mapping whose keys are the fields of :class:`ScriptArguments`, :class:`ModelArguments` and
-:class:`~flowgrpo.FlowGRPOConfig` (``src/train.py --help`` lists them), plus an optional ``env`` mapping of
-environment variables set before anything else (as in TRL's recipes). The same parsing is importable::
+the configuration of the trainer it names with ``trainer:`` (``flow_grpo``, the default: :class:`~flowgrpo.FlowGRPOConfig`;
+``diffusion_nft``: :class:`~flowgrpo.DiffusionNFTConfig`; ``src/train.py --help`` lists them, ``--trainer
+diffusion_nft --help`` with DiffusionNFT's), plus an optional ``env`` mapping of environment variables set before
+anything else (as in TRL's recipes). The same parsing is importable::
 
     from flowgrpo.cli import parse_recipe
     script_args, model_args, training_args = parse_recipe("recipes/tiny_cpu.yaml", overrides={"max_steps": 2})
@@ -24,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..trainer.registry import DEFAULT_TRAINER, TRAINERS, config_class
 from .arguments import LORA_INITS, TINY_PIPELINE_FAMILIES, ModelArguments, ScriptArguments
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
@@ -42,15 +45,39 @@ def _suggest(name: str, valid: Sequence[str]) -> str:
     return "run `python src/train.py --help` for the valid keys."
 
 
-def build_parser():
-    """The argument parser over the three argument groups (``HfArgumentParser``, no abbreviations)."""
+def _other_trainer_epilog(trainer: str) -> str:
+    """What the other trainer's configuration adds or refuses (the end of ``--help``)."""
+    import dataclasses
+
+    from ..trainer.nft_config import FLOW_GRPO_ONLY_SETTINGS, DiffusionNFTConfig
+    from ..trainer.online_config import OnlineRLConfig
+
+    if trainer == "diffusion_nft":
+        return ("Flow-GRPO's sampler and objective settings are not accepted with trainer: diffusion_nft ("
+                + ", ".join(FLOW_GRPO_ONLY_SETTINGS) + ").")
+    shared = {f.name: f.default for f in dataclasses.fields(OnlineRLConfig)}
+    nft_fields = [f for f in dataclasses.fields(DiffusionNFTConfig) if f.name not in shared]
+    changed = [f"{f.name} {f.default!r}" for f in dataclasses.fields(DiffusionNFTConfig)
+               if f.name in shared and f.default != shared[f.name]]
+    return ("trainer: diffusion_nft (DiffusionNFTTrainer, DiffusionNFTConfig) replaces the Flow-GRPO sampler and "
+            "objective settings (" + ", ".join(FLOW_GRPO_ONLY_SETTINGS) + ") by its own: "
+            + ", ".join(f"--{f.name} (default {f.default!r})" for f in nft_fields)
+            + "; its defaults differ for " + ", ".join(changed)
+            + ". `--trainer diffusion_nft --help` lists every setting with DiffusionNFT's help and defaults.")
+
+
+def build_parser(trainer: str = DEFAULT_TRAINER):
+    """The argument parser over the three argument groups (``HfArgumentParser``, no abbreviations): the script's, the
+    model's and the configuration of ``trainer`` (``"flow_grpo"`` or ``"diffusion_nft"``)."""
     from transformers import HfArgumentParser
 
-    from ..trainer.config import FlowGRPOConfig
-
-    return HfArgumentParser((ScriptArguments, ModelArguments, FlowGRPOConfig), allow_abbrev=False,
-                            description="Flow-GRPO training of a flow-matching text-to-image pipeline from a YAML "
-                                        "recipe; --key value flags override the recipe.",
+    config = config_class(trainer)
+    what = {"flow_grpo": "Flow-GRPO", "diffusion_nft": "DiffusionNFT"}[trainer]
+    return HfArgumentParser((ScriptArguments, ModelArguments, config), allow_abbrev=False,
+                            description=f"{what} training of a flow-matching text-to-image pipeline from a YAML "
+                                        "recipe; --key value flags override the recipe. The recipe key trainer "
+                                        "(flow_grpo | diffusion_nft) picks the algorithm.",
+                            epilog=_other_trainer_epilog(trainer),
                             usage="%(prog)s [RECIPE.yaml] [--key value ...]")
 
 
@@ -133,11 +160,31 @@ def _coerce(action: argparse.Action, key: str, value: Any, source: str) -> Any:
     return value
 
 
-def _apply_defaults(actions: dict[str, argparse.Action], values: Mapping[str, Any], source: str) -> None:
+def _other_trainer_setting(name: str, trainer: str) -> str | None:
+    """Why ``name`` is not a setting of ``trainer`` when it is one of the other trainer's, else None."""
+    import dataclasses
+
+    from ..trainer.nft_config import FLOW_GRPO_ONLY_SETTINGS, DiffusionNFTConfig
+    from ..trainer.online_config import OnlineRLConfig
+
+    if trainer == "diffusion_nft" and name in FLOW_GRPO_ONLY_SETTINGS:
+        return f"a Flow-GRPO setting that DiffusionNFT does not use: {FLOW_GRPO_ONLY_SETTINGS[name]}; remove it."
+    shared = {f.name for f in dataclasses.fields(OnlineRLConfig)}
+    if trainer == "flow_grpo" and name in {f.name for f in dataclasses.fields(DiffusionNFTConfig)} - shared:
+        return "a DiffusionNFT setting: add trainer: diffusion_nft to the recipe (or --trainer diffusion_nft)."
+    return None
+
+
+def _unknown_key_line(key: str, valid: Sequence[str], trainer: str) -> str:
+    return f"  {key!r}: {_other_trainer_setting(key.lstrip('-'), trainer) or _suggest(key, valid)}"
+
+
+def _apply_defaults(actions: dict[str, argparse.Action], values: Mapping[str, Any], source: str,
+                    trainer: str = DEFAULT_TRAINER) -> None:
     unknown = [k for k in values if k not in actions]
     if unknown:
         valid = sorted(actions)
-        lines = [f"  {k!r}: {_suggest(k, valid)}" for k in unknown]
+        lines = [_unknown_key_line(k, valid, trainer) for k in unknown]
         raise RecipeError(f"{source} has unknown key(s):\n" + "\n".join(lines))
     for key, value in values.items():
         action = actions[key]
@@ -168,7 +215,8 @@ def _split_argv(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return recipe, argv
 
 
-def _unknown_cli(remaining: list[str], actions: dict[str, argparse.Action], parser) -> None:
+def _unknown_cli(remaining: list[str], actions: dict[str, argparse.Action], parser,
+                 trainer: str = DEFAULT_TRAINER) -> None:
     if not remaining:
         return
     options = sorted({opt for a in parser._actions for opt in a.option_strings
@@ -177,7 +225,7 @@ def _unknown_cli(remaining: list[str], actions: dict[str, argparse.Action], pars
     for arg in remaining:
         if arg.startswith("--"):
             flag = arg.split("=", 1)[0]
-            lines.append(f"  {flag!r}: {_suggest(flag, options)}")
+            lines.append(_unknown_key_line(flag, options, trainer))
         elif arg.startswith("-"):
             lines.append(f"  {arg!r}: flags are written --key value.")
     if not lines:
@@ -239,7 +287,8 @@ def parse_recipe(recipe_or_argv: str | os.PathLike | Sequence[str] | None = None
         overrides: ``{key: value}`` applied on top of the recipe (command-line flags still win).
 
     Returns:
-        ``(ScriptArguments, ModelArguments, FlowGRPOConfig)``.
+        ``(ScriptArguments, ModelArguments, config)`` with ``config`` a ``FlowGRPOConfig`` or, for ``trainer:
+        diffusion_nft``, a ``DiffusionNFTConfig``.
 
     Raises:
         RecipeError: unreadable recipe, unknown key (with the closest valid ones), bad value, missing dataset,
@@ -253,8 +302,6 @@ def parse_recipe(recipe_or_argv: str | os.PathLike | Sequence[str] | None = None
         argv = [os.fspath(a) for a in recipe_or_argv]
     recipe_path, cli = _split_argv(argv)
 
-    parser = build_parser()
-    actions = _field_actions(parser)
     config: dict[str, Any] = {}
     if recipe_path is not None:
         config = load_recipe(recipe_path)
@@ -264,23 +311,43 @@ def parse_recipe(recipe_or_argv: str | os.PathLike | Sequence[str] | None = None
                               f"{env!r}.")
         for key, value in env.items():
             os.environ[str(key)] = str(value)
-        _apply_defaults(actions, config, f"Recipe {recipe_path!r}")
+    trainer = _select_trainer(config, overrides, cli)
+    parser = build_parser(trainer)
+    actions = _field_actions(parser)
+    if recipe_path is not None:
+        _apply_defaults(actions, config, f"Recipe {recipe_path!r}", trainer)
     if overrides:
-        _apply_defaults(actions, dict(overrides), "overrides")
+        _apply_defaults(actions, dict(overrides), "overrides", trainer)
     _default_to_cpu_ranks(actions, config, overrides)
 
     # Unknown flags first: building the dataclasses runs TrainingArguments.__post_init__ (device set-up).
     _, remaining = parser.parse_known_args(args=cli)
-    _unknown_cli(remaining, actions, parser)
+    _unknown_cli(remaining, actions, parser, trainer)
     try:
         script_args, model_args, training_args = parser.parse_args_into_dataclasses(
             args=cli, look_for_args_file=False)
-    except ValueError as err:  # __post_init__ checks of FlowGRPOConfig / TrainingArguments
+    except (TypeError, ValueError) as err:  # __post_init__ checks of the trainer's configuration
         raise RecipeError(f"Invalid training arguments: {err}") from err
     check_arguments(script_args, model_args)
     check_reward_weights(script_args, training_args)
     _check_world(training_args)
     return script_args, model_args, training_args
+
+
+def _select_trainer(config: Mapping[str, Any], overrides: Mapping[str, Any] | None, cli: Sequence[str]) -> str:
+    """The trainer named by the command line (``--trainer NAME``), else ``overrides``, else the recipe, else
+    ``flow_grpo``; a name that is no trainer is a :class:`RecipeError`."""
+    name, source = config.get("trainer", DEFAULT_TRAINER), "recipe"
+    if overrides and "trainer" in overrides:
+        name, source = overrides["trainer"], "overrides"
+    for i, arg in enumerate(cli):
+        if arg == "--trainer" and i + 1 < len(cli):
+            name, source = cli[i + 1], "command line"
+        elif arg.startswith("--trainer="):
+            name, source = arg.split("=", 1)[1], "command line"
+    if name not in TRAINERS:
+        raise RecipeError(f"{source}: trainer={name!r} is not a trainer; choose one of {list(TRAINERS)}.")
+    return str(name)
 
 
 def _launched_world_size() -> int:

@@ -1,4 +1,7 @@
-"""The training run behind ``src/train.py``: recipe -> datasets -> pipeline -> FlowGRPOTrainer -> LoRA (+ Hub).
+"""The training run behind ``src/train.py``: recipe -> datasets -> pipeline -> trainer -> LoRA (+ Hub).
+
+The recipe's ``trainer`` key picks the trainer: ``flow_grpo`` (default, `FlowGRPOTrainer`) or ``diffusion_nft``
+(`DiffusionNFTTrainer`); both are built with the same arguments.
 
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml src/train.py recipes/tiny_cpu.yaml --max_steps 2
 
@@ -145,7 +148,8 @@ def _hub_dataset_name(script_args: ScriptArguments) -> str | None:
 
 
 def run(script_args: ScriptArguments, model_args: ModelArguments, training_args: Any) -> Any:
-    """Train, evaluate, save (and push) from parsed arguments; returns the trainer."""
+    """Train, evaluate, save (and push) from parsed arguments with the trainer ``script_args.trainer`` names;
+    returns the trainer."""
     from .data import load_prompt_dataset
     from .lora import build_peft_config
 
@@ -170,10 +174,10 @@ def run(script_args: ScriptArguments, model_args: ModelArguments, training_args:
 
         quiet_toy_truncation_warnings(json.loads(metadata.read_text())["generation"]["max_sequence_length"])
 
-    from ..trainer import FlowGRPOTrainer
+    from ..trainer.registry import trainer_class
 
     pipeline_kwargs = {"revision": model_args.model_revision} if model_args.model_revision else None
-    trainer = FlowGRPOTrainer(
+    trainer = trainer_class(script_args.trainer)(
         model=model, reward_funcs=list(script_args.reward_funcs), args=training_args, train_dataset=train_dataset,
         eval_dataset=eval_dataset, peft_config=peft_config, pipeline_kwargs=pipeline_kwargs,
     )

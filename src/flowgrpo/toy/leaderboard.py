@@ -1,4 +1,4 @@
-"""The algorithm leaderboard: the Flow-GRPO family compared on the toy world, several seeds each.
+"""The algorithm leaderboard: the Flow-GRPO family and DiffusionNFT compared on the toy world, several seeds each.
 
 ::
 
@@ -8,9 +8,11 @@
     summary = summarize(results)                              # results: the run_toy_rl dicts
     text = render_leaderboard(summary, context)
 
-Every variant is the recipe (``RLSettings()``: Flow-GRPO-Fast, a window of 2 SDE steps among the first 4, the dense
-shape score plus half-weight colour) with one algorithmic change, so each row answers "what does this choice do on
-equal footing". A later trainer joins as another variant with ``RLSettings(trainer=...)`` (see
+Every Flow-GRPO variant is the recipe (``RLSettings()``: Flow-GRPO-Fast, a window of 2 SDE steps among the first 4,
+the dense shape score plus half-weight colour) with one algorithmic change, so each row answers "what does this choice
+do on equal footing". The other trainer, DiffusionNFT, is one more row (`NFT_VARIANT`, with the settings of
+``recipes/toy_nft.yaml``: same world, rewards, group size, batch, sampling steps and CFG; its own sampler, loss and
+learning rate). A later trainer joins the same way with ``RLSettings(trainer=...)`` (see
 ``flowgrpo.toy.learning.TOY_TRAINERS``).
 
 How the comparison is made:
@@ -33,15 +35,28 @@ from typing import Any
 
 from .learning import RLSettings
 
-__all__ = ["REFERENCE_VARIANT", "VariantSummary", "leaderboard_variants", "render_leaderboard", "summarize"]
+__all__ = ["NFT_VARIANT", "REFERENCE_VARIANT", "TOY_NFT_SETTINGS", "VariantSummary", "leaderboard_variants",
+           "render_leaderboard", "summarize"]
 
 #: The row every other one is compared with: the recipe itself (Flow-GRPO-Fast with random windows).
 REFERENCE_VARIANT = "fast-random"
+#: DiffusionNFT's row.
+NFT_VARIANT = "diffusion-nft"
+#: What DiffusionNFT changes from the toy recipe (``recipes/toy_nft.yaml``): its trainer, CFG 3 as the recipe (the toy
+#: model needs guidance: without it held-out shape accuracy starts at about 24% instead of 44%), half of the 8 noise
+#: levels trained per image and no reference pass (each cuts a step's cost), the recipe's learning rate (6e-4 first
+#: rose faster, then fell well below the start within 120 steps; 1e-3 was unstable at once; docs/algorithms.md).
+TOY_NFT_SETTINGS: dict = dict(
+    trainer="diffusion_nft", learning_rate=3e-4, beta=0.0,
+    extra_config={"sampler": "dpmpp_2m", "timestep_fraction": 0.5, "nft_beta": 1.0, "adv_clip_max": 5.0,
+                  "old_policy_decay_start": 0, "old_policy_decay_rate": 0.001, "old_policy_decay_max": 0.5},
+)
 BUDGET_FRACTIONS = (0.25, 0.5, 1.0)
 
 
 def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tuple[RLSettings, str]]:
-    """The compared variants as ``(settings, what changes)``, all from ``base`` (default: the recipe) at ``steps``.
+    """The compared variants as ``(settings, what changes)``, all from ``base`` (default: the recipe) at ``steps``:
+    the Flow-GRPO family, then DiffusionNFT (`NFT_VARIANT`).
 
     Progressive windows move over the same candidate starts as the random ones (``sde_window_range``) and shift
     every ``max(1, steps // 6)`` steps, so they visit each start twice in a run; the KL rows use beta 0.04 (the
@@ -66,6 +81,9 @@ def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tup
         (dict(name="normalize-then-sum", reward_aggregation="normalize_then_sum"),
          "shape score and colour each normalised in its group, then summed (1 : 0.5)"),
         (dict(name="same-noise", same_noise_per_group=True), "the 8 samples of a prompt start from the same noise"),
+        (dict(name=NFT_VARIANT, **{**TOY_NFT_SETTINGS, "extra_config": dict(TOY_NFT_SETTINGS["extra_config"])}),
+         "DiffusionNFT (recipes/toy_nft.yaml): CFG-3 rollouts by the old policy with DPM-Solver++ 2M, 4 of 8 noise "
+         "levels trained per image, no reference pass"),
     ]
     return [(dataclasses.replace(base, **change), what) for change, what in rows]
 
@@ -200,10 +218,11 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
     seeds = sorted({s for v in variants for s in v.seeds})
     budgets = summary["budgets"]
     lines = [
-        "# Learning leaderboard: the Flow-GRPO family on the toy world",
+        "# Learning leaderboard: the Flow-GRPO family and DiffusionNFT on the toy world",
         "",
-        "Written by `scripts/learning_benchmark.py --leaderboard`; do not edit by hand. Every variant is the toy "
-        "recipe (`recipes/toy.yaml`) with one algorithmic change, trained from the same pretrained world with seeds "
+        "Written by `scripts/learning_benchmark.py --leaderboard`; do not edit by hand. Every Flow-GRPO variant is the "
+        "toy recipe (`recipes/toy.yaml`) with one algorithmic change; `diffusion-nft` is the DiffusionNFT trainer with "
+        "`recipes/toy_nft.yaml`. All are trained from the same pretrained world with seeds "
         f"{', '.join(map(str, seeds))}. Figures are held-out {attribute} accuracy: the mean over seeds with the "
         "range (lowest-highest seed) in brackets. A difference *exceeds the seed spread* when the two ranges do not "
         "overlap (every seed of one variant beats every seed of the other).",

@@ -1,4 +1,4 @@
-"""Flow-GRPO on the toy world: one RL run with held-out accuracy measured against training wall-clock.
+"""Online RL on the toy world: one run with held-out accuracy measured against training wall-clock.
 
 ::
 
@@ -7,7 +7,8 @@
     result = run_toy_rl(".cache/toy-world", settings, "outputs/toy-rl")
     result["before"]["count"], result["after"]["count"]
 
-The run uses the trainer named by ``settings.trainer`` (``"flow_grpo"``: :class:`~flowgrpo.trainer.FlowGRPOTrainer`;
+The run uses the trainer named by ``settings.trainer`` (``"flow_grpo"``: :class:`~flowgrpo.trainer.FlowGRPOTrainer`,
+``"diffusion_nft"``: :class:`~flowgrpo.trainer.DiffusionNFTTrainer` with its own fields in ``settings.extra_config``;
 `TOY_TRAINERS` maps names to a config and a trainer class) on the world's ``prompts_train.txt``; accuracy is
 measured by :func:`~flowgrpo.toy.build.evaluate_pipeline` on ``prompts_eval.txt`` (deterministic ODE sampling
 with the world's Euler scheduler, fixed seeds), before training, every ``eval_every`` steps and at the end.
@@ -35,7 +36,16 @@ __all__ = ["RLSettings", "TOY_TRAINERS", "run_toy_rl", "plot_accuracy_curve", "b
 #: peft_config=...)``; ``RLSettings.config_kwargs()`` gives the config's fields.
 TOY_TRAINERS: dict[str, tuple[str, str]] = {
     "flow_grpo": ("flowgrpo.trainer.config:FlowGRPOConfig", "flowgrpo.trainer.flow_grpo_trainer:FlowGRPOTrainer"),
+    "diffusion_nft": ("flowgrpo.trainer.nft_config:DiffusionNFTConfig",
+                      "flowgrpo.trainer.nft_trainer:DiffusionNFTTrainer"),
 }
+
+#: RLSettings fields that configure Flow-GRPO's sampler and objective: passed only to the ``flow_grpo`` trainer.
+FLOW_GRPO_FIELDS = (
+    "noise_level", "sde_type", "sde_window_size", "sde_window_range", "epsilon", "sde_window_strategy",
+    "sde_window_shift_interval", "sde_window_stride", "sde_window_roll_back", "ode_solver", "ode_compression_ratio",
+    "ratio_normalization", "kl_estimator", "same_noise_per_group",
+)
 
 _REWARD_ATTRIBUTE = {"toy_color": "color", "toy_shape": "shape", "toy_count": "count", "toy_position": "position",
                      "toy_geneval": "all", "toy_shape_score": "shape"}
@@ -51,7 +61,7 @@ TOY_LORA_TARGET_MODULES = (
 
 @dataclasses.dataclass
 class RLSettings:
-    """One Flow-GRPO configuration on the toy world (the defaults are those of ``recipes/toy.yaml``)."""
+    """One RL configuration on the toy world (the defaults are those of ``recipes/toy.yaml``, Flow-GRPO-Fast)."""
 
     name: str = "fast-w2"
     reward: str | list[str] = dataclasses.field(default_factory=lambda: ["toy_shape_score", "toy_color"])
@@ -92,23 +102,28 @@ class RLSettings:
     extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def config_kwargs(self) -> dict[str, Any]:
-        """The trainer config's fields for this setting (``extra_config`` last, so it can add or override)."""
+        """The trainer config's fields for this setting (``extra_config`` last, so it can add or override).
+
+        Flow-GRPO's sampler and objective fields (`FLOW_GRPO_FIELDS`) go to the ``flow_grpo`` trainer only; another
+        trainer refuses a setting that changes one of them (it would have no effect there).
+        """
         kwargs = dict(
             learning_rate=self.learning_rate, lr_scheduler_type=self.lr_scheduler_type,
             num_generations=self.num_generations,
             per_device_train_batch_size=self.num_generations * self.prompts_per_step,
-            num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
-            noise_level=self.noise_level, sde_type=self.sde_type, sde_window_size=self.sde_window_size,
-            sde_window_range=self.sde_window_range, beta=self.beta, epsilon=self.epsilon,
+            num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale, beta=self.beta,
             scale_rewards=self.scale_rewards, num_iterations=self.num_iterations,
             max_sequence_length=self.max_sequence_length, seed=self.seed, max_steps=self.max_steps,
-            reward_weights=self.reward_weights, sde_window_strategy=self.sde_window_strategy,
-            sde_window_shift_interval=self.sde_window_shift_interval, sde_window_stride=self.sde_window_stride,
-            sde_window_roll_back=self.sde_window_roll_back, ode_solver=self.ode_solver,
-            ode_compression_ratio=self.ode_compression_ratio, ratio_normalization=self.ratio_normalization,
-            kl_estimator=self.kl_estimator, reward_aggregation=self.reward_aggregation,
-            same_noise_per_group=self.same_noise_per_group,
+            reward_weights=self.reward_weights, reward_aggregation=self.reward_aggregation,
         )
+        if self.trainer == "flow_grpo":
+            kwargs.update({name: getattr(self, name) for name in FLOW_GRPO_FIELDS})
+        else:
+            default = RLSettings()
+            changed = [name for name in FLOW_GRPO_FIELDS if getattr(self, name) != getattr(default, name)]
+            if changed:
+                raise ValueError(f"{self.name}: {changed} configure Flow-GRPO, but trainer={self.trainer!r}; leave "
+                                 "them at their defaults and set that trainer's own fields in extra_config.")
         kwargs.update(self.extra_config)
         return kwargs
 
@@ -282,7 +297,7 @@ def plot_accuracy_curve(result: dict[str, Any], path: str | os.PathLike[str]) ->
     ax.set_xlabel("training wall-clock (s)")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, top)
-    ax.set_title(f"Flow-GRPO on the toy world: {result['settings']['name']}")
+    ax.set_title(f"{result['settings'].get('trainer', 'flow_grpo')} on the toy world: {result['settings']['name']}")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()

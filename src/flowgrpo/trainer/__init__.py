@@ -1,19 +1,24 @@
-"""Trainers and their configuration. The trainer module (transformers.Trainer, diffusers, peft) loads on first use,
-so that parsing a recipe or printing ``--help`` only imports the configuration."""
+"""Trainers and their configuration. The trainer modules (transformers.Trainer, diffusers, peft) load on first use,
+so that parsing a recipe or printing ``--help`` only imports the configurations."""
 
 from typing import TYPE_CHECKING
 
 from .config import FlowGRPOConfig
+from .nft_config import DiffusionNFTConfig
+from .online_config import OnlineRLConfig
 
-__all__ = ["FlowGRPOConfig", "FlowGRPOTrainer"]
+__all__ = ["DiffusionNFTConfig", "DiffusionNFTTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "OnlineRLConfig"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .flow_grpo_trainer import FlowGRPOTrainer
+    from .nft_trainer import DiffusionNFTTrainer
+
+_LAZY = {"FlowGRPOTrainer": ".flow_grpo_trainer", "DiffusionNFTTrainer": ".nft_trainer"}
 
 
 def __getattr__(name: str):
-    if name == "FlowGRPOTrainer":
-        from .flow_grpo_trainer import FlowGRPOTrainer
+    if name in _LAZY:
+        import importlib
 
-        return FlowGRPOTrainer
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module 'flowgrpo.trainer' has no attribute {name!r}")

@@ -1,103 +1,36 @@
 """FlowGRPOConfig: every knob of Flow-GRPO training, as a `transformers.TrainingArguments` subclass.
 
-Defaults follow the published Flow-GRPO recipes for Stable Diffusion 3.5 Medium where they exist (LoRA
-r=32/alpha=64, lr 3e-4, 10 sampling steps, 40 evaluation steps, CFG 4.5, noise level 0.7, KL weight 0.04,
-clip range 1e-4, advantage clip 5, 512 px); each field's help says where its default comes from.
+The settings every online-RL trainer shares (groups, rollouts, rewards, memory, crash safety, logging) are those of
+`OnlineRLConfig`; this class adds Flow-GRPO's own: the stochastic sampler (noise level, SDE or CPS), its windows
+and solvers, and the clipped-ratio objective. Defaults follow the published Flow-GRPO recipes for Stable Diffusion
+3.5 Medium where they exist (LoRA r=32/alpha=64, lr 3e-4, 10 sampling steps, 40 evaluation steps, CFG 4.5, noise
+level 0.7, KL weight 0.04, clip range 1e-4, advantage clip 5, 512 px); each field's help says where its default
+comes from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from transformers import TrainingArguments
+from .online_config import DTYPES, QUANTIZATIONS, REWARD_AGGREGATIONS, SCALE_REWARDS, OnlineRLConfig, check_choice
 
 SDE_TYPES = ("sde", "cps")
-SCALE_REWARDS = ("batch", "group", "none")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("4bit", "8bit")
 SDE_WINDOW_STRATEGIES = ("random", "progressive", "fixed")
 ODE_SOLVERS = ("euler", "dpmpp_2m")
 RATIO_NORMALIZATIONS = ("none", "grpo_guard")
 KL_ESTIMATORS = ("analytic", "k1", "k3", "velocity")
-REWARD_AGGREGATIONS = ("weighted_sum", "normalize_then_sum")
+
+__all__ = ["DTYPES", "KL_ESTIMATORS", "ODE_SOLVERS", "QUANTIZATIONS", "RATIO_NORMALIZATIONS", "REWARD_AGGREGATIONS",
+           "SCALE_REWARDS", "SDE_TYPES", "SDE_WINDOW_STRATEGIES", "FlowGRPOConfig"]
 
 
 @dataclass
-class FlowGRPOConfig(TrainingArguments):
-    r"""Configuration for [`FlowGRPOTrainer`].
-
-    Batch vocabulary (as in TRL's GRPO): a *micro-batch* is ``per_device_train_batch_size`` images on one
-    process; a *generation batch* holds ``generation_batch_size`` images over all processes, i.e.
-    ``generation_batch_size / num_generations`` prompts each sampled ``num_generations`` times. One
-    generation batch is sampled, scored and then trained on for ``steps_per_generation`` micro-batches per
-    process (times ``num_iterations`` passes). The defaults give one generation per optimizer step.
+class FlowGRPOConfig(OnlineRLConfig):
+    r"""Configuration for [`FlowGRPOTrainer`]: the shared settings of [`OnlineRLConfig`] (groups and batches,
+    rollouts, rewards, memory, crash safety, logging) plus Flow-GRPO's stochastic sampler and clipped objective.
     """
 
-    # ---- groups and batches --------------------------------------------------------------------------
-    num_generations: int = field(
-        default=8,
-        metadata={"help": "Group size G: images sampled per prompt with different noise. Advantages compare each "
-                          "image with the other members of its group. Must be >= 2. Default 8 as in the "
-                          "Flow-GRPO-Fast SD3.5-M configuration (8 prompts x 8 images)."},
-    )
-    generation_batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Images per generation batch over all processes. Defaults to per_device_train_batch_size x "
-                          "num_processes x steps_per_generation. Must be divisible by num_generations. Mutually "
-                          "exclusive with steps_per_generation."},
-    )
-    steps_per_generation: int | None = field(
-        default=None,
-        metadata={"help": "Micro-batches trained per process on each generation batch. Defaults to "
-                          "gradient_accumulation_steps, i.e. one generation batch per optimizer step."},
-    )
-    num_iterations: int = field(
-        default=1,
-        metadata={"help": "Passes (PPO epochs) over each generation batch. 1 is strictly on-policy, as in "
-                          "Flow-GRPO; >1 reuses samples and makes the clipped ratio matter."},
-    )
-
-    # ---- sampling ------------------------------------------------------------------------------------
-    resolution: int = field(
-        default=512,
-        metadata={"help": "Square image side in pixels (SD3.5-M Flow-GRPO recipes: 512). Overridden by height/width."},
-    )
-    height: int | None = field(default=None, metadata={"help": "Image height; defaults to resolution."})
-    width: int | None = field(default=None, metadata={"help": "Image width; defaults to resolution."})
-    num_frames: int = field(
-        default=1,
-        metadata={"help": "Frames per sample: 1 for image families (SD3, FLUX, Qwen-Image, the editing models); video "
-                          "families need their own counts (Wan: 4k + 1, e.g. 81 as released, 33 or 5 for small runs). "
-                          "The family's rule is checked as soon as the pipeline's class is known, before loading it."},
-    )
-    num_inference_steps: int = field(
-        default=10,
-        metadata={"help": "Sampling steps of training rollouts (Flow-GRPO trains with 10 and evaluates with 40)."},
-    )
-    eval_num_inference_steps: int = field(
-        default=40, metadata={"help": "ODE sampling steps for evaluation (Flow-GRPO: 40)."},
-    )
-    eval_images_per_prompt: int = field(
-        default=1,
-        metadata={"help": "Images per eval prompt, each from its own fixed seed. More images average out the "
-                          "sampling noise of the eval metrics (a small eval set with one image per prompt moves by "
-                          "several points between seeds)."},
-    )
-    guidance_scale: float = field(
-        default=4.5,
-        metadata={"help": "Classifier-free guidance scale of rollouts (SD3.5-M recipes: 4.5). 1.0 disables CFG: "
-                          "one transformer pass per step (the CFG-free 'Fast' recipes). Training recomputes the "
-                          "velocity with the same scale and negative embeddings."},
-    )
-    eval_guidance_scale: float | None = field(
-        default=None, metadata={"help": "Guidance scale for evaluation; defaults to guidance_scale."},
-    )
-    negative_prompt: str = field(
-        default="", metadata={"help": "Negative prompt for classifier-free guidance (SD3 recipes use the empty prompt)."},
-    )
-    max_sequence_length: int = field(
-        default=256, metadata={"help": "T5 token length of prompt embeddings (SD3 pipelines default to 256)."},
-    )
+    # ---- the stochastic sampler and its windows -----------------------------------------------------
     noise_level: float = field(
         default=0.7,
         metadata={"help": "SDE noise level a (Flow-GRPO: 0.7). For 'sde' the step std is a*sqrt(sigma/(1-sigma))*"
@@ -164,12 +97,7 @@ class FlowGRPOConfig(TrainingArguments):
                           "or processes shares it."},
     )
 
-    # ---- objective -----------------------------------------------------------------------------------
-    beta: float = field(
-        default=0.04,
-        metadata={"help": "KL weight to the reference policy (LoRA disabled, or a frozen copy for full "
-                          "fine-tuning). Flow-GRPO SD3.5-M recipes: 0.04. 0 skips the reference pass."},
-    )
+    # ---- the clipped objective -----------------------------------------------------------------------
     epsilon: float = field(
         default=1e-4,
         metadata={"help": "PPO clip range of the likelihood ratio. Flow-GRPO: 1e-4 (tuned for mean-reduced "
@@ -190,188 +118,21 @@ class FlowGRPOConfig(TrainingArguments):
                           "(mean squared difference of the policy's and the reference's velocities). All use the "
                           "log-probs' mean over the non-batch dims."},
     )
-    reward_aggregation: str = field(
-        default="weighted_sum",
-        metadata={"help": "How several rewards make one advantage: 'weighted_sum' (the weighted sum of rewards, "
-                          "then group normalisation) or 'normalize_then_sum' (each reward normalised within its "
-                          "group first, then the weighted sum of those advantages, so a hard reward is not drowned "
-                          "by an easy one)."},
-    )
-    adv_clip_max: float = field(
-        default=5.0, metadata={"help": "Advantages are clipped to [-adv_clip_max, adv_clip_max] (Flow-GRPO: 5)."},
-    )
-    scale_rewards: str = field(
-        default="batch",
-        metadata={"help": "Advantage scale: 'batch' divides by the std of the whole gathered batch (Flow-GRPO's "
-                          "global std), 'group' by each group's std, 'none' by 1."},
-    )
-    reward_weights: list[float] | None = field(
-        default=None,
-        metadata={"help": "One weight per reward function; the weighted sum is the training reward. Default: all 1."},
-    )
-    reward_kwargs: dict | str | None = field(
-        default=None,
-        metadata={"help": "Keyword arguments per reward name, e.g. {'ocr': {'backend': 'rapidocr'}} (JSON string "
-                          "accepted on the command line)."},
-    )
-    reward_on_failure: dict | str | None = field(
-        default="raise",
-        metadata={"help": "When a reward raises mid-run: 'raise' stops the run with a clear error after saving a "
-                          "checkpoint of the last completed step; 'skip' scores that batch None for that reward "
-                          "(excluded, logged as rewards/<name>/failed) and goes on. One policy for every reward, or a "
-                          "mapping per reward name (JSON string on the command line), e.g. {'remote': 'skip'}. "
-                          "'none' is accepted for 'skip'."},
-    )
     on_policy_tolerance: float = field(
         default=1e-3,
         metadata={"help": "On the first pass over a fresh batch the ratio must be exactly 1; warn when |ratio - 1| "
                           "exceeds this (dtype or batch-composition mismatch, dropout, non-determinism)."},
     )
 
-    # ---- model and memory ----------------------------------------------------------------------------
-    dtype: str = field(
-        default="auto",
-        metadata={"help": "Dtype of the frozen pipeline components and the base transformer: 'float32', "
-                          "'bfloat16', 'float16' or 'auto' (bfloat16 on CUDA, float32 otherwise). Trainable LoRA "
-                          "weights are kept in float32."},
-    )
-    quantization: str | None = field(
-        default=None,
-        metadata={"help": "Load the base transformer quantized with bitsandbytes ('4bit' NF4 or '8bit') for LoRA "
-                          "training on one consumer GPU. Needs CUDA and a LoRA peft_config."},
-    )
-    cache_prompt_embeddings: bool = field(
-        default=False,
-        metadata={"help": "Encode each distinct prompt once and keep its embeddings in host memory; later rollout and "
-                          "evaluation batches reuse them (the text encoders are frozen, so an embedding never "
-                          "changes). Cost per prompt: one row of every embedding tensor, e.g. 2.73 MB for SD3/3.5 at "
-                          "max_sequence_length 256 in bf16 ((77 CLIP + 256 T5 tokens) x 4096 + pooled 2048)."},
-    )
-    prompt_cache_size: int = field(
-        default=1024,
-        metadata={"help": "Most prompts the embedding cache holds; the least recently used are dropped beyond it. "
-                          "1024 SD3.5 prompts at 256 T5 tokens take about 2.8 GB of host memory per process."},
-    )
-    precompute_prompt_embeddings: bool = field(
-        default=False,
-        metadata={"help": "Fill the embedding cache with every prompt of train_dataset and eval_dataset when the "
-                          "trainer is built, so that training and evaluation never run a text encoder. Needs "
-                          "cache_prompt_embeddings and a prompt_cache_size at least the number of distinct prompts "
-                          "(checked before the model is loaded). Every process encodes the whole set."},
-    )
-    offload_text_encoders: bool = field(
-        default=False,
-        metadata={"help": "Move the text encoders to the CPU once the cache is set up (SD3.5: CLIP-L, CLIP-G and "
-                          "T5-XXL, about 11 GB in bf16 off the GPU). A prompt that is not cached brings them back to "
-                          "the accelerator for that one encode, before sampling starts, and sends them away again. "
-                          "Needs cache_prompt_embeddings. The pipeline's other components stay where they are: call "
-                          "trainer.prompt_cache.offload.restore() before calling trainer.pipeline(...) yourself."},
-    )
-    vae_decode_batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Decode latents with the VAE this many images at a time (the images equal those of one "
-                          "decode of the whole micro-batch up to float rounding); 1 gives the lowest peak memory, like "
-                          "diffusers' vae.enable_slicing(). None decodes each micro-batch at once."},
-    )
-    use_ema: bool = field(default=False, metadata={"help": "Keep an EMA of the trainable weights, used for "
-                                                              "evaluation and saved adapters."})
-    ema_decay: float = field(default=0.9, metadata={"help": "EMA decay per update (Flow-GRPO: 0.9)."})
-    ema_update_interval: int = field(default=1, metadata={"help": "Optimizer steps between EMA updates."})
 
-    # ---- crash safety --------------------------------------------------------------------------------
-    max_consecutive_skipped_steps: int = field(
-        default=5,
-        metadata={"help": "An optimizer step whose loss or gradient norm is NaN/inf is skipped (weights and "
-                          "optimizer state unchanged; counted in the logged skipped_steps). This many skipped steps "
-                          "in a row stop the run with an error naming the last step's reward and loss statistics."},
-    )
-    preemption_signals: list[str] = field(
-        default_factory=lambda: ["SIGTERM", "SIGUSR1"],
-        metadata={"help": "Signals that make the run finish its current optimizer step, save a checkpoint and exit "
-                          "with status 0 (a second one exits at once). An empty list leaves signals alone."},
-    )
+    _trainer_name = "FlowGRPOTrainer"
 
-    # ---- logging -------------------------------------------------------------------------------------
-    log_images_steps: int = field(
-        default=50,
-        metadata={"help": "Send sample images with prompts and rewards to wandb / tensorboard every N optimizer "
-                          "steps (0 = never)."},
-    )
-    num_log_images: int = field(default=8, metadata={"help": "Images (or videos) per logged panel."})
-    log_video_fps: float = field(
-        default=16.0, metadata={"help": "Frame rate of the logged sample videos (Wan generates 16 fps)."},
-    )
-    reward_num_workers: int = field(
-        default=1,
-        metadata={"help": "Background threads that score decoded images while the next chunk is sampled."},
-    )
-    cpu_threads: str = field(
-        default="auto",
-        metadata={"help": "Threads of each process when the transformer runs on the CPU. 'auto': this process's share "
-                          "of the cores (cores / processes on the machine, or $FLOWGRPO_CPU_THREADS) minus one for the "
-                          "background decode and reward threads, which get one thread each (onnxruntime too), so the "
-                          "run never oversubscribes its cores; an integer fixes the main thread's torch threads; "
-                          "'keep' applies no policy (torch's and onnxruntime's own settings everywhere). See flowgrpo.cpu_threads and docs/benchmarks.md."},
-    )
-
-    # ---- TrainingArguments defaults that differ for this trainer -------------------------------------
-    learning_rate: float = field(default=3e-4, metadata={"help": "AdamW learning rate (Flow-GRPO LoRA: 3e-4)."})
-    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay (Flow-GRPO: 1e-4)."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (Flow-GRPO: 1.0)."})
-    logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
-    remove_unused_columns: bool = field(
-        default=False, metadata={"help": "Must stay False: the trainer needs the prompt column and reward columns."},
-    )
-    per_device_train_batch_size: int = field(
-        default=8, metadata={"help": "Images per micro-batch per process, for sampling and for training."},
-    )
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Images per evaluation batch per process."})
-    ddp_find_unused_parameters: bool | None = field(
-        default=None,
-        metadata={"help": "DDP's find_unused_parameters. None (default): the model family decides: False where every "
-                          "trainable weight (LoRA or the whole transformer) takes part in every training forward (SD3, "
-                          "FLUX, Kontext, Wan 2.1), which spares DDP an extra graph traversal per step; True for "
-                          "Qwen-Image (its last text stream is discarded) and Wan 2.2's two experts (a step runs one)."},
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.height = self.height or self.resolution
-        self.width = self.width or self.resolution
-        if self.eval_guidance_scale is None:
-            self.eval_guidance_scale = self.guidance_scale
-        if isinstance(self.reward_kwargs, str):
-            import json
-
-            self.reward_kwargs = json.loads(self.reward_kwargs)
-        self._check_crash_safety()
-        self._check_choices()
-        from ..cpu_threads import parse_cpu_threads
-
-        self.cpu_threads = str(parse_cpu_threads(self.cpu_threads))
-        self._derive_generation_batch()
-        self._check_window()
-        self._check_memory_options()
-        if self.remove_unused_columns:
-            raise ValueError("remove_unused_columns=True would drop the prompt column; FlowGRPOTrainer needs "
-                             "remove_unused_columns=False.")
-        if self.ema_decay < 0 or self.ema_decay >= 1:
-            raise ValueError(f"ema_decay={self.ema_decay} must be in [0, 1).")
-
-    # ---------------------------------------------------------------------------------------------------
-    def _check_choices(self) -> None:
-        def check(name: str, value, choices) -> None:
-            if value not in choices:
-                raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(map(repr, choices))}.")
-
-        check("sde_type", self.sde_type, SDE_TYPES)
-        check("scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        check("dtype", self.dtype, DTYPES)
-        check("sde_window_strategy", self.sde_window_strategy, SDE_WINDOW_STRATEGIES)
-        check("ode_solver", self.ode_solver, ODE_SOLVERS)
-        check("ratio_normalization", self.ratio_normalization, RATIO_NORMALIZATIONS)
-        check("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        check("reward_aggregation", self.reward_aggregation, REWARD_AGGREGATIONS)
+    def _check_algorithm(self) -> None:
+        check_choice("sde_type", self.sde_type, SDE_TYPES)
+        check_choice("sde_window_strategy", self.sde_window_strategy, SDE_WINDOW_STRATEGIES)
+        check_choice("ode_solver", self.ode_solver, ODE_SOLVERS)
+        check_choice("ratio_normalization", self.ratio_normalization, RATIO_NORMALIZATIONS)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         for name in ("sde_window_roll_back", "same_noise_per_group"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false.")
@@ -387,82 +148,11 @@ class FlowGRPOConfig(TrainingArguments):
             raise ValueError(f"ode_compression_ratio={ratio} replaces the steps after the window by fewer "
                              f"DPM-Solver++ steps; it needs ode_solver='dpmpp_2m' (got ode_solver="
                              f"{self.ode_solver!r}). Set ode_solver: dpmpp_2m, or ode_compression_ratio: 1.0.")
-        if self.quantization is not None:
-            check("quantization", self.quantization, QUANTIZATIONS)
-        if self.num_generations < 2:
-            raise ValueError(f"num_generations={self.num_generations}: a group needs at least 2 images to compute "
-                             "advantages; set num_generations >= 2.")
-        if self.eval_images_per_prompt < 1:
-            raise ValueError(f"eval_images_per_prompt={self.eval_images_per_prompt} must be >= 1.")
         if self.noise_level < 0:
             raise ValueError(f"noise_level={self.noise_level} must be >= 0.")
-        if isinstance(self.num_frames, bool) or not isinstance(self.num_frames, int) or self.num_frames < 1:
-            raise ValueError(f"num_frames={self.num_frames!r} must be an integer >= 1 (1 for image families; Wan: "
-                             "4k + 1).")
-        if self.log_video_fps <= 0:
-            raise ValueError(f"log_video_fps={self.log_video_fps} must be > 0.")
-        if self.num_inference_steps < 2:
-            raise ValueError(f"num_inference_steps={self.num_inference_steps} must be >= 2.")
-        if self.num_iterations < 1:
-            raise ValueError(f"num_iterations={self.num_iterations} must be >= 1.")
         if self.epsilon <= 0:
             raise ValueError(f"epsilon={self.epsilon} must be > 0.")
-        if self.beta < 0:
-            raise ValueError(f"beta={self.beta} must be >= 0.")
-        if self.adv_clip_max <= 0:
-            raise ValueError(f"adv_clip_max={self.adv_clip_max} must be > 0.")
-        for name in ("height", "width"):
-            if getattr(self, name) % 16:
-                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of 16 (VAE downsampling x patch "
-                                 "size); round it, e.g. to 512.")
-
-    def _check_crash_safety(self) -> None:
-        from ..rewards.failures import normalize_on_failure
-        from .preemption import resolve_signal
-
-        policy = "raise" if self.reward_on_failure is None else self.reward_on_failure
-        if isinstance(policy, str) and policy.strip().startswith("{"):
-            import json
-
-            policy = json.loads(policy)
-        if isinstance(policy, dict):
-            self.reward_on_failure = {str(k): normalize_on_failure(v, f"reward_on_failure[{k!r}]")
-                                      for k, v in policy.items()}
-        else:
-            self.reward_on_failure = normalize_on_failure(policy, "reward_on_failure")
-        if self.max_consecutive_skipped_steps < 1:
-            raise ValueError(f"max_consecutive_skipped_steps={self.max_consecutive_skipped_steps} must be >= 1 (the "
-                             "number of skipped non-finite steps in a row that stops the run).")
-        self.preemption_signals = [str(s) for s in (self.preemption_signals or [])]
-        for name in self.preemption_signals:
-            resolve_signal(name)
-
-    def _derive_generation_batch(self) -> None:
-        num_processes = self.world_size
-        global_micro = self.per_device_train_batch_size * num_processes
-        if self.generation_batch_size is not None and self.steps_per_generation is not None:
-            raise ValueError("generation_batch_size and steps_per_generation are mutually exclusive; set one.")
-        if self.generation_batch_size is None:
-            if self.steps_per_generation is None:
-                self.steps_per_generation = self.gradient_accumulation_steps
-            self.generation_batch_size = global_micro * self.steps_per_generation
-        else:
-            if self.generation_batch_size % global_micro:
-                raise ValueError(
-                    f"generation_batch_size={self.generation_batch_size} must be divisible by "
-                    f"per_device_train_batch_size x num_processes = {self.per_device_train_batch_size} x "
-                    f"{num_processes} = {global_micro}."
-                )
-            self.steps_per_generation = self.generation_batch_size // global_micro
-        if self.generation_batch_size % self.num_generations:
-            prompts = max(1, self.generation_batch_size // self.num_generations)
-            raise ValueError(
-                f"The generation batch ({self.generation_batch_size} images = per_device_train_batch_size "
-                f"{self.per_device_train_batch_size} x {num_processes} processes x steps_per_generation "
-                f"{self.steps_per_generation}) is not divisible by num_generations={self.num_generations}. Make it a "
-                f"multiple, e.g. per_device_train_batch_size / steps_per_generation giving "
-                f"{prompts * self.num_generations} images, or change num_generations."
-            )
+        self._check_window()
 
     def _check_window(self) -> None:
         steps = self.num_inference_steps
@@ -494,19 +184,3 @@ class FlowGRPOConfig(TrainingArguments):
                 f"0 <= lo < hi <= {steps - k}."
             )
         self.sde_window_range = [lo, hi]
-
-    def _check_memory_options(self) -> None:
-        if self.prompt_cache_size < 1:
-            raise ValueError(f"prompt_cache_size={self.prompt_cache_size} must be >= 1 (the number of prompts the "
-                             "embedding cache holds).")
-        for name in ("offload_text_encoders", "precompute_prompt_embeddings"):
-            if getattr(self, name) and not self.cache_prompt_embeddings:
-                raise ValueError(f"{name}=True needs cache_prompt_embeddings=True (the embeddings must be kept for the "
-                                 "encoders to be skipped); set cache_prompt_embeddings: true.")
-        if self.vae_decode_batch_size is not None and self.vae_decode_batch_size < 1:
-            raise ValueError(f"vae_decode_batch_size={self.vae_decode_batch_size} must be >= 1 images per VAE decode, "
-                             "or None to decode each micro-batch at once.")
-
-    @property
-    def image_size(self) -> tuple[int, int]:
-        return int(self.height), int(self.width)
