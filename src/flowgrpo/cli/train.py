@@ -84,39 +84,6 @@ def prepare_model_path(model_args: ModelArguments, training_args: Any = None) ->
     with context:
         build_folder_once(path, build, what="model folder")
     return str(path)
-    if path.is_file() or (path.is_dir() and any(path.iterdir())):
-        raise RecipeError(f"{name!r} exists but holds no diffusers pipeline (no model_index.json); remove it or "
-                          "point model_name_or_path elsewhere so the tiny pipeline can be built there.")
-
-    from contextlib import nullcontext
-
-    context = training_args.main_process_first(local=True, desc="building the tiny pipeline") \
-        if training_args is not None else nullcontext()
-    with context:
-        if not (path / "model_index.json").is_file():
-            import shutil
-            import tempfile
-
-            seed = model_args.tiny_pipeline_seed
-            what = "the toy world" if family == "toy" else f"the tiny {family} pipeline"
-            print(f"[flowgrpo] building {what} (seed {seed}) in {path}", flush=True)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-            try:
-                if family == "toy":
-                    from ..toy.build import build_toy_world
-
-                    build_toy_world(staging / "pipeline", seed=seed)
-                else:
-                    from ..testing import save_tiny_pipeline
-
-                    save_tiny_pipeline(family, staging / "pipeline", seed=seed)
-                if path.is_dir() and not any(path.iterdir()):
-                    path.rmdir()
-                os.replace(staging / "pipeline", path)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-    return str(path)
 
 
 def _check_eval_settings(training_args: Any, eval_dataset: Any) -> None:
