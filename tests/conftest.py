@@ -34,6 +34,14 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(int(os.environ["FLOWGRPO_CPU_THREADS"]))
+    config.addinivalue_line("markers", "run_first: a long test that parallel workers should start first")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Long tests marked ``run_first`` go to the front, so that one worker starts them at once while the others
+    take the rest of the suite (the suite's wall time is then about the longest test's, not its sum with the
+    tests queued before it)."""
+    items.sort(key=lambda item: item.get_closest_marker("run_first") is None)
 
 
 @pytest.fixture(scope="session")

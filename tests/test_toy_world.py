@@ -33,9 +33,6 @@ from flowgrpo.toy import (
 )
 from flowgrpo.toy.build import PRESETS, build_toy_world, evaluate_pipeline, read_prompts
 
-# One worker runs this module: the full world is built once and the learning test runs beside its build.
-pytestmark = pytest.mark.xdist_group("toy_world")
-
 TOY_REWARDS = ("toy_color", "toy_shape", "toy_position", "toy_count", "toy_geneval")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -171,6 +168,7 @@ def light_world(tmp_path_factory):
     return path
 
 
+@pytest.mark.xdist_group("toy_light_world")  # one worker builds the light world for both tests
 def test_light_world_is_a_stock_sd3_folder_with_disjoint_prompts(light_world):
     from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
 
@@ -188,6 +186,7 @@ def test_light_world_is_a_stock_sd3_folder_with_disjoint_prompts(light_world):
     assert [im.size for im in images] == [(32, 32), (32, 32)]
 
 
+@pytest.mark.xdist_group("toy_light_world")
 def test_evaluate_pipeline_is_deterministic(light_world):
     from diffusers import DiffusionPipeline
 
@@ -287,6 +286,7 @@ def learning_world():
     return cached_toy_world("full", seed=0, log=lambda message: None)
 
 
+@pytest.mark.run_first  # the longest test (the world's build and the run): started first, beside all the others
 def test_short_rl_run_improves_the_target_reward_beyond_eval_noise(learning_world, tmp_path):
     from diffusers import DiffusionPipeline
 
