@@ -9,6 +9,7 @@ import torch
 
 from flowgrpo.build_cache import build_folder_once
 from flowgrpo.cpu_threads import (
+    ALL_CORES_MIN_PARAMETERS,
     CPU_THREADS_ENV,
     apply_cpu_thread_plan,
     current_cpu_thread_plan,
@@ -41,6 +42,14 @@ def test_auto_plan_leaves_one_core_of_the_process_share_for_background_threads(m
     monkeypatch.setenv(CPU_THREADS_ENV, "6")  # an explicit share wins over the machine's
     plan = plan_cpu_threads("auto")
     assert (plan.cores_per_process, plan.torch_threads) == (6, 5) and CPU_THREADS_ENV in plan.source
+    # A model whose operations split well takes every core of the share; below the threshold, one is left free.
+    big = plan_cpu_threads("auto", model_parameters=ALL_CORES_MIN_PARAMETERS)
+    assert big.torch_threads == 6 and big.worker_torch_threads == 1 and "every core" in big.source
+    assert plan_cpu_threads("auto", model_parameters=ALL_CORES_MIN_PARAMETERS - 1).torch_threads == 5
+    assert plan_cpu_threads(2, model_parameters=10 * ALL_CORES_MIN_PARAMETERS).torch_threads == 2  # fixed wins
+    monkeypatch.setenv(CPU_THREADS_ENV, "1")
+    assert plan_cpu_threads("auto", model_parameters=10 * ALL_CORES_MIN_PARAMETERS).torch_threads == 1
+    monkeypatch.setenv(CPU_THREADS_ENV, "6")
     assert plan_cpu_threads(3).torch_threads == 3 and plan_cpu_threads("3").worker_torch_threads == 1
     assert plan_cpu_threads("keep") is None
     gpu = plan_cpu_threads("auto", on_cpu=False)  # the transformer is elsewhere: the rewards get the cores

@@ -8,9 +8,17 @@ on 2 cores: the toy recipe at 2.4 s per step with torch's default of 2 threads, 
 docs/benchmarks.md). The policy gives each kind of work its own share:
 
     cores_per_process = $FLOWGRPO_CPU_THREADS, else max(1, usable cores // processes on this machine)
-    main torch threads = max(1, cores_per_process - 1)   (one core left for the background threads)
+    main torch threads = max(1, cores_per_process - 1)   (one core left for the background threads), or
+                         cores_per_process for a model of at least ALL_CORES_MIN_PARAMETERS trainable-model weights
     background threads = 1 torch thread each (decode, reward workers); onnxruntime: 1 intra-op thread
     torch inter-op threads = 1                           (nothing here uses inter-op parallelism)
+
+The size rule: a small model's operations are too short to share between threads (OpenMP's fork and barrier cost
+more than the split saves, and a descheduled team member stalls the step), so its main thread keeps one thread and
+the background work gets the other cores. A larger model's matrix products split well, and its main thread is
+the bottleneck, so it takes every core of its share; the background threads, idle most of the step, then overlap
+it. Measured on 2 cores (docs/benchmarks.md, "CPU threads"): the 0.4M-parameter tiny pipeline and the 0.59M toy
+world ran 1.5x slower with 2 torch threads than with 1; the 34M-parameter `small-cpu` model ran 1.11x faster.
 
 "Processes on this machine" is ``LOCAL_WORLD_SIZE`` (set by ``accelerate launch`` and ``torchrun``), else 1;
 "usable cores" is the process's CPU affinity. On a GPU run only the reward side matters: the OCR reward then gets
@@ -27,6 +35,7 @@ import os
 from dataclasses import dataclass
 
 __all__ = [
+    "ALL_CORES_MIN_PARAMETERS",
     "CPU_THREADS_ENV",
     "CPUThreadPlan",
     "apply_cpu_thread_plan",
@@ -37,6 +46,9 @@ __all__ = [
     "reward_thread_count",
     "usable_cores",
 ]
+
+ALL_CORES_MIN_PARAMETERS = 10_000_000
+"""From this many parameters in the trained transformer(s) on, ``auto`` gives the main thread every core of its share."""
 
 CPU_THREADS_ENV = "FLOWGRPO_CPU_THREADS"
 """Cores this process may use (overrides the share computed from the machine, e.g. under a parallel test run)."""
@@ -99,7 +111,8 @@ def parse_cpu_threads(value: str | int | None, name: str = "cpu_threads") -> str
     return number
 
 
-def plan_cpu_threads(cpu_threads: str | int = "auto", *, on_cpu: bool = True) -> CPUThreadPlan | None:
+def plan_cpu_threads(cpu_threads: str | int = "auto", *, on_cpu: bool = True,
+                     model_parameters: int | None = None) -> CPUThreadPlan | None:
     """The thread plan for this process, or ``None`` for ``"keep"`` (no policy: every thread uses torch's and
     onnxruntime's own settings, as before the policy existed).
 
@@ -108,6 +121,9 @@ def plan_cpu_threads(cpu_threads: str | int = "auto", *, on_cpu: bool = True) ->
             background threads still get one each).
         on_cpu: whether the transformer runs on the CPU. On a GPU the main thread's torch setting is left alone
             and the reward side gets the whole share of cores.
+        model_parameters: parameters of the transformer(s) the main thread runs; from
+            ``ALL_CORES_MIN_PARAMETERS`` on, ``"auto"`` gives the main thread every core of the share (``None``:
+            treated as a small model).
     """
     import torch
 
@@ -127,7 +143,10 @@ def plan_cpu_threads(cpu_threads: str | int = "auto", *, on_cpu: bool = True) ->
     if not on_cpu:
         return CPUThreadPlan(cores, torch.get_num_threads(), 1, cores, source + ", GPU run")
     if setting == "auto":
-        main = max(1, cores - 1)
+        large = (model_parameters or 0) >= ALL_CORES_MIN_PARAMETERS
+        main = cores if large else max(1, cores - 1)
+        if large and cores > 1:
+            source += f", a {model_parameters / 1e6:.0f}M-parameter model: every core for the main thread"
     else:
         main = int(setting)
         source += f", main thread fixed at {main}"

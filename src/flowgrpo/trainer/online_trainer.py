@@ -320,7 +320,9 @@ class OnlineRLTrainer(FlowBaseTrainer):
         self.callback_handler.model = _CallbackModelView(self.model)
 
         device = self.accelerator.device
-        self.cpu_thread_plan = apply_cpu_thread_plan(plan_cpu_threads(args.cpu_threads, on_cpu=device.type == "cpu"))
+        model_parameters = sum(p.numel() for module in self.adapter.transformers() for p in module.parameters())
+        self.cpu_thread_plan = apply_cpu_thread_plan(plan_cpu_threads(args.cpu_threads, on_cpu=device.type == "cpu",
+                                                                      model_parameters=model_parameters))
         if self.cpu_thread_plan is not None:
             logger.info("CPU threads: %s", self.cpu_thread_plan.describe())
         trained = {id(module) for module in self.adapter.transformers()}
