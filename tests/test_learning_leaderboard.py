@@ -1,7 +1,8 @@
 """The algorithm leaderboard's machinery (variants, toy recipes, figures and the page) and the MixGRPO recipes.
 
-The leaderboard itself trains 33 toy-world runs (about an hour); here the variants are validated, the toy recipes
-are checked against them, and the figures are computed from hand-made run results whose answers are known.
+The leaderboard itself trains 36 toy-world runs (about 40 minutes on 2 cores in two processes); here the variants are
+validated, the toy recipes are checked against them, the figures are computed from hand-made run results whose
+answers are known, and a quick leaderboard on the light world runs end to end in two processes.
 """
 
 from __future__ import annotations
@@ -146,7 +147,9 @@ def test_summary_figures_budgets_and_seed_spread():
            "seed spread | 90.0% (90.0%-90.0%) | 2.00 |" in page
     assert "| same |  | 40.0% (40.0%-40.0%) | **50.0% (49.0%-51.0%)** | -1.0 pts, within the seed spread |" in page
     assert "- at 20 steps: slow-good > fast-random; slow-good > same" in page
-    assert "quick smoke" not in page
+    assert "quick smoke" not in page and "how it was run" not in page
+    noted = render_leaderboard(summary, {"note": "two processes at once, one thread each"})
+    assert "- how it was run: two processes at once, one thread each" in noted
 
     one_seed = summarize([r for r in results if r["settings"]["seed"] == 0])
     assert one_seed["separated"] == []
@@ -164,3 +167,41 @@ def test_leaderboard_command_line_fails_fast_on_unknown_variants(tmp_path, capsy
     runs, descriptions = bench.leaderboard_runs(50, [0, 1, 2], None, None)
     assert len(runs) == 36 and len(descriptions) == 12 and {r.seed for r in runs} == {0, 1, 2}
     assert all(r.max_steps == 50 for r in runs)
+
+
+def test_leaderboard_splits_variants_over_processes():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import learning_benchmark as bench
+
+    names = [s.name for s, _ in leaderboard_variants(10)]
+    shards = bench.shard_variants(names, 2)
+    assert sorted(shards[0] + shards[1]) == sorted(names) and not set(shards[0]) & set(shards[1])
+    assert ("flow-grpo" in shards[0]) != ("diffusion-nft" in shards[0])  # the two slowest apart
+    assert bench.shard_variants(["a"], 3) == [["a"]]
+    argv = ["--leaderboard", "--only", "a,b", "--processes=2", "--note", "x y", "--seeds", "0"]
+    assert bench._without_options(argv, ("--only", "--processes", "--note")) == ["--leaderboard", "--seeds", "0"]
+
+
+@pytest.mark.xdist_group("toy_light_world")
+def test_quick_leaderboard_runs_in_two_processes(tmp_path):
+    """Two concurrent processes train their share of the variants; the parent reuses their runs and writes the page
+    with a line saying how it was run. The light world (seconds to build) follows prompts badly, which is fine
+    here: only the machinery is under test."""
+    from flowgrpo.toy.build import build_toy_world
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import learning_benchmark as bench
+
+    world = tmp_path / "world"
+    build_toy_world(world, seed=0, config="light", log=lambda message: None)
+    output = tmp_path / "out"
+    status = bench.main(["--leaderboard", "--quick", "--processes", "2", "--only", "fast-random,mixgrpo-flash",
+                         "--seeds", "0", "--max-eval-prompts", "2", "--threads", "1", "--world", str(world), "--output", str(output)])
+    assert status == 0
+    for i, variant in enumerate(("fast-random", "mixgrpo-flash")):
+        assert f"[leaderboard] 1/1 {variant} seed 0" in (output / f"process{i}.log").read_text()
+        assert (output / variant / "seed0" / "result.json").is_file()
+    page = (output / "leaderboard.md").read_text()
+    assert "- how it was run: as 2 processes at the same time (fast-random; mixgrpo-flash), 1 torch thread each" \
+        in page
+    assert "| fast-random |" in page and "| mixgrpo-flash |" in page

@@ -210,7 +210,8 @@ def _versus_reference(stat: Stat, reference: Stat | None) -> str:
 
 def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
     """The leaderboard page (markdown). ``context``: ``command``, ``machine``, ``date``, ``commit``,
-    ``eval`` (a sentence), ``total_minutes``, ``quick`` (bool)."""
+    ``eval`` (a sentence), ``total_minutes``, ``quick`` (bool), optionally ``note`` (how the runs were made, e.g.
+    split over concurrent processes)."""
     variants: list[VariantSummary] = summary["variants"]
     by_name = {v.name: v for v in variants}
     reference = by_name.get(REFERENCE_VARIANT)
@@ -234,8 +235,9 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
     lines += [
         f"- command: `{context.get('command', '')}`",
         f"- machine: {context.get('machine', 'unknown')}; date {context.get('date', '')}; commit "
-        f"{context.get('commit', 'unknown')}; the runs took {context.get('total_minutes', math.nan):.0f} minutes in all "
-        "(training and evaluations)",
+        f"{context.get('commit', 'unknown')}; the runs took {context.get('total_minutes', math.nan):.0f} minutes "
+        "(training and evaluations, summed over runs)",
+        *([f"- how it was run: {context['note']}"] if context.get("note") else []),
         f"- evaluation: {context.get('eval', '')}",
         f"- wall-clock: training seconds only (sampling, scoring, the update), evaluations excluded; accuracy at a "
         f"budget is each run's last evaluation at or before it (no interpolation). Budgets: "
