@@ -298,3 +298,21 @@ def test_demo_launch_line():
                         "--seed", "1"]
     assert "--cpu" in demo.launch_command("r.yaml", "out", 1, None, [])
     assert demo.main(["--recipe", "recipes/missing.yaml"]) == 2
+
+
+def test_launch_script_drops_only_the_torchvision_fallback_notice():
+    import logging
+
+    from flowgrpo.cli.train import _TorchvisionFallbackFilter, quiet_library_notices
+
+    quiet_library_notices()
+    quiet_library_notices()
+    logger = logging.getLogger("transformers.utils.import_utils")
+    assert sum(isinstance(f, _TorchvisionFallbackFilter) for f in logger.filters) == 1
+
+    def record(message):
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 1, message, None, None)
+
+    assert not logger.filter(record("`CLIPImageProcessor` requires torchvision (not installed); falling back to "
+                                    "`CLIPImageProcessorPil` for backward compatibility."))
+    assert logger.filter(record("`Qwen2VLProcessor` requires torchvision."))

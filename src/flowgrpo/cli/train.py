@@ -19,6 +19,7 @@ the trainable weights after the step (equal on every rank when gradients are syn
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -36,6 +37,22 @@ def _looks_like_local_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.endswith("/") or name.count("/") > 1 or os.path.exists(name)
 
 
+class _TorchvisionFallbackFilter(logging.Filter):
+    """Drops transformers' notice that an image processor "requires torchvision (not installed)" and falls back to its
+    PIL version: diffusers' SD3 / FLUX modules name those processors (for IP-adapters, which no run here uses), so
+    the notice would print at every start on a machine without torchvision, where the PIL version is what we want."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed); falling back to" not in record.getMessage()
+
+
+def quiet_library_notices() -> None:
+    """Install the launch script's log filters (once per process): :class:`_TorchvisionFallbackFilter`."""
+    target = logging.getLogger("transformers.utils.import_utils")
+    if not any(isinstance(f, _TorchvisionFallbackFilter) for f in target.filters):
+        target.addFilter(_TorchvisionFallbackFilter())
+
+
 def prepare_model_path(model_args: ModelArguments, training_args: Any = None) -> str:
     """The pipeline to load: checks a local folder exists, or builds the tiny pipeline there when asked.
 
@@ -45,6 +62,7 @@ def prepare_model_path(model_args: ModelArguments, training_args: Any = None) ->
     benchmarks), while the other processes wait. The folder is written beside its target and renamed into place
     (``flowgrpo.build_cache``), so an interrupted build is never mistaken for a pipeline.
     """
+    quiet_library_notices()
     name = str(model_args.model_name_or_path)
     path = Path(name).expanduser()
     family = model_args.build_tiny_pipeline_if_missing
@@ -172,6 +190,7 @@ def run(script_args: ScriptArguments, model_args: ModelArguments, training_args:
 def main(argv: Sequence[str] | None = None) -> Any:
     """``src/train.py``: parse ``argv`` (default ``sys.argv[1:]``) and run. Recipe mistakes exit with status 2 and a
     one-paragraph message instead of a traceback."""
+    quiet_library_notices()
     try:
         script_args, model_args, training_args = parse_recipe(list(argv) if argv is not None else None)
         return run(script_args, model_args, training_args)
