@@ -5,7 +5,7 @@
     python scripts/demo.py --recipe recipes/tiny_cpu.yaml --num_processes 1 --max_steps 4
 
 Steps: build the recipe's model folder if it is missing (the recipe's ``build_tiny_pipeline_if_missing``: the toy
-world takes about 2.5 minutes on 2 cores), run ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml
+world takes about 3.5 minutes on one core), run ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml
 src/train.py RECIPE --output_dir OUT`` with its progress on the terminal, then write ``reward_curve.png`` and
 ``before_after.png`` next to the trained weights in OUT and print where everything is. The recipe's batch is the
 batch of one process; with N processes each takes 1/N of it (when it divides), so the run trains what the recipe

@@ -300,19 +300,24 @@ def test_demo_launch_line():
     assert demo.main(["--recipe", "recipes/missing.yaml"]) == 2
 
 
-def test_launch_script_drops_only_the_torchvision_fallback_notice():
+def test_launch_script_drops_only_the_notices_of_unused_features():
     import logging
 
-    from flowgrpo.cli.train import _TorchvisionFallbackFilter, quiet_library_notices
+    import flowgrpo.cli  # noqa: F401  (installs the filters on import)
+    from flowgrpo.cli.notices import QUIET_NOTICES, NoticeFilter, quiet_library_notices
 
     quiet_library_notices()
-    quiet_library_notices()
-    logger = logging.getLogger("transformers.utils.import_utils")
-    assert sum(isinstance(f, _TorchvisionFallbackFilter) for f in logger.filters) == 1
+    for name in QUIET_NOTICES:
+        logger = logging.getLogger(name)
+        assert sum(isinstance(f, NoticeFilter) for f in logger.filters) == 1
 
-    def record(message):
-        return logger.makeRecord(logger.name, logging.WARNING, __file__, 1, message, None, None)
+    def passes(name, message):
+        logger = logging.getLogger(name)
+        return logger.filter(logger.makeRecord(name, logging.WARNING, __file__, 1, message, None, None))
 
-    assert not logger.filter(record("`CLIPImageProcessor` requires torchvision (not installed); falling back to "
-                                    "`CLIPImageProcessorPil` for backward compatibility."))
-    assert logger.filter(record("`Qwen2VLProcessor` requires torchvision."))
+    assert not passes("transformers.utils.import_utils", "`CLIPImageProcessor` requires torchvision (not installed); "
+                      "falling back to `CLIPImageProcessorPil` for backward compatibility.")
+    assert not passes("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community: "
+                      "No module named 'kernels'.")
+    assert passes("transformers.utils.import_utils", "`Qwen2VLProcessor` requires torchvision.")
+    assert passes("bitsandbytes.backends.cpu.ops", "another warning")

@@ -19,7 +19,6 @@ the trainable weights after the step (equal on every rank when gradients are syn
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .arguments import ModelArguments, ScriptArguments
+from .notices import quiet_library_notices
 from .parser import RecipeError, parse_recipe
 
 RANK_LOG_ENV = "FLOWGRPO_RANK_LOG_DIR"
@@ -35,22 +35,6 @@ RANK_LOG_ENV = "FLOWGRPO_RANK_LOG_DIR"
 
 def _looks_like_local_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.endswith("/") or name.count("/") > 1 or os.path.exists(name)
-
-
-class _TorchvisionFallbackFilter(logging.Filter):
-    """Drops transformers' notice that an image processor "requires torchvision (not installed)" and falls back to its
-    PIL version: diffusers' SD3 / FLUX modules name those processors (for IP-adapters, which no run here uses), so
-    the notice would print at every start on a machine without torchvision, where the PIL version is what we want."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "requires torchvision (not installed); falling back to" not in record.getMessage()
-
-
-def quiet_library_notices() -> None:
-    """Install the launch script's log filters (once per process): :class:`_TorchvisionFallbackFilter`."""
-    target = logging.getLogger("transformers.utils.import_utils")
-    if not any(isinstance(f, _TorchvisionFallbackFilter) for f in target.filters):
-        target.addFilter(_TorchvisionFallbackFilter())
 
 
 def prepare_model_path(model_args: ModelArguments, training_args: Any = None) -> str:
