@@ -9,7 +9,7 @@ docs/benchmarks.md). The policy gives each kind of work its own share:
 
     cores_per_process = $FLOWGRPO_CPU_THREADS, else max(1, usable cores // processes on this machine)
     main torch threads = max(1, cores_per_process - 1)   (one core left for the background threads), or
-                         cores_per_process for a model of at least ALL_CORES_MIN_PARAMETERS trainable-model weights
+                         cores_per_process when the trained transformer(s) have ALL_CORES_MIN_PARAMETERS or more
     background threads = 1 torch thread each (decode, reward workers); onnxruntime: 1 intra-op thread
     torch inter-op threads = 1                           (nothing here uses inter-op parallelism)
 
@@ -18,7 +18,8 @@ more than the split saves, and a descheduled team member stalls the step), so it
 the background work gets the other cores. A larger model's matrix products split well, and its main thread is
 the bottleneck, so it takes every core of its share; the background threads, idle most of the step, then overlap
 it. Measured on 2 cores (docs/benchmarks.md, "CPU threads"): the 0.4M-parameter tiny pipeline and the 0.59M toy
-world ran 1.5x slower with 2 torch threads than with 1; the 34M-parameter `small-cpu` model ran 1.11x faster.
+world ran 1.5x slower with 2 torch threads than with 1; the 34M-parameter `small-cpu` model ran 1.44x faster with
+both cores for its main thread than with one, and 1.16x faster than with 2 threads for every kind of work.
 
 "Processes on this machine" is ``LOCAL_WORLD_SIZE`` (set by ``accelerate launch`` and ``torchrun``), else 1;
 "usable cores" is the process's CPU affinity. On a GPU run only the reward side matters: the OCR reward then gets
