@@ -321,3 +321,5 @@ def test_launch_script_drops_only_the_notices_of_unused_features():
                       "No module named 'kernels'.")
     assert passes("transformers.utils.import_utils", "`Qwen2VLProcessor` requires torchvision.")
     assert passes("bitsandbytes.backends.cpu.ops", "another warning")
+    assert not passes("DeepSpeed", "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable "
+                      "to detect it.")

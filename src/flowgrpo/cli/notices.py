@@ -7,6 +7,8 @@ newcomer's first ``make demo`` shows the run, not these lines:
   diffusers' SD3 / FLUX modules name those processors (for IP-adapters); the PIL version is what a run here wants.
 * bitsandbytes: "Failed to load CPU gemm_4bit_forward from kernels-community". The optional ``kernels`` package
   speeds up 4-bit matrix products on CPUs; 4-bit models are trained here on GPUs only (``recipes/sd35m_24gb.yaml``).
+* DeepSpeed: "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." It is
+  imported (through accelerate and transformers) by every run, DeepSpeed or not; a CPU run knows it has no GPU.
 
 Every other message of those loggers still shows.
 """
@@ -21,6 +23,7 @@ __all__ = ["QUIET_NOTICES", "NoticeFilter", "quiet_library_notices"]
 QUIET_NOTICES = {
     "transformers.utils.import_utils": "requires torchvision (not installed); falling back to",
     "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
+    "DeepSpeed": "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it",
 }
 
 

@@ -183,7 +183,7 @@ def verify_lora_export(model_dir: str | os.PathLike, output_dir: str | os.PathLi
     if not lora_a or not all(k.startswith("transformer.") for k in keys):
         failures.append(f"{path.name} holds {len(lora_a)} lora_A tensors; keys must start with 'transformer.' "
                         f"(first: {keys[:2]})")
-    pipe = DiffusionPipeline.from_pretrained(str(model_dir), torch_dtype=dtype).to(device)
+    pipe = DiffusionPipeline.from_pretrained(str(model_dir), dtype=dtype).to(device)
     base = _images(pipe, size)
     pipe.load_lora_weights(str(output_dir))
     loaded = sum(isinstance(m, LoraLayer) for m in pipe.transformer.modules())
@@ -220,7 +220,7 @@ def verify_full_finetune(model_dir: str | os.PathLike, output_dir: str | os.Path
     for file in files:
         with safe_open(str(file), "pt") as f:
             saved_keys.update(f.keys())
-    base = SD3Transformer2DModel.from_pretrained(str(model_dir), subfolder="transformer", torch_dtype=dtype)
+    base = SD3Transformer2DModel.from_pretrained(str(model_dir), subfolder="transformer", dtype=dtype)
     base_state = base.state_dict()
     missing, unexpected = sorted(set(base_state) - saved_keys), sorted(saved_keys - set(base_state))
     failures = []
@@ -228,14 +228,14 @@ def verify_full_finetune(model_dir: str | os.PathLike, output_dir: str | os.Path
         failures.append(f"saved tensor names differ from the base transformer's: {len(missing)} missing (e.g. "
                         f"{missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})")
         return {"saved_tensors": len(saved_keys)}, failures
-    tuned = SD3Transformer2DModel.from_pretrained(str(folder), torch_dtype=dtype)
+    tuned = SD3Transformer2DModel.from_pretrained(str(folder), dtype=dtype)
     changed, largest = 0, 0.0
     for name, value in tuned.state_dict().items():
         if not torch.equal(value, base_state[name]):
             changed += 1
             largest = max(largest, float((value.float() - base_state[name].float()).abs().max()))
     del base, base_state
-    pipe = DiffusionPipeline.from_pretrained(str(model_dir), transformer=tuned, torch_dtype=dtype).to(device)
+    pipe = DiffusionPipeline.from_pretrained(str(model_dir), transformer=tuned, dtype=dtype).to(device)
     images = _images(pipe, size)
     metrics = {"saved_tensors": len(saved_keys), "changed_tensors": changed, "max_abs_weight_change": largest,
                "images_finite": bool(np.isfinite(images).all())}

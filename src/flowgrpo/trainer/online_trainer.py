@@ -328,7 +328,10 @@ class OnlineRLTrainer(FlowBaseTrainer):
         trained = {id(module) for module in self.adapter.transformers()}
         for component in pipeline.components.values():
             if isinstance(component, torch.nn.Module) and id(component) not in trained:
-                component.to(device=device, dtype=self.model_dtype)
+                if all(p.dtype == self.model_dtype for p in component.parameters()):
+                    component.to(device=device)  # no cast asked for: diffusers then has nothing to warn about
+                else:
+                    component.to(device=device, dtype=self.model_dtype)
         if self.ref_model is not None:
             self.ref_model.to(device)
         self.ema = None
@@ -404,7 +407,9 @@ class OnlineRLTrainer(FlowBaseTrainer):
             return model
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a hub id, a local folder or a DiffusionPipeline, got {type(model)}")
-        kwargs = {"torch_dtype": self.model_dtype, **pipeline_kwargs}
+        kwargs = dict(pipeline_kwargs)
+        if "torch_dtype" not in kwargs:  # diffusers' older name, still accepted when a caller passes it
+            kwargs.setdefault("dtype", self.model_dtype)
         if args.quantization:
             kwargs["transformer"] = self._load_quantized_transformer(str(model), args, pipeline_kwargs)
         return DiffusionPipeline.from_pretrained(str(model), **kwargs)
@@ -420,7 +425,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
         import diffusers
 
         cls = getattr(diffusers, class_name)
-        return cls.from_pretrained(model, subfolder="transformer", torch_dtype=self.model_dtype,
+        return cls.from_pretrained(model, subfolder="transformer", dtype=self.model_dtype,
                                    quantization_config=build_quantization_config(args.quantization, self.model_dtype),
                                    **pipeline_kwargs)
 
