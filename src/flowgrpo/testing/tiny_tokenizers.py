@@ -216,16 +216,11 @@ def _merge_pair(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=1)
-def clip_vocab_and_merges() -> tuple[dict[str, int], tuple[str, ...]]:
-    """Learn the CLIP BPE vocabulary and merge list from :data:`PROMPT_CORPUS` (cached, deterministic).
-
-    Each round merges the most frequent adjacent pair (ties: the lexically smallest pair) until
-    ``CLIP_NUM_MERGES`` merges are made or no pair occurs twice.
-    """
-    words = _clip_words(PROMPT_CORPUS)
+def _learn_merges(words: Counter[tuple[str, ...]], num_merges: int) -> list[tuple[str, str]]:
+    """Byte-pair merges learned from ``words`` (symbol tuples with their counts): up to ``num_merges`` times, merge
+    the most frequent adjacent pair (ties: the smallest pair), stopping when no pair occurs at least twice."""
     merges: list[tuple[str, str]] = []
-    while len(merges) < CLIP_NUM_MERGES:
+    while len(merges) < num_merges:
         pair_counts: Counter[tuple[str, str]] = Counter()
         for word, count in words.items():
             for pair in zip(word, word[1:]):
@@ -240,6 +235,17 @@ def clip_vocab_and_merges() -> tuple[dict[str, int], tuple[str, ...]]:
         for word, count in words.items():
             merged[_merge_pair(word, best) if best[0] in word else word] += count
         words = merged
+    return merges
+
+
+@functools.lru_cache(maxsize=1)
+def clip_vocab_and_merges() -> tuple[dict[str, int], tuple[str, ...]]:
+    """Learn the CLIP BPE vocabulary and merge list from :data:`PROMPT_CORPUS` (cached, deterministic).
+
+    Each round merges the most frequent adjacent pair (ties: the lexically smallest pair) until
+    ``CLIP_NUM_MERGES`` merges are made or no pair occurs twice.
+    """
+    merges = _learn_merges(_clip_words(PROMPT_CORPUS), CLIP_NUM_MERGES)
 
     byte_symbols = list(_byte_table().values())
     tokens = byte_symbols + [s + _END_OF_WORD for s in byte_symbols]
@@ -379,23 +385,7 @@ def qwen2_vocab_and_merges() -> tuple[dict[str, int], tuple[tuple[str, str], ...
     counts: Counter[tuple[str, ...]] = Counter()
     for line in PROMPT_CORPUS:
         counts.update(_qwen_words(line))
-    merges: list[tuple[str, str]] = []
-    words = counts
-    while len(merges) < QWEN_NUM_MERGES:
-        pair_counts: Counter[tuple[str, str]] = Counter()
-        for word, count in words.items():
-            for pair in zip(word, word[1:]):
-                pair_counts[pair] += count
-        if not pair_counts:
-            break
-        best, best_count = min(pair_counts.items(), key=lambda item: (-item[1], item[0]))
-        if best_count < 2:
-            break
-        merges.append(best)
-        merged: Counter[tuple[str, ...]] = Counter()
-        for word, count in words.items():
-            merged[_merge_pair(word, best) if best[0] in word else word] += count
-        words = merged
+    merges = _learn_merges(counts, QWEN_NUM_MERGES)
 
     ranks = {pair: i for i, pair in enumerate(merges)}
     template_words = [w for prefix, _ in QWEN_TEMPLATE_PREFIXES.values() for w in _qwen_words(prefix)]
