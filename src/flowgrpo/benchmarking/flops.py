@@ -89,6 +89,17 @@ def _joint(name: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]
                  (("to_q", "add_q_proj"), ("to_k", "add_k_proj"), ("to_v", "add_v_proj")))
 
 
+def _joint_attention(name: str, image_tokens: int, text_tokens: int, dim: int) -> list[Matmul]:
+    """An MMDiT block's joint attention up to the image stream's output: the Q, K, V projections of each stream,
+    attention over both, and ``to_out.0`` (the text stream's output projection differs between families)."""
+    mm = [_linear(f"{name}.{proj}", image_tokens, dim, dim) for proj in ("to_q", "to_k", "to_v")]
+    mm += [_linear(f"{name}.{proj}", text_tokens, dim, dim) for proj in ("add_q_proj", "add_k_proj", "add_v_proj")]
+    tokens = image_tokens + text_tokens
+    mm.append(_attention(name, tokens, tokens, dim, _joint(name)))
+    mm.append(_linear(f"{name}.to_out.0", image_tokens, dim, dim))
+    return mm
+
+
 def _cfg(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
     value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
     return default if value is None else value
@@ -109,7 +120,6 @@ def sd3_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_token
     caption = int(_cfg(config, "caption_projection_dim", d))
     dual = set(int(i) for i in (_cfg(config, "dual_attention_layers", ()) or ()))
     n_i, n_t = int(image_tokens), int(text_tokens)
-    n = n_i + n_t
 
     mm = [
         _linear("pos_embed.proj", n_i, c_in * patch * patch, d),
@@ -125,12 +135,7 @@ def sd3_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_token
         is_dual = i in dual
         mm.append(_linear(f"{b}.norm1.linear", 1, d, (9 if is_dual else 6) * d))
         mm.append(_linear(f"{b}.norm1_context.linear", 1, d, (2 if pre_only else 6) * d))
-        for proj in ("to_q", "to_k", "to_v"):
-            mm.append(_linear(f"{b}.attn.{proj}", n_i, d, d))
-        for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
-            mm.append(_linear(f"{b}.attn.{proj}", n_t, d, d))
-        mm.append(_attention(f"{b}.attn", n, n, d, _joint(f"{b}.attn")))
-        mm.append(_linear(f"{b}.attn.to_out.0", n_i, d, d))
+        mm += _joint_attention(f"{b}.attn", n_i, n_t, d)
         if not pre_only:
             mm.append(_linear(f"{b}.attn.to_add_out", n_t, d, d))
         if is_dual:
@@ -179,12 +184,7 @@ def flux_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_toke
         last = False  # FLUX's text stream goes on into the single-stream blocks
         mm.append(_linear(f"{b}.norm1.linear", 1, d, 6 * d))
         mm.append(_linear(f"{b}.norm1_context.linear", 1, d, 6 * d))
-        for proj in ("to_q", "to_k", "to_v"):
-            mm.append(_linear(f"{b}.attn.{proj}", n_i, d, d))
-        for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
-            mm.append(_linear(f"{b}.attn.{proj}", n_t, d, d))
-        mm.append(_attention(f"{b}.attn", n, n, d, _joint(f"{b}.attn")))
-        mm.append(_linear(f"{b}.attn.to_out.0", n_i, d, d))
+        mm += _joint_attention(f"{b}.attn", n_i, n_t, d)
         mm.append(_linear(f"{b}.attn.to_add_out", n_t, d, d, dead=last))
         mm.append(_linear(f"{b}.ff.net.0.proj", n_i, d, mlp))
         mm.append(_linear(f"{b}.ff.net.2", n_i, mlp, d))
@@ -215,7 +215,6 @@ def qwenimage_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text
     c_in = int(_cfg(config, "in_channels", 64))
     c_out = int(_cfg(config, "out_channels", None) or c_in)
     n_i, n_t = int(image_tokens), int(text_tokens)
-    n = n_i + n_t
     mm = [
         _linear("img_in", n_i, c_in, d),
         _linear("txt_in", n_t, int(_cfg(config, "joint_attention_dim")), d),
@@ -228,12 +227,7 @@ def qwenimage_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text
         last = i == layers - 1  # the last block's text stream is computed but never used
         mm.append(_linear(f"{b}.img_mod.1", 1, d, 6 * d))
         mm.append(_linear(f"{b}.txt_mod.1", 1, d, 6 * d))
-        for proj in ("to_q", "to_k", "to_v"):
-            mm.append(_linear(f"{b}.attn.{proj}", n_i, d, d))
-        for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
-            mm.append(_linear(f"{b}.attn.{proj}", n_t, d, d))
-        mm.append(_attention(f"{b}.attn", n, n, d, _joint(f"{b}.attn")))
-        mm.append(_linear(f"{b}.attn.to_out.0", n_i, d, d))
+        mm += _joint_attention(f"{b}.attn", n_i, n_t, d)
         mm.append(_linear(f"{b}.attn.to_add_out", n_t, d, d, dead=last))
         mm.append(_linear(f"{b}.img_mlp.net.0.proj", n_i, d, 4 * d))
         mm.append(_linear(f"{b}.img_mlp.net.2", n_i, 4 * d, d))
