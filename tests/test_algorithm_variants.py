@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from callbacks import StopAfter
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import TrainerCallback
@@ -416,15 +417,6 @@ def test_sample_integrates_whole_trajectories_with_either_solver(tiny_sd3_path, 
             torch.testing.assert_close(outputs[solver], expected, atol=1e-5, rtol=1e-5)
     assert (outputs["euler"] - outputs["dpmpp_2m"]).abs().max() > 1e-4
 
-
-class StopAfter(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-        return control
 
 
 def test_progressive_schedule_survives_resume(tiny_sd3_path, tmp_path):

@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from callbacks import StopAfter
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import TrainerCallback
@@ -53,15 +54,6 @@ class Snapshots(TrainerCallback):
         self.theta.append([t.detach().clone() for t, _ in self.trainer.old_policy.pairs])
         self.old.append([o.detach().clone() for _, o in self.trainer.old_policy.pairs])
 
-
-class StopAfter(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-        return control
 
 
 def nft_logs(trainer):

@@ -11,10 +11,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from callbacks import StopAfter
 from datasets import Dataset
 from peft import LoraConfig
 from PIL import Image
-from transformers import TrainerCallback
 
 from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
 from flowgrpo.schedulers import sde_step_from_sigmas
@@ -206,17 +206,6 @@ def test_evaluate_draws_several_seeded_images_per_prompt(tiny_sd3_path, tmp_path
     with pytest.raises(ValueError, match="eval_images_per_prompt=0"):
         make_args(tmp_path, eval_images_per_prompt=0)
 
-
-class StopAfter(TrainerCallback):
-    """Stops training after ``step`` optimizer steps, like a job killed right after a checkpoint."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-        return control
 
 
 def test_resume_matches_uninterrupted(tiny_sd3_path, tmp_path):
