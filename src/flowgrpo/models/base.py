@@ -76,6 +76,12 @@ class PromptEmbeds:
         return PromptEmbeds({k: torch.cat([p.tensors[k] for p in parts], dim=0) for k in keys}, negative)
 
 
+def packed_latent_size(vae_scale_factor: int, height: int, width: int) -> tuple[int, int]:
+    """Latent height and width for families that pack 2x2 latent patches into tokens (FLUX.1, Qwen-Image): the
+    image size over the VAE's scale, rounded down to even numbers, as their pipelines compute it."""
+    return 2 * (height // (vae_scale_factor * 2)), 2 * (width // (vae_scale_factor * 2))
+
+
 def _device_of(args: tuple, kwargs: dict) -> Any:
     """The device of a ``.to(...)`` call (masks and ids keep their integer dtype)."""
     if "device" in kwargs:

@@ -14,7 +14,7 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
-from .base import ModelFamilyAdapter, PromptEmbeds
+from .base import ModelFamilyAdapter, PromptEmbeds, packed_latent_size
 
 
 class FluxAdapter(ModelFamilyAdapter):
@@ -38,8 +38,7 @@ class FluxAdapter(ModelFamilyAdapter):
         return PromptEmbeds({"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled})
 
     def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
-        scale = self.pipeline.vae_scale_factor
-        return 2 * (height // (scale * 2)), 2 * (width // (scale * 2))
+        return packed_latent_size(self.pipeline.vae_scale_factor, height, width)
 
     def prepare_latents(self, batch_size, height, width, generator, device, dtype) -> torch.Tensor:
         h, w = self._latent_hw(height, width)

@@ -23,7 +23,7 @@ import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
-from .base import ModelFamilyAdapter, PromptEmbeds
+from .base import ModelFamilyAdapter, PromptEmbeds, packed_latent_size
 
 #: Longest prompt embedding the Qwen-Image pipelines accept.
 QWEN_MAX_SEQUENCE_LENGTH = 1024
@@ -65,8 +65,7 @@ class QwenImageAdapter(ModelFamilyAdapter):
 
     # --- latents ----------------------------------------------------------------------------------
     def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
-        scale = self.pipeline.vae_scale_factor
-        return 2 * (height // (scale * 2)), 2 * (width // (scale * 2))
+        return packed_latent_size(self.pipeline.vae_scale_factor, height, width)
 
     def prepare_latents(self, batch_size, height, width, generator, device, dtype) -> torch.Tensor:
         h, w = self._latent_hw(height, width)
