@@ -33,7 +33,6 @@ LoRA export, model card, Hub push, crash safety) is `online_trainer.OnlineRLTrai
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -143,30 +142,20 @@ class FlowGRPOTrainer(OnlineRLTrainer):
         embeds = batch["embeds"]
         total = torch.zeros((), device=self.accelerator.device)
         m = self._metrics["train"]
-        backward_kwargs = {}
-        from accelerate.utils import DistributedType
-
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            backward_kwargs["scale_wrt_gas"] = False
+        backward_kwargs = self._backward_kwargs()
         sigma_max_fallback = float(self.sde_scheduler.sigmas[1])
         for j in range(num_steps):
             x, x_next = batch["latents"][:, j], batch["next_latents"][:, j]
             t, sigma, sigma_next = batch["timesteps"][:, j], batch["sigmas"][:, j], batch["sigmas_next"][:, j]
             old_logp = batch["log_probs"][:, j]
-            # One backward per step; under DDP only the last one all-reduces.
-            ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-            sync = model.no_sync() if ddp and j < num_steps - 1 else nullcontext()
-            with sync:
+            with self._sync_on_last(model, j, num_steps):  # one backward per step
                 tic = self._clock()
                 with self.accelerator.autocast():
                     v = self._velocity(model, x, t, embeds, args.guidance_scale, height, width)
                 out = sde_step_from_sigmas(v, x, sigma, sigma_next, prev_sample=x_next, noise_level=args.noise_level,
                                            sde_type=args.sde_type, sigma_max_fallback=sigma_max_fallback)
-                if j == 0:
-                    # The rewards of the last micro-batches were scored while this forward ran.
-                    wait = self._clock()
-                    self._resolve_scoring()
-                    tic += self._clock() - wait  # the wait is logged as timing/reward, not as forward time
+                if j == 0:  # the rewards of the last micro-batches were scored while this forward ran
+                    tic = self._await_scoring(tic)
                     adv = batch["advantages"]
                 if args.ratio_normalization == "grpo_guard":
                     log_ratio = grpo_guard_log_ratio(out.prev_sample_mean, batch["means"][:, j], x_next, out.std)

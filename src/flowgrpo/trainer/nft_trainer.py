@@ -140,29 +140,20 @@ class DiffusionNFTTrainer(OnlineRLTrainer):
         rows = torch.arange(size, device=device)
         total = torch.zeros((), device=device)
         m = self._metrics["train"]
-        backward_kwargs = {}
-        from accelerate.utils import DistributedType
-
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            backward_kwargs["scale_wrt_gas"] = False
-        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        backward_kwargs = self._backward_kwargs()
         for j in range(trained):
             sigma = batch["sigmas"][rows, order[:, j]]
             t = batch["timesteps"][rows, order[:, j]]
             noise = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(device)
             x_t = noised_sample(x0, noise, sigma)
-            # One backward per noise level; under DDP only the last one all-reduces.
-            with model.no_sync() if ddp and j < trained - 1 else nullcontext():
+            with self._sync_on_last(model, j, trained):  # one backward per noise level
                 tic = self._clock()
                 with torch.no_grad(), self.accelerator.autocast(), self.old_policy.forward_model(model) as old:
                     v_old = self._velocity(old, x_t, t, embeds, args.guidance_scale, height, width)
                 with self.accelerator.autocast():
                     v = self._velocity(model, x_t, t, embeds, args.guidance_scale, height, width)
-                if j == 0:
-                    # The rewards of the last micro-batches were scored while these forwards ran.
-                    wait = self._clock()
-                    self._resolve_scoring()
-                    tic += self._clock() - wait  # the wait is logged as timing/reward, not as forward time
+                if j == 0:  # the rewards of the last micro-batches were scored while these forwards ran
+                    tic = self._await_scoring(tic)
                     weights = reward_weight(batch["advantages"], args.adv_clip_max)
                 v_ref = None
                 if args.beta > 0:

@@ -522,6 +522,27 @@ class OnlineRLTrainer(FlowBaseTrainer):
                                                           height=height, width=width)
         return embeds, torch.tensor(rows, dtype=torch.long)
 
+    # --- pieces of a trainer's _train_on_batch ------------------------------------------------------------------
+    def _backward_kwargs(self) -> dict:
+        """Extra ``accelerator.backward`` arguments: the losses are already divided by the accumulation steps, so
+        DeepSpeed must not divide them again."""
+        from accelerate.utils import DistributedType
+
+        return {"scale_wrt_gas": False} if self.accelerator.distributed_type == DistributedType.DEEPSPEED else {}
+
+    @staticmethod
+    def _sync_on_last(model, part: int, parts: int):
+        """A batch trained in ``parts`` backward passes: under DDP only the last one all-reduces the gradients."""
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        return model.no_sync() if ddp and part < parts - 1 else nullcontext()
+
+    def _await_scoring(self, tic: float) -> float:
+        """Wait for the rollout's rewards (scored while the first training forward ran) and return ``tic`` moved
+        by the wait, so that the wait is logged as ``timing/reward``, not as forward time."""
+        wait = self._clock()
+        self._resolve_scoring()
+        return tic + self._clock() - wait
+
     def _velocity(self, model, latents, timestep, embeds, guidance_scale, height, width):
         neg = None
         if self.adapter.uses_cfg(guidance_scale):
