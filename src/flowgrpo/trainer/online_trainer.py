@@ -50,7 +50,7 @@ from ..rewards import RewardSet, resolve_reward_funcs
 from ..schedulers import FlowMatchSDEScheduler, FlowODESolver, rollout_steps, sde_step_from_sigmas
 from .advantages import compute_reward_advantages
 from .base import FlowBaseTrainer
-from .condition_images import IMAGE_COLUMN, image_key, load_condition_image
+from .condition_images import IMAGE_COLUMN, image_key, load_condition_image, load_condition_images
 from .contact_sheet import make_contact_sheet
 from .datasets import INDEX_COLUMN, IndexedPromptDataset
 from .ema import EMAWeights
@@ -99,18 +99,21 @@ def _import_own_components(index: dict | None) -> None:
 
 
 def _load_images(values: list) -> list:
-    """The ``image`` column's values as RGB PIL images (each distinct path read once)."""
+    """The ``image`` column's values as RGB PIL images, or lists of them for rows holding several (each distinct path
+    read once)."""
     loaded: dict[str, Any] = {}
-    out = []
-    for value in values:
+
+    def load(value):
+        if isinstance(value, (list, tuple)):
+            return [load(v) for v in value]
         if isinstance(value, (str, os.PathLike)):
             key = os.fspath(value)
             if key not in loaded:
                 loaded[key] = load_condition_image(value)
-            out.append(loaded[key])
-        else:
-            out.append(load_condition_image(value))
-    return out
+            return loaded[key]
+        return load_condition_image(value)
+
+    return [load(value) for value in values]
 
 
 def _done_future(value: Any) -> Future:
@@ -375,17 +378,21 @@ class OnlineRLTrainer(FlowBaseTrainer):
         adapter_cls = family_adapter_class(index["_class_name"])
         adapter_cls.check_num_frames(args.num_frames)
         if adapter_cls.accepts_images:
+            with_images = False
             for name, dataset in zip(("train_dataset", "eval_dataset"), datasets):
                 if dataset is None:
                     continue
                 first = dataset[0]
+                if IMAGE_COLUMN not in first and adapter_cls.images_optional:
+                    continue  # optional reference images (FLUX.2): this dataset trains text-to-image
                 if IMAGE_COLUMN not in first:
                     raise ValueError(
                         f"{index['_class_name']} edits a source image, but {name} has no '{IMAGE_COLUMN}' column "
                         f"(columns: {[k for k in first if not k.startswith('_')]}); add one holding each prompt's "
                         "source image (a path, a PIL image or a datasets.Image feature).")
-                load_condition_image(first[IMAGE_COLUMN])
-            if args.cache_prompt_embeddings and args.precompute_prompt_embeddings:
+                load_condition_images(first[IMAGE_COLUMN])
+                with_images = True
+            if with_images and args.cache_prompt_embeddings and args.precompute_prompt_embeddings:
                 raise ValueError(f"precompute_prompt_embeddings encodes the datasets' prompts alone, but "
                                  f"{index['_class_name']} encodes each (prompt, source image) pair; set "
                                  "precompute_prompt_embeddings: false (the cache then keeps each pair on first use).")
