@@ -25,6 +25,7 @@ class FamilyCase:
     num_frames: int = 1
     guidance_scale: float = 3.0   # FLUX.1 Kontext: embedded guidance; the others: true / ordinary CFG
     source_images: int | None = None  # per row: None = the family's default (1 for editing families), k > 1 a list
+    max_sequence_length: int = 16     # FLUX.2 [dev]: its system message alone takes about 80 tokens
 
     @property
     def images_per_row(self) -> int:
@@ -45,6 +46,7 @@ CASES = (
     FamilyCase("qwenimage_edit", "qwenimage_edit"),
     FamilyCase("flux2_klein", "flux2_klein"),
     FamilyCase("zimage", "zimage"),
+    FamilyCase("flux2", "flux2", guidance_scale=3.5, source_images=2, max_sequence_length=128),
 )
 CASE_IDS = [c.name for c in CASES]
 
@@ -78,7 +80,7 @@ def config_kwargs(case: FamilyCase, **overrides) -> dict:
     kwargs = dict(
         report_to=[], per_device_train_batch_size=4, num_generations=2, resolution=SIZE, num_frames=case.num_frames,
         num_inference_steps=3, eval_num_inference_steps=3, guidance_scale=case.guidance_scale, max_steps=1,
-        learning_rate=1e-2, beta=0.0, max_sequence_length=16, logging_steps=1, save_strategy="no", disable_tqdm=True,
+        learning_rate=1e-2, beta=0.0, max_sequence_length=case.max_sequence_length, logging_steps=1, save_strategy="no", disable_tqdm=True,
         seed=0, log_images_steps=0, dtype="float32", negative_prompt="",
     )
     kwargs.update(overrides)

@@ -11,6 +11,7 @@ families: ``families_ddp_worker.py``). SD3 and FLUX are covered by test_trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -47,7 +48,7 @@ def make_trainer(path, case: FamilyCase, output_dir, reward=brightness_reward, d
 def stock_call(pipe, case: FamilyCase, prompts, images, output_type, monkeypatch, steps=3):
     """The stock pipeline's own call with the trainer's settings (noise from ``manual_seed(0)``)."""
     kwargs = dict(prompt=list(prompts), height=SIZE, width=SIZE, num_inference_steps=steps, output_type=output_type,
-                  generator=torch.Generator().manual_seed(0), max_sequence_length=16)
+                  generator=torch.Generator().manual_seed(0), max_sequence_length=case.max_sequence_length)
     negative = [""] * len(prompts)
     if case.family == "sd3":
         kwargs.update(guidance_scale=case.guidance_scale, negative_prompt=negative)
@@ -239,8 +240,7 @@ def test_resume_is_exact_and_lora_export_loads_in_stock_pipeline(case, tiny_pipe
     stock = DiffusionPipeline.from_pretrained(str(path))
     stock.set_progress_bar_config(disable=True)
     rows = dataset_rows(case, 1)
-    call_case = case if case.family == "flux_kontext" else FamilyCase(case.name, case.family, case.variant,
-                                                                       case.num_frames, guidance_scale=1.0)
+    call_case = case if case.family == "flux_kontext" else dataclasses.replace(case, guidance_scale=1.0)
     base = stock_call(stock, call_case, rows["prompt"], rows.get("image"), "np", monkeypatch, steps=2)
     stock.load_lora_weights(str(export))  # the family's own loader
     tuned = stock_call(stock, call_case, rows["prompt"], rows.get("image"), "np", monkeypatch, steps=2)

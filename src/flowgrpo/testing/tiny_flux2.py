@@ -14,7 +14,20 @@
 * ``scheduler`` ``FlowMatchEulerDiscreteScheduler`` with dynamic shifting; the pipeline's ``mu`` comes from
   ``compute_empirical_mu(sequence length, steps)``.
 
-Variant ``"distilled"``: the same components with ``is_distilled=True`` (FLUX.2 [klein] 4B / 9B, the step-distilled
+``"flux2"``: :class:`~diffusers.Flux2Pipeline`, shaped like FLUX.2 [dev]
+
+* ``text_encoder`` ``Mistral3ForConditionalGeneration``: a Mistral text model of hidden 24 and 31 layers (the pipeline
+  stacks the hidden states after layers 10, 20 and 30), 2 heads of 12 (one key/value head), and a Pixtral vision tower
+  of one layer (hidden 16, patch 16), always built by the class; ``tokenizer`` a :class:`MistralTextProcessor` over
+  the locally learned byte-level BPE with Mistral's special tokens and chat layout
+  (:func:`flowgrpo.testing.tiny_tokenizers.build_mistral_tokenizer`). The real checkpoint's processor is
+  ``PixtralProcessor``, which transformers 5 cannot import without torchvision; FLUX.2 [dev] only tokenises text
+  with it (reference images go to the VAE), which is all :class:`MistralTextProcessor` does. FLUX.2 [dev]'s system message takes about 60
+  of these tokens: use ``max_sequence_length`` 96 or more, or the prompt is cut off.
+* ``transformer``, ``vae``, ``scheduler`` as for [klein], with the guidance embedding (FLUX.2 [dev] is
+  guidance-distilled).
+
+Variant ``"distilled"`` of ``"flux2_klein"``: the same components with ``is_distilled=True`` (FLUX.2 [klein] 4B / 9B, the step-distilled
 releases: no CFG).
 
 ``"zimage"``: :class:`~diffusers.ZImagePipeline`, shaped like Z-Image (Turbo)
@@ -37,16 +50,28 @@ from diffusers import (
     AutoencoderKLFlux2,
     FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
+    Flux2Pipeline,
     Flux2Transformer2DModel,
     ZImagePipeline,
     ZImageTransformer2DModel,
 )
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+from transformers import (
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3Model,
+)
+
+# Pipelines saved with the processor below record this module in model_index.json; diffusers' loader looks the
+# loadable base class up by name in this module's namespace, so ProcessorMixin must be importable from here.
+from transformers.processing_utils import ProcessorMixin
 
 from .seeding import seeded_component
-from .tiny_tokenizers import build_qwen3_tokenizer
+from .tiny_tokenizers import build_mistral_tokenizer, build_qwen3_tokenizer
 
-__all__ = ["FLUX2_CONFIGS", "FLUX2_KLEIN_VARIANTS", "ZIMAGE_CONFIGS", "build_tiny_flux2_klein", "build_tiny_zimage"]
+__all__ = ["MistralTextProcessor", "FLUX2_CONFIGS", "FLUX2_KLEIN_VARIANTS", "ZIMAGE_CONFIGS", "build_tiny_flux2", "build_tiny_flux2_klein",
+           "build_tiny_zimage"]
 
 #: Variants of the tiny FLUX.2 [klein] pipeline besides the default (base: CFG with the empty prompt).
 FLUX2_KLEIN_VARIANTS = ("distilled",)
@@ -94,6 +119,28 @@ _FLUX2_SCHEDULER = {
     "max_image_seq_len": 4096,
     "time_shift_type": "exponential",
 }
+_MISTRAL_TEXT = {
+    "hidden_size": 24,
+    "intermediate_size": 48,
+    "num_hidden_layers": 31,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 12,
+    "max_position_embeddings": 1024,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+}
+_PIXTRAL_VISION = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "head_dim": 8,
+    "image_size": 64,
+    "patch_size": 16,
+}
+_DEV_TRANSFORMER = {**_KLEIN_TRANSFORMER, "joint_attention_dim": 3 * _MISTRAL_TEXT["hidden_size"],
+                    "guidance_embeds": True}
 _ZIMAGE_TEXT = {
     "hidden_size": 40,
     "intermediate_size": 64,
@@ -136,9 +183,28 @@ _ZIMAGE_VAE = {
 _ZIMAGE_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
 
 #: Every architecture setting of the FLUX.2 pipelines (feeds the cache fingerprint).
-FLUX2_CONFIGS = [_KLEIN_TEXT, _FLUX2_VAE, _KLEIN_TRANSFORMER, _FLUX2_SCHEDULER]
+FLUX2_CONFIGS = [_KLEIN_TEXT, _FLUX2_VAE, _KLEIN_TRANSFORMER, _FLUX2_SCHEDULER, _MISTRAL_TEXT, _PIXTRAL_VISION,
+                 _DEV_TRANSFORMER]
 #: Every architecture setting of the Z-Image pipeline (feeds the cache fingerprint).
 ZIMAGE_CONFIGS = [_ZIMAGE_TEXT, _ZIMAGE_TRANSFORMER, _ZIMAGE_VAE, _ZIMAGE_SCHEDULER]
+
+
+class MistralTextProcessor(ProcessorMixin):
+    """The text side of ``PixtralProcessor``: Mistral's chat template, then its tokenizer.
+
+    FLUX.2 [dev] calls ``apply_chat_template(..., tokenize=True, return_dict=True)`` on its processor to encode
+    prompts; this processor renders the template and tokenises with the same arguments. Images (prompt upsampling only,
+    which training does not use) are refused.
+    """
+
+    def __init__(self, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any):
+        super().__init__(tokenizer, chat_template=chat_template, **kwargs)
+
+    def __call__(self, text: Any = None, images: Any = None, **kwargs: Any):
+        if images is not None:
+            raise ValueError("MistralTextProcessor tokenises text only; it has no image processor.")
+        kwargs.pop("images_kwargs", None)
+        return self.tokenizer(text, **{k: v for k, v in kwargs.items() if not k.endswith("_kwargs")})
 
 
 def _qwen3_config(arch: dict[str, Any], tokenizer) -> Qwen3Config:
@@ -169,6 +235,24 @@ def build_tiny_flux2_klein(seed: int, variant: str | None = None) -> Flux2KleinP
         text_encoder=text_encoder.eval(), tokenizer=tokenizer, transformer=transformer.eval(),
         is_distilled=variant == "distilled",
     )
+
+
+def build_tiny_flux2(seed: int) -> Flux2Pipeline:
+    """The tiny ``Flux2Pipeline`` (FLUX.2 [dev], see the module docstring)."""
+    tokenizer = build_mistral_tokenizer()
+    processor = MistralTextProcessor(tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+    config = Mistral3Config(
+        text_config={"model_type": "mistral", **_MISTRAL_TEXT, "vocab_size": len(tokenizer),
+                     "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+                     "eos_token_id": tokenizer.eos_token_id},
+        vision_config={"model_type": "pixtral", **_PIXTRAL_VISION}, spatial_merge_size=1,
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)
+    with seeded_component(seed, 24):
+        text_encoder = Mistral3ForConditionalGeneration(config)
+    with seeded_component(seed, 25):
+        transformer = Flux2Transformer2DModel(**_DEV_TRANSFORMER)
+    return Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**_FLUX2_SCHEDULER), vae=_flux2_vae(seed),
+                         text_encoder=text_encoder.eval(), tokenizer=processor, transformer=transformer.eval())
 
 
 def build_tiny_zimage(seed: int) -> ZImagePipeline:

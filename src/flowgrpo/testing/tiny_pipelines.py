@@ -34,8 +34,8 @@ instead of broadcasting by luck.
 with ``max_area=height * width, _auto_resize=False`` to keep a small source image small.
 
 ``"qwenimage"`` / ``"qwenimage_edit"``: see :mod:`flowgrpo.testing.tiny_qwenimage`; ``"wan"`` (and its variant
-``"two_experts"``, Wan 2.2 A14B's layout): see :mod:`flowgrpo.testing.tiny_wan`; ``"flux2_klein"`` (and its variant
-``"distilled"``) and ``"zimage"``: see :mod:`flowgrpo.testing.tiny_flux2`.
+``"two_experts"``, Wan 2.2 A14B's layout): see :mod:`flowgrpo.testing.tiny_wan`; ``"flux2"``, ``"flux2_klein"`` (and its
+variant ``"distilled"``) and ``"zimage"``: see :mod:`flowgrpo.testing.tiny_flux2`.
 
 Any image side that is a multiple of 16 px works (32, 64, 128, ..., non-square too; SD3 up to 512 px). The SD3 pipeline
 defaults to 64 px; ``FluxPipeline`` hard-codes a 1024 px default, so pass ``height``/``width`` to it. Four 64 px
@@ -71,12 +71,14 @@ from .tiny_flux2 import (
     FLUX2_CONFIGS,
     FLUX2_KLEIN_VARIANTS,
     ZIMAGE_CONFIGS,
+    build_tiny_flux2,
     build_tiny_flux2_klein,
     build_tiny_zimage,
 )
 from .tiny_qwenimage import QWEN_CONFIGS, build_tiny_qwenimage, build_tiny_qwenimage_edit
 from .tiny_tokenizers import (
     CLIP_MODEL_MAX_LENGTH,
+    MISTRAL_CHAT_TEMPLATE,
     PROMPT_CORPUS,
     QWEN3_CHAT_TEMPLATE,
     build_clip_tokenizer,
@@ -89,7 +91,8 @@ from .tiny_wan import WAN_CONFIGS, WAN_VARIANTS, build_tiny_wan
 
 __all__ = ["TINY_FAMILIES", "TINY_VARIANTS", "build_tiny_pipeline", "save_tiny_pipeline", "cached_tiny_pipeline_path"]
 
-TINY_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "flux2_klein", "zimage")
+TINY_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "flux2_klein", "zimage",
+                 "flux2")
 
 #: Variants a family can be built in besides its default layout.
 TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS, "flux2_klein": FLUX2_KLEIN_VARIANTS}
@@ -97,6 +100,7 @@ TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS, "flux2_klein":
 #: Settings of the later families, fingerprinted only for their own folders (the earlier folders keep their names).
 _FAMILY_CONFIGS: dict[str, list] = {
     "flux2_klein": [FLUX2_CONFIGS, QWEN3_CHAT_TEMPLATE],
+    "flux2": [FLUX2_CONFIGS, MISTRAL_CHAT_TEMPLATE],
     "zimage": [ZIMAGE_CONFIGS, QWEN3_CHAT_TEMPLATE],
 }
 
@@ -280,7 +284,7 @@ def _build_flux_kontext(seed: int) -> FluxKontextPipeline:
 _BUILDERS: dict[str, Callable[[int], DiffusionPipeline]] = {
     "sd3": _build_sd3, "flux": _build_flux, "qwenimage": build_tiny_qwenimage, "wan": build_tiny_wan,
     "flux_kontext": _build_flux_kontext, "qwenimage_edit": build_tiny_qwenimage_edit,
-    "flux2_klein": build_tiny_flux2_klein, "zimage": build_tiny_zimage,
+    "flux2_klein": build_tiny_flux2_klein, "zimage": build_tiny_zimage, "flux2": build_tiny_flux2,
 }
 
 
