@@ -447,3 +447,30 @@ def test_two_ranks_train_every_family(tiny_pipeline_path, tmp_path):
             assert x["num_frames"] == [case.num_frames] * 2
         assert a[1]["logs"]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
         assert a[1]["logs"]["reward"] == pytest.approx(np.mean(a[1]["rewards"] + b[1]["rewards"]), abs=1e-5)
+
+
+def test_flux2_klein_distilled_takes_one_pass_whatever_the_guidance_scale(tiny_pipeline_path):
+    """FLUX.2 [klein]'s step-distilled releases (``is_distilled`` in the pipeline's config) are sampled without CFG at
+    any guidance scale, as the stock pipeline samples them (the base model's CFG is covered above)."""
+    from flowgrpo.models import Flux2KleinAdapter
+    from flowgrpo.schedulers import FlowMatchSDEScheduler, sde_step_from_sigmas
+
+    cpu = torch.device("cpu")
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_pipeline_path("flux2_klein", "distilled")))
+    pipe.set_progress_bar_config(disable=True)
+    adapter = Flux2KleinAdapter(pipe)
+    assert adapter.is_distilled and not adapter.uses_cfg(4.0)
+    scheduler = FlowMatchSDEScheduler.from_config(adapter.sde_scheduler_config(), noise_level=0.0)
+    adapter.set_timesteps(scheduler, 3, SIZE, SIZE, cpu)
+    prompts = ["a cat", "two blue squares"]
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(prompts, 16, cpu)
+        x = adapter.prepare_latents(2, SIZE, SIZE, torch.Generator().manual_seed(0), cpu, torch.float32)
+        for i in range(3):
+            v = adapter.predict_velocity(pipe.transformer, x, scheduler.timesteps[i].expand(2), embeds, 4.0, None,
+                                         SIZE, SIZE)
+            x = sde_step_from_sigmas(v, x, scheduler.sigmas[i], scheduler.sigmas[i + 1], noise_level=0.0).prev_sample
+        pixels = adapter.decode(x, SIZE, SIZE)
+    reference = pipe(prompt=prompts, height=SIZE, width=SIZE, num_inference_steps=3, guidance_scale=4.0,
+                     output_type="pt", max_sequence_length=16, generator=torch.Generator().manual_seed(0)).images
+    torch.testing.assert_close(pixels, reference, rtol=1e-4, atol=1e-4)
