@@ -47,6 +47,7 @@ CASES = (
     FamilyCase("flux2_klein", "flux2_klein"),
     FamilyCase("zimage", "zimage"),
     FamilyCase("flux2", "flux2", guidance_scale=3.5, source_images=2, max_sequence_length=128),
+    FamilyCase("qwenimage_edit_plus", "qwenimage_edit_plus", source_images=2),
 )
 CASE_IDS = [c.name for c in CASES]
 

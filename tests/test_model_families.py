@@ -54,7 +54,7 @@ def stock_call(pipe, case: FamilyCase, prompts, images, output_type, monkeypatch
         kwargs.update(guidance_scale=case.guidance_scale, negative_prompt=negative)
     if case.family == "flux":
         kwargs.update(guidance_scale=case.guidance_scale)
-    if case.family in ("qwenimage", "qwenimage_edit"):
+    if case.family in ("qwenimage", "qwenimage_edit", "qwenimage_edit_plus"):
         kwargs.update(true_cfg_scale=case.guidance_scale, negative_prompt=negative)
     if case.family == "wan":
         kwargs.update(guidance_scale=case.guidance_scale, negative_prompt=negative, num_frames=case.num_frames)
@@ -68,12 +68,33 @@ def stock_call(pipe, case: FamilyCase, prompts, images, output_type, monkeypatch
 
         monkeypatch.setattr(edit_module, "calculate_dimensions", lambda area, ratio: (SIZE, SIZE, None))
         kwargs.update(image=list(images))
+    if case.family == "qwenimage_edit_plus":
+        return _edit_plus_stock_call_per_row(pipe, case, kwargs, images, monkeypatch)
     if case.family in ("flux2", "flux2_klein", "zimage"):
         kwargs.update(guidance_scale=case.guidance_scale)
     if case.family in ("flux2", "flux2_klein") and images is not None:
         return _flux2_stock_call_per_row(pipe, kwargs, images, monkeypatch)
     out = pipe(**kwargs)
     return out.frames if case.family == "wan" else out.images
+
+
+def _edit_plus_stock_call_per_row(pipe, case, kwargs, images, monkeypatch):
+    """Qwen-Image-Edit-Plus: the stock pipeline takes one prompt (with its source images) per call; each row is its own
+    call on its share of the batch's noise. Its size rule is given the working size, as for Qwen-Image-Edit."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus_module
+    from diffusers.utils.torch_utils import randn_tensor
+
+    monkeypatch.setattr(plus_module, "calculate_dimensions", lambda area, ratio: (SIZE, SIZE))
+    prompts, generator = kwargs.pop("prompt"), kwargs.pop("generator")
+    kwargs.pop("negative_prompt")
+    side = 2 * (SIZE // (pipe.vae_scale_factor * 2))
+    channels = pipe.transformer.config.in_channels // 4
+    noise = randn_tensor((len(prompts), 1, channels, side, side), generator=generator)
+    outs = []
+    for i, (prompt, row) in enumerate(zip(prompts, images)):
+        packed = pipe._pack_latents(noise[i:i + 1], 1, channels, side, side)
+        outs.append(pipe(prompt=[prompt], image=list(row), negative_prompt=[""], latents=packed, **kwargs).images)
+    return np.concatenate(outs) if isinstance(outs[0], np.ndarray) else torch.cat(outs)
 
 
 def _flux2_stock_call_per_row(pipe, kwargs, images, monkeypatch):

@@ -10,13 +10,14 @@ from .flux2 import Flux2Adapter, Flux2KleinAdapter
 from .flux_kontext import FluxKontextAdapter
 from .qwenimage import QwenImageAdapter
 from .qwenimage_edit import QwenImageEditAdapter
+from .qwenimage_edit_plus import QwenImageEditPlusAdapter
 from .sd3 import SD3Adapter
 from .wan import WanAdapter, WanExperts
 from .zimage import ZImageAdapter
 
 ADAPTERS: list[type[ModelFamilyAdapter]] = [
     SD3Adapter, FluxAdapter, FluxKontextAdapter, QwenImageAdapter, QwenImageEditAdapter, WanAdapter,
-    Flux2Adapter, Flux2KleinAdapter, ZImageAdapter,
+    Flux2Adapter, Flux2KleinAdapter, ZImageAdapter, QwenImageEditPlusAdapter,
 ]
 
 
@@ -44,6 +45,6 @@ def get_family_adapter(pipeline: DiffusionPipeline, num_frames: int = 1) -> Mode
 
 __all__ = [
     "ADAPTERS", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter", "FluxKontextAdapter", "MMDIT_LORA_TARGET_MODULES", "ModelFamilyAdapter", "PromptEmbeds",
-    "QwenImageAdapter", "QwenImageEditAdapter", "SD3Adapter", "WanAdapter", "WanExperts", "ZImageAdapter", "family_adapter_class",
+    "QwenImageAdapter", "QwenImageEditAdapter", "QwenImageEditPlusAdapter", "SD3Adapter", "WanAdapter", "WanExperts", "ZImageAdapter", "family_adapter_class",
     "get_family_adapter",
 ]

@@ -33,7 +33,7 @@ instead of broadcasting by luck.
 ``"flux_kontext"``: :class:`~diffusers.FluxKontextPipeline` (image editing) with the FLUX components above. Call it
 with ``max_area=height * width, _auto_resize=False`` to keep a small source image small.
 
-``"qwenimage"`` / ``"qwenimage_edit"``: see :mod:`flowgrpo.testing.tiny_qwenimage`; ``"wan"`` (and its variant
+``"qwenimage"`` / ``"qwenimage_edit"`` / ``"qwenimage_edit_plus"``: see :mod:`flowgrpo.testing.tiny_qwenimage`; ``"wan"`` (and its variant
 ``"two_experts"``, Wan 2.2 A14B's layout): see :mod:`flowgrpo.testing.tiny_wan`; ``"flux2"``, ``"flux2_klein"`` (and its
 variant ``"distilled"``) and ``"zimage"``: see :mod:`flowgrpo.testing.tiny_flux2`.
 
@@ -75,7 +75,12 @@ from .tiny_flux2 import (
     build_tiny_flux2_klein,
     build_tiny_zimage,
 )
-from .tiny_qwenimage import QWEN_CONFIGS, build_tiny_qwenimage, build_tiny_qwenimage_edit
+from .tiny_qwenimage import (
+    QWEN_CONFIGS,
+    build_tiny_qwenimage,
+    build_tiny_qwenimage_edit,
+    build_tiny_qwenimage_edit_plus,
+)
 from .tiny_tokenizers import (
     CLIP_MODEL_MAX_LENGTH,
     MISTRAL_CHAT_TEMPLATE,
@@ -92,7 +97,7 @@ from .tiny_wan import WAN_CONFIGS, WAN_VARIANTS, build_tiny_wan
 __all__ = ["TINY_FAMILIES", "TINY_VARIANTS", "build_tiny_pipeline", "save_tiny_pipeline", "cached_tiny_pipeline_path"]
 
 TINY_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "flux2_klein", "zimage",
-                 "flux2")
+                 "flux2", "qwenimage_edit_plus")
 
 #: Variants a family can be built in besides its default layout.
 TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS, "flux2_klein": FLUX2_KLEIN_VARIANTS}
@@ -285,6 +290,7 @@ _BUILDERS: dict[str, Callable[[int], DiffusionPipeline]] = {
     "sd3": _build_sd3, "flux": _build_flux, "qwenimage": build_tiny_qwenimage, "wan": build_tiny_wan,
     "flux_kontext": _build_flux_kontext, "qwenimage_edit": build_tiny_qwenimage_edit,
     "flux2_klein": build_tiny_flux2_klein, "zimage": build_tiny_zimage, "flux2": build_tiny_flux2,
+    "qwenimage_edit_plus": build_tiny_qwenimage_edit_plus,
 }
 
 
