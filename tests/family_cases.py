@@ -48,6 +48,7 @@ CASES = (
     FamilyCase("zimage", "zimage"),
     FamilyCase("flux2", "flux2", guidance_scale=3.5, source_images=2, max_sequence_length=128),
     FamilyCase("qwenimage_edit_plus", "qwenimage_edit_plus", source_images=2),
+    FamilyCase("qwenimage21", "qwenimage21"),
 )
 CASE_IDS = [c.name for c in CASES]
 

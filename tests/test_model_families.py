@@ -54,8 +54,10 @@ def stock_call(pipe, case: FamilyCase, prompts, images, output_type, monkeypatch
         kwargs.update(guidance_scale=case.guidance_scale, negative_prompt=negative)
     if case.family == "flux":
         kwargs.update(guidance_scale=case.guidance_scale)
-    if case.family in ("qwenimage", "qwenimage_edit", "qwenimage_edit_plus"):
+    if case.family in ("qwenimage", "qwenimage_edit", "qwenimage_edit_plus", "qwenimage21"):
         kwargs.update(true_cfg_scale=case.guidance_scale, negative_prompt=negative)
+    if case.family == "qwenimage21":  # no max_sequence_length argument; the configured sample_sigmas set the steps
+        kwargs.pop("max_sequence_length")
     if case.family == "wan":
         kwargs.update(guidance_scale=case.guidance_scale, negative_prompt=negative, num_frames=case.num_frames)
     if case.family == "flux_kontext":  # keep the source at its own (working) size, as the adapter encodes it
@@ -140,6 +142,8 @@ def assert_sampling_matches_stock(trainer, case: FamilyCase, path, monkeypatch) 
     ref_pixels = stock_call(stock, case, prompts, images, "pt", monkeypatch)
     if case.family == "flux2_klein":  # its "latent" output is unpacked, denormalised and unpatchified
         final = trainer.adapter.unpack_latents(final, SIZE, SIZE)
+    if case.family == "qwenimage21":  # the VAE decodes RGBA; the adapter hands the rewards RGB
+        ref_pixels = ref_pixels[:, :3]
     assert final.shape == ref_latents.shape and pixels.shape == ref_pixels.shape
     torch.testing.assert_close(final, ref_latents.float(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pixels, ref_pixels.float(), rtol=1e-4, atol=1e-4)
@@ -495,3 +499,28 @@ def test_flux2_klein_distilled_takes_one_pass_whatever_the_guidance_scale(tiny_p
     reference = pipe(prompt=prompts, height=SIZE, width=SIZE, num_inference_steps=3, guidance_scale=4.0,
                      output_type="pt", max_sequence_length=16, generator=torch.Generator().manual_seed(0)).images
     torch.testing.assert_close(pixels, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_qwenimage21_samples_the_configured_sample_sigmas(tiny_pipeline_path):
+    """Qwen-Image 2.1's pipeline config carries the author's ``sample_sigmas`` (their number is the step count): the
+    adapter's schedule is the stock pipeline's, a step count that does not match is refused with the fix, and without
+    them the grid is linear."""
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+    from flowgrpo.models import QwenImage21Adapter
+    from flowgrpo.schedulers import FlowMatchSDEScheduler
+
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_pipeline_path("qwenimage21")))
+    adapter = QwenImage21Adapter(pipe)
+    configured = list(pipe.config.sample_sigmas)
+    scheduler = FlowMatchSDEScheduler.from_config(adapter.sde_scheduler_config(), noise_level=0.7)
+    adapter.set_timesteps(scheduler, len(configured), 64, 64, torch.device("cpu"))
+    config = pipe.scheduler.config
+    mu = calculate_shift(16, config.base_image_seq_len, config.max_image_seq_len, config.base_shift, config.max_shift)
+    pipe.scheduler.set_timesteps(sigmas=configured, mu=mu)  # what the pipeline's call does at 64 px (4x4 tokens)
+    torch.testing.assert_close(scheduler.sigmas, pipe.scheduler.sigmas.float())
+    assert len(scheduler.timesteps) == len(configured)
+    with pytest.raises(ValueError, match=r"num_inference_steps=5.*3 configured sample_sigmas.*set num_inference_steps"):
+        adapter.set_timesteps(scheduler, 5, 64, 64, torch.device("cpu"))
+    pipe.register_to_config(sample_sigmas=None)
+    assert adapter.sample_sigmas(4) == pytest.approx([1.0, 0.75, 0.5, 0.25])

@@ -33,7 +33,8 @@ instead of broadcasting by luck.
 ``"flux_kontext"``: :class:`~diffusers.FluxKontextPipeline` (image editing) with the FLUX components above. Call it
 with ``max_area=height * width, _auto_resize=False`` to keep a small source image small.
 
-``"qwenimage"`` / ``"qwenimage_edit"`` / ``"qwenimage_edit_plus"``: see :mod:`flowgrpo.testing.tiny_qwenimage`; ``"wan"`` (and its variant
+``"qwenimage"`` / ``"qwenimage_edit"`` / ``"qwenimage_edit_plus"``: see :mod:`flowgrpo.testing.tiny_qwenimage`;
+``"qwenimage21"``: see :mod:`flowgrpo.testing.tiny_qwenimage21`; ``"wan"`` (and its variant
 ``"two_experts"``, Wan 2.2 A14B's layout): see :mod:`flowgrpo.testing.tiny_wan`; ``"flux2"``, ``"flux2_klein"`` (and its
 variant ``"distilled"``) and ``"zimage"``: see :mod:`flowgrpo.testing.tiny_flux2`.
 
@@ -81,6 +82,7 @@ from .tiny_qwenimage import (
     build_tiny_qwenimage_edit,
     build_tiny_qwenimage_edit_plus,
 )
+from .tiny_qwenimage21 import QWEN21_CONFIGS, build_tiny_qwenimage21
 from .tiny_tokenizers import (
     CLIP_MODEL_MAX_LENGTH,
     MISTRAL_CHAT_TEMPLATE,
@@ -97,7 +99,7 @@ from .tiny_wan import WAN_CONFIGS, WAN_VARIANTS, build_tiny_wan
 __all__ = ["TINY_FAMILIES", "TINY_VARIANTS", "build_tiny_pipeline", "save_tiny_pipeline", "cached_tiny_pipeline_path"]
 
 TINY_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "flux2_klein", "zimage",
-                 "flux2", "qwenimage_edit_plus")
+                 "flux2", "qwenimage_edit_plus", "qwenimage21")
 
 #: Variants a family can be built in besides its default layout.
 TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS, "flux2_klein": FLUX2_KLEIN_VARIANTS}
@@ -106,6 +108,7 @@ TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS, "flux2_klein":
 _FAMILY_CONFIGS: dict[str, list] = {
     "flux2_klein": [FLUX2_CONFIGS, QWEN3_CHAT_TEMPLATE],
     "flux2": [FLUX2_CONFIGS, MISTRAL_CHAT_TEMPLATE],
+    "qwenimage21": [QWEN21_CONFIGS],
     "zimage": [ZIMAGE_CONFIGS, QWEN3_CHAT_TEMPLATE],
 }
 
@@ -290,7 +293,7 @@ _BUILDERS: dict[str, Callable[[int], DiffusionPipeline]] = {
     "sd3": _build_sd3, "flux": _build_flux, "qwenimage": build_tiny_qwenimage, "wan": build_tiny_wan,
     "flux_kontext": _build_flux_kontext, "qwenimage_edit": build_tiny_qwenimage_edit,
     "flux2_klein": build_tiny_flux2_klein, "zimage": build_tiny_zimage, "flux2": build_tiny_flux2,
-    "qwenimage_edit_plus": build_tiny_qwenimage_edit_plus,
+    "qwenimage_edit_plus": build_tiny_qwenimage_edit_plus, "qwenimage21": build_tiny_qwenimage21,
 }
 
 
