@@ -105,7 +105,6 @@ def _build_flux2_dev(seed: int, device: str):
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from ..testing.tiny_flux2 import MistralTextProcessor
     from ..testing.tiny_tokenizers import build_mistral_tokenizer
     from .presets import _building
 
@@ -119,8 +118,7 @@ def _build_flux2_dev(seed: int, device: str):
         parts = {"text_encoder": Mistral3ForConditionalGeneration(config),
                  "transformer": Flux2Transformer2DModel(**FLUX2_DEV_TRANSFORMER),
                  "vae": AutoencoderKLFlux2(**FLUX2_VAE)}
-    processor = MistralTextProcessor(tokenizer=tokenizer, chat_template=tokenizer.chat_template)
-    return Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), tokenizer=processor,
+    return Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), tokenizer=tokenizer,
                          **{k: v.eval() for k, v in parts.items()})
 
 
