@@ -383,7 +383,10 @@ def test_wan_unipc_checkpoint_schedule_keeps_its_flow_shift(tiny_pipeline_path):
 
 @pytest.mark.parametrize("recipe, pipeline_class", [
     ("qwenimage_ocr.yaml", "QwenImagePipeline"), ("wan_t2v.yaml", "WanPipeline"),
-    ("kontext_edit.yaml", "FluxKontextPipeline"), ("qwenimage_edit.yaml", "QwenImageEditPipeline")])
+    ("kontext_edit.yaml", "FluxKontextPipeline"), ("qwenimage_edit.yaml", "QwenImageEditPipeline"),
+    ("flux2_klein_ocr.yaml", "Flux2KleinPipeline"), ("flux2_dev_pickscore.yaml", "Flux2Pipeline"),
+    ("zimage_turbo_ocr.yaml", "ZImagePipeline"), ("qwenimage21_ocr.yaml", "QwenImage21Pipeline"),
+    ("qwenimage_edit_plus.yaml", "QwenImageEditPlusPipeline")])
 def test_family_recipes_suit_their_family(recipe, pipeline_class):
     """The recipes' settings pass the family's own checks (frames, sequence length) and name no LoRA targets, so the
     trainer uses the family's default."""
@@ -398,8 +401,13 @@ def test_family_recipes_suit_their_family(recipe, pipeline_class):
     assert build_peft_config(model_args).target_modules is None
     if adapter_cls.family.startswith("qwenimage"):
         assert args.max_sequence_length <= QWEN_MAX_SEQUENCE_LENGTH and args.guidance_scale > 1
-    if adapter_cls.accepts_images:
+    if adapter_cls.accepts_images and not adapter_cls.images_optional:
         assert script_args.dataset_name == "data/ocr_edit" and script_args.reward_funcs == ["ocr"]
+    if adapter_cls.family == "zimage":  # Turbo: its distilled few-step schedule, no CFG, exact-noise CPS steps
+        assert args.guidance_scale == 0
+        assert args.num_inference_steps == args.eval_num_inference_steps == 8 and args.sde_type == "cps"
+    if adapter_cls.family == "flux2":  # the 24B encoder: cached embeddings, offloaded encoder
+        assert args.cache_prompt_embeddings and args.offload_text_encoders
 
 
 def test_wan_experts_split_a_batch_at_the_boundary_and_per_token_timesteps(tiny_pipeline_path, monkeypatch):
