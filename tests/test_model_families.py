@@ -351,6 +351,16 @@ def test_family_settings_are_checked_before_loading(tiny_pipeline_path, tmp_path
     with pytest.raises(ValueError, match=r"does not exist"):
         make_trainer(edit, CASE_BY_NAME["qwenimage_edit"], tmp_path / "o4",
                      dataset={"prompt": ["make it red"] * 2, "image": ["missing.png"] * 2})
+    plus = _index_only(tiny_pipeline_path("qwenimage_edit_plus"), tmp_path / "plus")
+    with pytest.raises(ValueError, match=r"QwenImageEditPlusPipeline edits a source image.*no 'image' column"):
+        make_trainer(plus, CASE_BY_NAME["qwenimage_edit_plus"], tmp_path / "o8", dataset={"prompt": ["make it red"]})
+    with pytest.raises(ValueError, match=r"empty list; give at least one image"):  # a list of images per row
+        make_trainer(plus, CASE_BY_NAME["qwenimage_edit_plus"], tmp_path / "o9",
+                     dataset={"prompt": ["make it red"], "image": [[]]})
+    source_image(0).save(tmp_path / "b.png")
+    with pytest.raises(ValueError, match=r"missing.png.*does not exist"):  # the second image of the row
+        make_trainer(plus, CASE_BY_NAME["qwenimage_edit_plus"], tmp_path / "o10",
+                     dataset={"prompt": ["make it red"], "image": [[str(tmp_path / "b.png"), "missing.png"]]})
     experts = _index_only(tiny_pipeline_path("wan", "two_experts"), tmp_path / "experts")
     args = FlowGRPOConfig(output_dir=str(tmp_path / "o5"), **config_kwargs(CASE_BY_NAME["wan_two_experts"]))
     with pytest.raises(ValueError, match=r"two experts.*LoRA.*peft_config"):
