@@ -181,6 +181,9 @@ def test_sampling_matches_stock_pipeline_and_first_pass_is_on_policy(case, tiny_
                            peft_config=LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian"))
     targets = trainer.accelerator.unwrap_model(trainer.model).peft_config["default"].target_modules
     assert set(targets) == set(trainer.adapter.default_lora_target_modules)
+    # the model card's task: FLUX.2's reference images are optional (image-to-image only with an image column)
+    assert trainer._card_pipeline_tag == ("text-to-video" if case.family == "wan" else
+                                          "image-to-image" if case.edits else "text-to-image")
     if case.family == "wan":
         assert set(targets) == set(WAN_LORA_TARGET_MODULES)
 

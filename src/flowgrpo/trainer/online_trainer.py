@@ -267,8 +267,11 @@ class OnlineRLTrainer(FlowBaseTrainer):
             peft_config.target_modules = set(self.adapter.default_lora_target_modules)
         self._card_base_model = model if isinstance(model, str) else getattr(pipeline, "name_or_path", None)
         self._card_rewards = list(self.reward_set.names)
+        # FLUX.2's reference images are optional: its card says image-to-image only when the data holds images.
+        edits = self.adapter.accepts_images and (not self.adapter.images_optional or (
+            train_dataset is not None and len(train_dataset) > 0 and IMAGE_COLUMN in train_dataset[0]))
         self._card_pipeline_tag = "text-to-video" if self.adapter.is_video else (
-            "image-to-image" if self.adapter.accepts_images else "text-to-image")
+            "image-to-image" if edits else "text-to-image")
         if len(self.adapter.transformers()) > 1:
             self._card_second_expert_lora = EXPERT_LORA_WEIGHTS_NAMES["transformer_2"]
 
