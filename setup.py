@@ -59,6 +59,7 @@ setup(
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": [
+            "flowgrpo=flowgrpo.cli.command:main",
             "flowgrpo-reward-server=flowgrpo.rewards.server:main",
         ]
     },
