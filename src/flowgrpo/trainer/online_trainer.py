@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from accelerate.utils import gather_object
 from torch.utils.data import Dataset
 from transformers import TrainerCallback
 from transformers.trainer_utils import set_seed
@@ -46,7 +47,8 @@ from transformers.utils import logging
 
 from ..cpu_threads import apply_cpu_thread_plan, limit_worker_threads, plan_cpu_threads
 from ..models import PromptEmbeds, family_adapter_class, get_family_adapter
-from ..rewards import RewardSet, resolve_reward_funcs
+from ..rewards import RewardResult, RewardSet, resolve_reward_funcs
+from ..rewards.composition import metric_means
 from ..schedulers import FlowMatchSDEScheduler, FlowODESolver, rollout_steps, sde_step_from_sigmas
 from .advantages import compute_reward_advantages
 from .base import FlowBaseTrainer
@@ -190,7 +192,7 @@ class _StepHooks(TrainerCallback):
             t.ema.update(t._trainable_parameters(), state.global_step)
         t._on_optimizer_step_end(state.global_step)
         if args.log_images_steps and state.global_step % args.log_images_steps == 0 and t._last_samples:
-            t._log_images(*t._last_samples, step=state.global_step)
+            t._log_images(*t._last_samples, step=state.global_step, notes=t._last_sample_notes)
 
 
 
@@ -305,6 +307,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
         self._buffer: list[dict] | None = None
         self._micro_step = 0
         self._last_samples: tuple | None = None
+        self._last_sample_notes: list[str] | None = None
         self._last_eval: dict | None = None
         self._eval_baseline = EvaluationBaseline()
         if args.ddp_find_unused_parameters is None:  # read by Trainer when it builds the accelerator, just below
@@ -776,6 +779,11 @@ class OnlineRLTrainer(FlowBaseTrainer):
             m[f"rewards/{name}/mean"].append(float(valid.mean()) if valid.numel() else math.nan)
             m[f"rewards/{name}/std"].append(float(valid.std(unbiased=False)) if valid.numel() else math.nan)
             m[f"rewards/{name}/failed"].append(float(g_failed[k]))  # samples scored None by on_failure="skip"
+        # Metrics a reward defines itself (RewardOutput.metrics, e.g. GenEval's accuracy per task), over all processes.
+        metric_sums = RewardResult.concatenate(results).metric_sums()
+        for key, mean in metric_means(gather_object([metric_sums]) if self.accelerator.num_processes > 1
+                                      else [metric_sums]).items():
+            m[f"rewards/{key}"].append(mean)
         # sampling: the rollout phase (text encoding, sampling, decoding unless it runs in the background);
         # reward: the time spent waiting for decoding and rewards that did not overlap anything.
         m["timing/sampling"].append(timing["sampling_total"])
@@ -788,6 +796,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
         totals_list = totals.cpu().tolist()
         self._last_samples = (flat_images[: args.num_log_images], prompts[: args.num_log_images],
                               totals_list[: args.num_log_images])
+        self._last_sample_notes = [note for r in results for note in r.image_notes()][: args.num_log_images]
         for sl, traj in zip(chunks, samples):
             traj["advantages"] = local_adv[sl]
 
@@ -831,8 +840,10 @@ class OnlineRLTrainer(FlowBaseTrainer):
         super().log(logs, start_time)
         self._metrics[mode].clear()
 
-    def _log_images(self, images: list, prompts: list[str], rewards: list[float], step: int) -> None:
-        """Sample images (or videos) with prompts and rewards to every image-capable ``report_to`` backend.
+    def _log_images(self, images: list, prompts: list[str], rewards: list[float], step: int,
+                    notes: list[str] | None = None) -> None:
+        """Sample images (or videos) with prompts, rewards and the rewards' notes (e.g. why GenEval failed an image)
+        to every image-capable ``report_to`` backend.
 
         TensorBoard: a contact sheet (``samples``; videos show their first, middle and last frame), the captions, and
         for videos all samples tiled into one animated GIF (``samples/video``). wandb: ``samples`` holds one image, or
@@ -844,7 +855,8 @@ class OnlineRLTrainer(FlowBaseTrainer):
 
         from transformers.integrations import TensorBoardCallback, WandbCallback
 
-        captions = [f"{p[:120]} | reward={r:.3f}" for p, r in zip(prompts, rewards)]
+        notes = notes or [""] * len(prompts)
+        captions = [f"{p[:120]} | reward={r:.3f}" + (f" | {n}" if n else "") for p, r, n in zip(prompts, rewards, notes)]
         videos = all(is_video(im) for im in images)
         fps = self.args.log_video_fps
         for cb in self.callback_handler.callbacks:
