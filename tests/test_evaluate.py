@@ -175,3 +175,88 @@ def test_flowgrpo_command_dispatches_each_subcommand(capsys):
             main(["plan", "recipes/ocr.yaml"])
     finally:
         SUBCOMMANDS["plan"] = original
+
+
+# ---- GenEval -------------------------------------------------------------------------------------------------------
+
+GENEVAL_METADATA = [  # one line per task; 'person' is the class the tiny detector is made to find
+    {"tag": "single_object", "include": [{"class": "person", "count": 1}], "prompt": "a photo of a person"},
+    {"tag": "two_object", "include": [{"class": "bench", "count": 1}, {"class": "sports ball", "count": 1}],
+     "prompt": "a photo of a bench and a sports ball"},
+    {"tag": "counting", "include": [{"class": "person", "count": 2}], "exclude": [{"class": "person", "count": 3}],
+     "prompt": "a photo of two persons"},
+    {"tag": "colors", "include": [{"class": "person", "count": 1, "color": "blue"}],
+     "prompt": "a photo of a blue person"},
+    {"tag": "position", "include": [{"class": "teddy bear", "count": 1},
+                                    {"class": "person", "count": 1, "position": ["right of", 0]}],
+     "prompt": "a photo of a person right of a teddy bear"},
+    {"tag": "color_attr", "include": [{"class": "person", "count": 1, "color": "purple"},
+                                      {"class": "apple", "count": 1, "color": "black"}],
+     "prompt": "a photo of a purple person and a black apple"},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_geneval_kwargs(tmp_path_factory):
+    """The geneval scorer's options for the tiny random Mask2Former (made to detect 'person') and CLIP, built
+    offline: the real scoring code on models that fit a test."""
+    from flowgrpo.rewards.geneval import COCO_OBJECT_NAMES
+    from flowgrpo.testing.tiny_geneval import save_tiny_geneval_models
+
+    paths = save_tiny_geneval_models(tmp_path_factory.mktemp("geneval-models"),
+                                     favoured_class=COCO_OBJECT_NAMES.index("person"))
+    return json.dumps({"geneval": {"detector": paths["detector"], "clip_model": paths["clip"],
+                                   "detector_image_size": 64}})
+
+
+def test_geneval_benchmark_official_layout_results_summary_resume_and_images_mode(tiny_sd3_path, tiny_geneval_kwargs,
+                                                                                   tmp_path, capsys):
+    from flowgrpo.rewards.geneval import RESULT_FIELDS, Detection, judge
+
+    metadata = tmp_path / "evaluation_metadata.jsonl"
+    metadata.write_text("".join(json.dumps(line) + "\n" for line in GENEVAL_METADATA))
+    out = tmp_path / "geneval"
+    argv = ["flowgrpo", "evaluate", "--benchmark", "geneval", "--model", str(tiny_sd3_path), "--metadata",
+            str(metadata), "--output", str(out), "--reward_kwargs", tiny_geneval_kwargs, *FAST]
+    from flowgrpo.cli.command import main as flowgrpo_main
+
+    assert flowgrpo_main(argv[1:]) == 0
+    captured = capsys.readouterr()
+    assert "| Overall | Single object | Two object | Counting | Colors | Position | Color attribution |" \
+        in captured.out
+    for i, line in enumerate(GENEVAL_METADATA):  # the protocol: 4 images per prompt
+        assert json.loads((out / f"{i:05d}" / "metadata.jsonl").read_text()) == line
+        assert sorted(p.name for p in (out / f"{i:05d}" / "samples").iterdir()) == [f"{n:04d}.png" for n in range(4)]
+    records = layout.read_jsonl(out / "results.jsonl")
+    assert len(records) == 24 and all(tuple(r) == RESULT_FIELDS for r in records)
+    assert [r["filename"] for r in records] == [str(out / f"{i:05d}" / "samples" / f"{n:04d}.png")
+                                               for i in range(6) for n in range(4)]
+    for r in records:
+        assert isinstance(r["correct"], bool) and json.loads(r["metadata"])["prompt"] == r["prompt"]
+        if r["tag"] not in ("colors", "color_attr"):  # no colour to classify: the kept boxes decide the verdict
+            kept = [Detection(label, tuple(box[:4]), box[4]) for label, boxes in json.loads(r["details"]).items()
+                    for box in boxes]
+            assert judge(json.loads(r["metadata"]), kept).correct == r["correct"]
+    summary = json.loads((out / "summary.json").read_text())
+    tasks = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
+    assert list(summary["accuracy"]) == [*tasks, "overall"]
+    for tag in tasks:
+        mine = [r["correct"] for r in records if r["tag"] == tag]
+        assert summary["accuracy"][tag] == pytest.approx(sum(mine) / 4)
+    assert summary["accuracy"]["overall"] == pytest.approx(sum(summary["accuracy"][t] for t in tasks) / 6)
+    assert summary["accuracy"]["single_object"] == 1.0  # the tiny detector finds a person in every image
+    assert summary["protocol"]["protocol"]["images_per_prompt"] == 4
+    assert "Overall score (avg. over tasks)" in (out / "summary.md").read_text()
+
+    # resumed: nothing to generate, the same results
+    before = _stamps(out)
+    assert flowgrpo_main(argv[1:]) == 0
+    assert "generating" not in capsys.readouterr().err
+    assert _stamps(out) == before and layout.read_jsonl(out / "results.jsonl") == records
+
+    # --images: the same folder scored as another tool's, results written elsewhere
+    scored = tmp_path / "scored"
+    assert evaluate_main(["--images", str(out), "--output", str(scored), "--reward_kwargs", tiny_geneval_kwargs]) == 0
+    assert [(r["filename"], r["correct"]) for r in layout.read_jsonl(scored / "results.jsonl")] == \
+        [(r["filename"], r["correct"]) for r in records]
+    assert json.loads((scored / "summary.json").read_text())["accuracy"] == summary["accuracy"]
