@@ -135,6 +135,13 @@ def test_bad_input_is_named_before_any_model_loads(tmp_path, capsys):
     assert "lacks ['tag', 'include']" in capsys.readouterr().err
     assert evaluate_main(["--images", str(tmp_path / "empty_dir_missing")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(TOY_PROMPTS[0] + "\n")
+    video_model = tmp_path / "wan"  # a video pipeline is refused from its model_index.json, before loading
+    video_model.mkdir()
+    (video_model / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    assert _toy_run(video_model, prompts, tmp_path / "w") == 2
+    assert "WanPipeline generates videos" in capsys.readouterr().err and not (tmp_path / "w").exists()
 
 
 def test_recipe_settings_then_flags(tmp_path):
@@ -260,3 +267,23 @@ def test_geneval_benchmark_official_layout_results_summary_resume_and_images_mod
     assert [(r["filename"], r["correct"]) for r in layout.read_jsonl(scored / "results.jsonl")] == \
         [(r["filename"], r["correct"]) for r in records]
     assert json.loads((scored / "summary.json").read_text())["accuracy"] == summary["accuracy"]
+
+
+def test_ocr_benchmark_scores_rendered_text_with_the_ocr_reward(tmp_path):
+    """The ocr benchmark's scorer (the `ocr` reward, rapidocr's bundled models, offline) on text drawn with PIL in
+    GenEval's layout: the words are read back."""
+    pytest.importorskip("rapidocr")
+    from PIL import ImageDraw, ImageFont
+
+    images = tmp_path / "ocr"
+    prompts = ['A sign that says "OPEN"', 'A poster with the words "HELLO WORLD"']
+    for i, prompt in enumerate(prompts):
+        (images / f"{i:05d}" / "samples").mkdir(parents=True)
+        (images / f"{i:05d}" / "metadata.jsonl").write_text(json.dumps({"prompt": prompt}))
+        image = Image.new("RGB", (256, 96), "white")
+        ImageDraw.Draw(image).text((10, 25), prompt.split('"')[1], fill="black", font=ImageFont.load_default(size=36))
+        image.save(images / f"{i:05d}" / "samples" / "0000.png")
+    assert evaluate_main(["--benchmark", "ocr", "--images", str(images)]) == 0
+    scores = [r["ocr"] for r in layout.read_jsonl(images / "results.jsonl")]
+    assert len(scores) == 2 and min(scores) >= 0.8
+    assert json.loads((images / "summary.json").read_text())["rewards"]["ocr"]["count"] == 2

@@ -49,9 +49,7 @@ def load_pipeline(model: str, dtype: torch.dtype, revision: str | None = None) -
     from ..cli.notices import quiet_library_notices
 
     quiet_library_notices()
-    if looks_like_local_path(model) and not Path(model).expanduser().exists():
-        raise ValueError(f"--model {model!r} does not exist (relative paths are read from {Path.cwd()}); give a Hub "
-                         "id such as stabilityai/stable-diffusion-3.5-medium or a folder written by save_pretrained.")
+    check_model(model, revision)
     kwargs = {"revision": revision} if revision else {}
     pipeline = DiffusionPipeline.from_pretrained(str(Path(model).expanduser()) if looks_like_local_path(model)
                                                  else model, dtype=dtype, **kwargs)
@@ -101,6 +99,36 @@ def load_lora(pipeline: Any, lora: str) -> int:
     return layers
 
 
+def check_text_to_image_family(adapter_cls: type, pipeline_name: str) -> None:
+    """Raise ``ValueError`` for a family the image benchmarks cannot evaluate (video, editing)."""
+    if adapter_cls.is_video:
+        raise ValueError(f"{pipeline_name} generates videos; the benchmarks of flowgrpo evaluate score images. "
+                         "Evaluate a text-to-image pipeline (SD3 / SD3.5, FLUX.1, Qwen-Image).")
+    if adapter_cls.accepts_images:
+        raise ValueError(f"{pipeline_name} edits source images; the benchmarks of flowgrpo evaluate are text-to-image "
+                         "prompts without source images. Evaluate a text-to-image pipeline.")
+
+
+def check_model(model: str, revision: str | None = None) -> None:
+    """Before loading: a local folder must exist, and its pipeline class (``model_index.json``) must be a supported
+    text-to-image family. A Hub id whose index cannot be read here is checked after loading instead."""
+    from diffusers import DiffusionPipeline
+
+    from ..models import family_adapter_class
+
+    if looks_like_local_path(model) and not Path(model).expanduser().exists():
+        raise ValueError(f"--model {model!r} does not exist (relative paths are read from {Path.cwd()}); give a Hub "
+                         "id such as stabilityai/stable-diffusion-3.5-medium or a folder written by save_pretrained.")
+    try:
+        index = DiffusionPipeline.load_config(str(Path(model).expanduser()) if looks_like_local_path(model) else model,
+                                              **({"revision": revision} if revision else {}))
+    except Exception:  # offline or no index yet: from_pretrained reports it with its own words
+        return
+    name = index.get("_class_name")
+    if name:
+        check_text_to_image_family(family_adapter_class(name), name)
+
+
 class ImageGenerator:
     """Deterministic sampling of a loaded pipeline under a :class:`SamplingProtocol`.
 
@@ -116,13 +144,7 @@ class ImageGenerator:
         self.protocol = protocol
         self.device = torch.device(device)
         self.adapter = get_family_adapter(pipeline)
-        name = type(pipeline).__name__
-        if self.adapter.is_video:
-            raise ValueError(f"{name} generates videos; the benchmarks of flowgrpo evaluate score images. Evaluate a "
-                             "text-to-image pipeline (SD3 / SD3.5, FLUX.1, Qwen-Image).")
-        if self.adapter.accepts_images:
-            raise ValueError(f"{name} edits source images; the benchmarks of flowgrpo evaluate are text-to-image "
-                             "prompts without source images. Evaluate a text-to-image pipeline.")
+        check_text_to_image_family(type(self.adapter), type(pipeline).__name__)
         self.pipeline = pipeline
         self.dtype = next(pipeline.transformer.parameters()).dtype
         pipeline.to(self.device)
@@ -165,4 +187,7 @@ class ImageGenerator:
         return [Image.fromarray(a) for a in array]
 
 
-__all__ = ["LORA_WEIGHTS_NAME", "ImageGenerator", "load_lora", "load_pipeline", "looks_like_local_path", "torch_dtype"]
+__all__ = [
+    "LORA_WEIGHTS_NAME", "ImageGenerator", "check_model", "check_text_to_image_family", "load_lora", "load_pipeline",
+    "looks_like_local_path", "torch_dtype",
+]
