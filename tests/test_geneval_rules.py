@@ -247,3 +247,19 @@ def test_summary_matches_summary_scores():
     text = format_geneval_summary(s)
     assert "counting         = 33.33% (1 / 3)" in text
     assert text.endswith(f"Overall score (avg. over tasks): {s['overall']:.5f}")
+
+
+def test_prepare_data_fetches_the_pinned_geneval_metadata():
+    import importlib.util
+    from pathlib import Path
+
+    from flowgrpo.rewards.geneval import GENEVAL_COMMIT
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "prepare_data.py"
+    spec = importlib.util.spec_from_file_location("prepare_data", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    plan = module.plan_downloads(module.build_arg_parser().parse_args(["geneval", "--output_dir", "d"]))
+    url = f"https://raw.githubusercontent.com/djghosh13/geneval/{GENEVAL_COMMIT}/prompts/evaluation_metadata.jsonl"
+    assert (url, Path("d/geneval/evaluation_metadata.jsonl")) in plan
+    assert module.GENEVAL_COMMIT == GENEVAL_COMMIT

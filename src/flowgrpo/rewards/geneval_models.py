@@ -153,6 +153,11 @@ class GenEvalDetector:
             model_type = getattr(config, "model_type", "")
             device, dtype = _resolve_device(self.device_name), _resolve_dtype(self.dtype_name)
             if model_type in INSTANCE_SEGMENTATION_TYPES:
+                import importlib.util
+
+                if importlib.util.find_spec("scipy") is None:
+                    raise ImportError(f"the {model_type} detector of the geneval reward needs scipy (transformers builds "
+                                      f"its matcher with it): pip install 'flowgrpo[geneval]'")
                 kind = "instance"
                 model_cls = transformers.AutoModelForUniversalSegmentation
                 processor = transformers.AutoImageProcessor.from_pretrained(self.model_id)
