@@ -18,7 +18,6 @@ from flowgrpo.rewards.geneval import (
     GENEVAL_COLORS,
     GENEVAL_OBJECT_NAMES,
     RESULT_FIELDS,
-    Detection,
     filter_detections,
     judge,
 )
