@@ -9,8 +9,10 @@ folder). Three kinds, chosen from the checkpoint's ``model_type``:
   upsampled (bilinear) to the padded input, cropped to the resized image, upsampled to the original size;
   ``p = softmax(class logits)`` without the no-object class; the top 100 (query, class) pairs by ``p``; mask
   ``m = logits > 0``; score ``p * mean(sigmoid(logits) over m)``; box = the mask's extent
-  ``(x_min, y_min, x_max + 1, y_max + 1)`` (zeros for an empty mask). Every one of the 100 is returned, with its
-  mask; `flowgrpo.rewards.geneval.judge` does the thresholding.
+  ``(x_min, y_min, x_max + 1, y_max + 1)`` (zeros for an empty mask). Every one of the 100 is returned (the mask
+  only for those above 0.3, the lowest threshold: the others can never be colour-checked);
+  `flowgrpo.rewards.geneval.judge` does the thresholding. The transformers processor makes the resized size a
+  multiple of 32 by resizing (mmdet pads instead): identical for square images such as GenEval's 512 x 512.
 * **zero-shot detection** (``owlv2``, ``owlvit``, ``grounding-dino``, ``mm-grounding-dino``): the 80 GenEval names
   are the text queries (``"a photo of a {name}"`` for OWL; ``"name. name. ..."`` in chunks for Grounding DINO);
   boxes from the processor's ``post_process_grounded_object_detection``, no masks.
@@ -39,7 +41,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from .geneval import GENEVAL_COLORS, GENEVAL_OBJECT_NAMES, Detection, geneval_label
+from .geneval import GENEVAL_COLORS, GENEVAL_OBJECT_NAMES, THRESHOLD, Detection, geneval_label
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +155,11 @@ class GenEvalDetector:
             model_type = getattr(config, "model_type", "")
             device, dtype = _resolve_device(self.device_name), _resolve_dtype(self.dtype_name)
             if model_type in INSTANCE_SEGMENTATION_TYPES:
+                import importlib.util
+
+                if importlib.util.find_spec("scipy") is None:
+                    raise ImportError(f"the {model_type} detector of the geneval reward needs scipy (transformers builds "
+                                      f"its matcher with it): pip install 'flowgrpo[geneval]'")
                 kind = "instance"
                 model_cls = transformers.AutoModelForUniversalSegmentation
                 processor = transformers.AutoImageProcessor.from_pretrained(self.model_id)
@@ -221,8 +228,6 @@ class GenEvalDetector:
         outputs = model(pixel_values=pixel_values,
                         pixel_mask=pixel_mask.to(model.device) if pixel_mask is not None else None)
         class_logits = outputs.class_queries_logits.float()
-        mask_logits = F.interpolate(outputs.masks_queries_logits.float(), size=pixel_values.shape[-2:],
-                                    mode="bilinear", align_corners=False)
         num_classes = class_logits.shape[-1] - 1
         results = []
         for i, image in enumerate(images):
@@ -232,7 +237,9 @@ class GenEvalDetector:
                 w = int(valid.any(dim=0).sum())
             else:
                 h, w = pixel_values.shape[-2:]
-            logits = mask_logits[i, :, :h, :w]
+            # One image at a time: 100 masks at the padded input size are large.
+            logits = F.interpolate(outputs.masks_queries_logits[i:i + 1].float(), size=pixel_values.shape[-2:],
+                                   mode="bilinear", align_corners=False)[0, :, :h, :w]
             logits = F.interpolate(logits[None], size=(image.height, image.width), mode="bilinear",
                                    align_corners=False)[0]
             probs = class_logits[i].softmax(dim=-1)[:, :-1]
@@ -246,11 +253,12 @@ class GenEvalDetector:
             scores = top_scores * mask_scores
             boxes = mask_to_box(masks)
             dets = []
-            masks_np = masks.cpu().numpy()
             for j, (label, box, score) in enumerate(zip(labels.tolist(), boxes.cpu().tolist(), scores.cpu().tolist())):
                 name = self._labels[label] if label < len(self._labels) else None
                 if name is not None:
-                    dets.append(Detection(label=name, box=tuple(box), score=float(score), mask=masks_np[j]))
+                    # Only a detection above the lowest threshold can be colour-checked: keep its mask alone.
+                    mask = masks[j].cpu().numpy() if score > THRESHOLD else None
+                    dets.append(Detection(label=name, box=tuple(box), score=float(score), mask=mask))
             results.append(dets)
         return results
 
