@@ -156,6 +156,9 @@ def test_recipe_settings_then_flags(tmp_path):
     assert protocol.guidance_scale == 3.0  # the flag (dashed spelling) beats the recipe's 4.5
     assert settings.reward_kwargs == {"ocr": {"backend": "rapidocr"}}
     assert settings.model == "stabilityai/stable-diffusion-3.5-medium"
+    args = build_parser().parse_args(["--recipe", str(repo / "recipes" / "geneval.yaml"), "--output", str(tmp_path),
+                                      "--reward_kwargs", '{"geneval": {"dtype": "bfloat16"}}'])
+    assert settings_from_args(args).reward_kwargs == {"geneval": {"dtype": "bfloat16"}}  # not the training options
     args = build_parser().parse_args(["--output", str(tmp_path)])
     geneval = settings_from_args(args).protocol  # GenEval's published protocol for SD3.5-M in Flow-GRPO
     assert (geneval.images_per_prompt, geneval.num_inference_steps, geneval.guidance_scale, geneval.height,

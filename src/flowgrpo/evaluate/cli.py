@@ -28,6 +28,10 @@ _PROTOCOL_FLAGS = ("num_inference_steps", "guidance_scale", "height", "width", "
                    "negative_prompt", "images_per_prompt", "seed", "ode_solver", "dtype")
 
 
+#: options of the geneval reward that shape its training score or its input, not the benchmark's verdict
+_GENEVAL_TRAINING_ONLY = ("geneval_output", "partial_credit", "jpeg_quality")
+
+
 def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
     spellings = [f"--{name}"]
     if "_" in name:
@@ -128,7 +132,13 @@ def settings_from_args(args: argparse.Namespace):
             recipe = read_recipe_settings(args.recipe)
         except ValueError as err:
             raise UsageError(str(err)) from err
-        reward_kwargs.update({k: v for k, v in recipe.reward_kwargs.items() if k in benchmark.rewards})
+        for name in benchmark.rewards or ("geneval",):
+            options = dict(recipe.reward_kwargs.get(name) or {})
+            if name == "geneval":  # what the training reward returns or how it receives images: not the benchmark's
+                for key in _GENEVAL_TRAINING_ONLY:
+                    options.pop(key, None)
+            if options:
+                reward_kwargs[name] = options
     for name, options in benchmark.reward_kwargs.items():
         reward_kwargs.setdefault(name, dict(options))
     if args.reward_kwargs:
