@@ -98,7 +98,7 @@ def test_lora_folder_is_loaded_and_changes_the_images(tiny_sd3_path, tmp_path):
     from diffusers import StableDiffusion3Pipeline
     from peft import LoraConfig, get_peft_model
 
-    from flowgrpo.trainer.lora_export import save_diffusers_lora
+    from flowgrpo.trainer.outputs.lora_export import save_diffusers_lora
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)
     peft_model = get_peft_model(pipe.transformer, LoraConfig(r=2, lora_alpha=8, init_lora_weights=False,
