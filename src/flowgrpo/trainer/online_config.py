@@ -212,6 +212,13 @@ class OnlineRLConfig(TrainingArguments):
                           "steps (0 = never)."},
     )
     num_log_images: int = field(default=8, metadata={"help": "Images (or videos) per logged panel."})
+    print_full_logs: bool = field(
+        default=False,
+        metadata={"help": "Also print every logged dictionary (all metrics) on the terminal. By default the terminal "
+                          "shows one progress bar with the reward, its std, each reward's mean, the loss and s/step, "
+                          "and a short table at each evaluation (flowgrpo.trainer.console); the full dictionaries "
+                          "always go to the report_to loggers and trainer_state.json."},
+    )
     log_video_fps: float = field(
         default=16.0, metadata={"help": "Frame rate of the logged sample videos (Wan generates 16 fps)."},
     )

@@ -47,6 +47,7 @@ from ..models import PromptEmbeds, get_family_adapter
 from ..rewards import RewardSet, resolve_reward_funcs
 from ..schedulers import FlowMatchSDEScheduler
 from .base import FlowBaseTrainer
+from .console import install_training_console
 from .data.datasets import INDEX_COLUMN, IndexedPromptDataset
 from .data.prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
 from .data.sampler import RepeatSampler
@@ -255,6 +256,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         # callbacks (tensorboard, wandb) read ``model.config``.
         self.callback_handler.callbacks.insert(0, _StepHooks(self))
         self.callback_handler.model = _CallbackModelView(self.model)
+        # One bar with the key figures and a table per evaluation, instead of every logged dictionary.
+        self.console = install_training_console(self)
 
         device = self.accelerator.device
         model_parameters = sum(p.numel() for module in self.adapter.transformers() for p in module.parameters())

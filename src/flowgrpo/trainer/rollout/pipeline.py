@@ -33,6 +33,7 @@ from ...models import PromptEmbeds
 from ...rewards import RewardResult
 from ...rewards.composition import metric_means
 from ...schedulers import FlowODESolver, rollout_steps, sde_step_from_sigmas
+from ..console import rollout_progress
 from ..data.condition_images import IMAGE_COLUMN, image_key, load_condition_image
 from ..data.datasets import INDEX_COLUMN
 from .advantages import compute_reward_advantages
@@ -233,10 +234,7 @@ class RolloutPipeline:
         t0 = self._clock()
         timing = defaultdict(float)
         jobs, samples = [], []
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=len(chunks) * args.num_inference_steps, desc="rollout", leave=False,
-                        disable=args.disable_tqdm or not self.is_local_process_zero())
+        progress = rollout_progress(getattr(self, "console", None), len(chunks) * args.num_inference_steps)
         overlap_decode = self._overlap_decode
         with self._generation_context() as model:
             tic = self._clock()
