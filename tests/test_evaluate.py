@@ -226,11 +226,11 @@ def test_geneval_benchmark_official_layout_results_summary_resume_and_images_mod
     metadata = tmp_path / "evaluation_metadata.jsonl"
     metadata.write_text("".join(json.dumps(line) + "\n" for line in GENEVAL_METADATA))
     out = tmp_path / "geneval"
-    argv = ["flowgrpo", "evaluate", "--benchmark", "geneval", "--model", str(tiny_sd3_path), "--metadata",
-            str(metadata), "--output", str(out), "--reward_kwargs", tiny_geneval_kwargs, *FAST]
-    from flowgrpo.cli.command import main as flowgrpo_main
+    argv = ["evaluate", "--benchmark", "geneval", "--model", str(tiny_sd3_path), "--metadata", str(metadata),
+            "--output", str(out), "--reward_kwargs", tiny_geneval_kwargs, *FAST]
+    from flowgrpo.cli.command import main as flowgrpo_main  # the `flowgrpo` command
 
-    assert flowgrpo_main(argv[1:]) == 0
+    assert flowgrpo_main(argv) == 0
     captured = capsys.readouterr()
     assert "| Overall | Single object | Two object | Counting | Colors | Position | Color attribution |" \
         in captured.out
@@ -260,7 +260,7 @@ def test_geneval_benchmark_official_layout_results_summary_resume_and_images_mod
 
     # resumed: nothing to generate, the same results
     before = _stamps(out)
-    assert flowgrpo_main(argv[1:]) == 0
+    assert flowgrpo_main(argv) == 0
     assert "generating" not in capsys.readouterr().err
     assert _stamps(out) == before and layout.read_jsonl(out / "results.jsonl") == records
 
