@@ -22,7 +22,7 @@ from flowgrpo.rewards.geneval import (
     judge,
 )
 from flowgrpo.rewards.geneval_models import crop_object, mask_to_box
-from flowgrpo.testing.tiny_geneval import save_tiny_geneval_models
+from flowgrpo.testing.tiny_geneval import save_tiny_detr, save_tiny_geneval_models, save_tiny_owlv2
 
 DOG = GENEVAL_OBJECT_NAMES.index("dog")
 
@@ -152,6 +152,23 @@ def test_output_options_and_bad_options(tiny_models, images):
                        ({"dtype": "float7"}, "float7"), ({"jpeg_quality": 0}, "jpeg_quality")]:
         with pytest.raises(ValueError, match=match):
             get_reward("geneval", **bad)
+
+
+def test_box_and_zero_shot_detectors(tiny_models, images, tmp_path):
+    # DETR: boxes only, COCO's 91-id label map with N/A gaps; the colour crop is the box of the unmasked image
+    detr = save_tiny_detr(tmp_path / "detr", favoured_class=DOG)
+    reward = get_reward("geneval", detector=detr, clip_model=tiny_models["clip"])
+    detections = reward.detect(images, METAS)
+    assert reward.detector.kind == "detection" and all(len(d) == 10 for d in detections)
+    top = filter_detections(detections[0], "colors")["dog"][0]
+    assert top.mask is None and top.color is not None
+    assert reward.colour_classifier([crop_object(images[0], top.box, None)], ["dog"]) == [top.color]
+    # OWLv2: the 80 names are the queries
+    owl = get_reward("geneval", detector=save_tiny_owlv2(tmp_path / "owl"), clip_model=tiny_models["clip"])
+    owl.detector.threshold = 0.0
+    found = owl.detector(images[:1])[0]
+    assert owl.detector.kind == "zero_shot" and len(found) == 16  # one box per 8 px patch of the 32 px input
+    assert all(d.label in GENEVAL_OBJECT_NAMES and d.mask is None for d in found)
 
 
 def test_geneval_behind_the_reward_server(reward, images):
