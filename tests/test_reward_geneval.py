@@ -210,3 +210,25 @@ def test_training_step_with_geneval(tiny_sd3_path, tiny_models, tmp_path):
                 "rewards/geneval/strict_accuracy"):
         assert 0.0 <= log[key] <= 1.0, key
     assert trainer._last_sample_notes and all(n.startswith("geneval: ") for n in trainer._last_sample_notes)
+
+
+def test_reward_output_notes_and_metrics_reach_the_reward_result():
+    from flowgrpo.rewards import RewardResult, resolve_reward_funcs
+
+    def judged(prompts, images, **columns):
+        return RewardOutput([1.0, 0.0], notes=["ok", None], metrics={"t": [1.0, None], "u": [0.0, 1.0]})
+
+    def plain(prompts, images, **columns):
+        return [0.5, 0.5]
+
+    rewards = resolve_reward_funcs([judged, plain])
+    result = rewards(["a", "b"], [Image.new("RGB", (4, 4))] * 2)
+    assert result.notes == {"judged": ["ok", None]}
+    assert result.metrics == {"judged/t": [1.0, None], "judged/u": [0.0, 1.0]}
+    assert result.image_notes() == ["judged: ok", ""]
+    stats = result.statistics()
+    assert stats["rewards/judged/t"] == 1.0 and stats["rewards/judged/u"] == 0.5
+    both = RewardResult.concatenate([result, result])
+    assert both.metrics["judged/t"] == [1.0, None, 1.0, None] and both.metric_sums()["judged/u"] == (2.0, 4)
+    with pytest.raises(ValueError, match="notes"):
+        RewardOutput([1.0], notes=[])

@@ -780,7 +780,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
             m[f"rewards/{name}/std"].append(float(valid.std(unbiased=False)) if valid.numel() else math.nan)
             m[f"rewards/{name}/failed"].append(float(g_failed[k]))  # samples scored None by on_failure="skip"
         # Metrics a reward defines itself (RewardOutput.metrics, e.g. GenEval's accuracy per task), over all processes.
-        metric_sums = RewardResult.concatenate(results).metric_sums()
+        metric_sums = RewardResult.concatenate(results).metric_sums() if results else {}
         for key, mean in metric_means(gather_object([metric_sums]) if self.accelerator.num_processes > 1
                                       else [metric_sums]).items():
             m[f"rewards/{key}"].append(mean)
