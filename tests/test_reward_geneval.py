@@ -203,13 +203,15 @@ def test_training_step_with_geneval(tiny_sd3_path, tiny_models, tmp_path):
                                    "detector_image_size": 64}},
     )
     trainer = FlowGRPOTrainer(model=str(tiny_sd3_path), reward_funcs=["geneval"], args=args,
-                              train_dataset=dataset)
+                              train_dataset=dataset, eval_dataset=dataset)
     trainer.train()
     log = [h for h in trainer.state.log_history if "rewards/geneval/mean" in h][0]
     for key in ("rewards/geneval/counting", "rewards/geneval/position", "rewards/geneval/accuracy",
                 "rewards/geneval/strict_accuracy"):
         assert 0.0 <= log[key] <= 1.0, key
     assert trainer._last_sample_notes and all(n.startswith("geneval: ") for n in trainer._last_sample_notes)
+    metrics = trainer.evaluate()
+    assert 0.0 <= metrics["eval_rewards/geneval/counting"] <= 1.0 and "eval_rewards/geneval/position" in metrics
 
 
 def test_reward_output_notes_and_metrics_reach_the_reward_result():
