@@ -22,7 +22,7 @@ from flowgrpo.rewards.geneval import (
     judge,
 )
 from flowgrpo.rewards.geneval_models import crop_object, mask_to_box
-from flowgrpo.testing.tiny_geneval import save_tiny_geneval_models
+from flowgrpo.testing.tiny_geneval import save_tiny_detr, save_tiny_geneval_models, save_tiny_owlv2
 
 DOG = GENEVAL_OBJECT_NAMES.index("dog")
 
@@ -154,6 +154,23 @@ def test_output_options_and_bad_options(tiny_models, images):
             get_reward("geneval", **bad)
 
 
+def test_box_and_zero_shot_detectors(tiny_models, images, tmp_path):
+    # DETR: boxes only, COCO's 91-id label map with N/A gaps; the colour crop is the box of the unmasked image
+    detr = save_tiny_detr(tmp_path / "detr", favoured_class=DOG)
+    reward = get_reward("geneval", detector=detr, clip_model=tiny_models["clip"])
+    detections = reward.detect(images, METAS)
+    assert reward.detector.kind == "detection" and all(len(d) == 10 for d in detections)
+    top = filter_detections(detections[0], "colors")["dog"][0]
+    assert top.mask is None and top.color is not None
+    assert reward.colour_classifier([crop_object(images[0], top.box, None)], ["dog"]) == [top.color]
+    # OWLv2: the 80 names are the queries
+    owl = get_reward("geneval", detector=save_tiny_owlv2(tmp_path / "owl"), clip_model=tiny_models["clip"])
+    owl.detector.threshold = 0.0
+    found = owl.detector(images[:1])[0]
+    assert owl.detector.kind == "zero_shot" and len(found) == 16  # one box per 8 px patch of the 32 px input
+    assert all(d.label in GENEVAL_OBJECT_NAMES and d.mask is None for d in found)
+
+
 def test_geneval_behind_the_reward_server(reward, images):
     from flowgrpo.rewards.remote import RemoteReward
     from flowgrpo.rewards.server import serve
@@ -186,10 +203,34 @@ def test_training_step_with_geneval(tiny_sd3_path, tiny_models, tmp_path):
                                    "detector_image_size": 64}},
     )
     trainer = FlowGRPOTrainer(model=str(tiny_sd3_path), reward_funcs=["geneval"], args=args,
-                              train_dataset=dataset)
+                              train_dataset=dataset, eval_dataset=dataset)
     trainer.train()
     log = [h for h in trainer.state.log_history if "rewards/geneval/mean" in h][0]
     for key in ("rewards/geneval/counting", "rewards/geneval/position", "rewards/geneval/accuracy",
                 "rewards/geneval/strict_accuracy"):
         assert 0.0 <= log[key] <= 1.0, key
     assert trainer._last_sample_notes and all(n.startswith("geneval: ") for n in trainer._last_sample_notes)
+    metrics = trainer.evaluate()
+    assert 0.0 <= metrics["eval_rewards/geneval/counting"] <= 1.0 and "eval_rewards/geneval/position" in metrics
+
+
+def test_reward_output_notes_and_metrics_reach_the_reward_result():
+    from flowgrpo.rewards import RewardResult, resolve_reward_funcs
+
+    def judged(prompts, images, **columns):
+        return RewardOutput([1.0, 0.0], notes=["ok", None], metrics={"t": [1.0, None], "u": [0.0, 1.0]})
+
+    def plain(prompts, images, **columns):
+        return [0.5, 0.5]
+
+    rewards = resolve_reward_funcs([judged, plain])
+    result = rewards(["a", "b"], [Image.new("RGB", (4, 4))] * 2)
+    assert result.notes == {"judged": ["ok", None]}
+    assert result.metrics == {"judged/t": [1.0, None], "judged/u": [0.0, 1.0]}
+    assert result.image_notes() == ["judged: ok", ""]
+    stats = result.statistics()
+    assert stats["rewards/judged/t"] == 1.0 and stats["rewards/judged/u"] == 0.5
+    both = RewardResult.concatenate([result, result])
+    assert both.metrics["judged/t"] == [1.0, None, 1.0, None] and both.metric_sums()["judged/u"] == (2.0, 4)
+    with pytest.raises(ValueError, match="notes"):
+        RewardOutput([1.0], notes=[])

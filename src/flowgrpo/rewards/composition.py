@@ -8,13 +8,13 @@ returns a `RewardSet`. Calling it scores a batch with every reward and returns a
   ``None`` (a weight-0 reward is logged but does not enter the training reward).
 
 ``None`` is "could not score": it is excluded from the statistics (`reward_statistics`) and never counted as 0.
+A reward that returns NaN (or +-inf) for an image gets ``None`` there, with a warning.
 
 A reward may return a `RewardOutput` instead of a plain list: still the list of scores, plus per-image ``notes``
 (a short text per image, e.g. why GenEval failed it; shown with the logged sample images) and per-image
 ``metrics`` (``{key: [value or None per image]}``, e.g. the per-task accuracy of GenEval, logged as
 ``rewards/<name>/<key>``, the mean over the images that have a value). They land in ``RewardResult.notes`` and
 ``RewardResult.metrics``.
-A reward that returns NaN (or +-inf) for an image gets ``None`` there, with a warning.
 
 A reward that raises is handled by its ``on_failure`` policy (see `flowgrpo.rewards.failures`): ``"raise"`` (the
 default) lets the exception through; ``"skip"`` scores the batch ``None`` for that reward and counts the samples

@@ -285,8 +285,10 @@ class GenEvalDetector:
 
     def _detect_zero_shot(self, images: list[Image.Image]) -> list[list[Detection]]:
         model, processor = self._model, self._processor
-        sizes = [(im.height, im.width) for im in images]
-        grounding = "grounding" in str(getattr(model.config, "model_type", ""))
+        model_type = str(getattr(model.config, "model_type", ""))
+        grounding = "grounding" in model_type
+        # OWLv2 pads each image to a square before predicting: its boxes are relative to that square.
+        sizes = [(max(im.size),) * 2 if model_type == "owlv2" else (im.height, im.width) for im in images]
         results: list[list[Detection]] = [[] for _ in images]
         # Grounding DINO reads one caption of at most 256 tokens: the names go in chunks. OWL takes them all at once.
         chunks = ([list(GENEVAL_OBJECT_NAMES[s:s + 20]) for s in range(0, len(GENEVAL_OBJECT_NAMES), 20)]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["save_tiny_geneval_models", "save_tiny_mask2former", "save_tiny_clip"]
+__all__ = ["save_tiny_clip", "save_tiny_detr", "save_tiny_geneval_models", "save_tiny_mask2former", "save_tiny_owlv2"]
 
 
 def save_tiny_mask2former(folder: str | os.PathLike[str], seed: int = 0, favoured_class: int | None = None,
@@ -91,3 +91,64 @@ def save_tiny_geneval_models(folder: str | os.PathLike[str], seed: int = 0,
         "detector": save_tiny_mask2former(folder / "detector", seed=seed, favoured_class=favoured_class),
         "clip": save_tiny_clip(folder / "clip", seed=seed),
     }
+
+
+def save_tiny_detr(folder: str | os.PathLike[str], seed: int = 0, favoured_class: int | None = None) -> str:
+    """A random DETR (tiny ResNet backbone) with COCO's 91-id label map (``N/A`` gaps included, as
+    ``facebook/detr-resnet-50``) and its image processor: a box-only detector. ``favoured_class``: a COCO class
+    index (0..79) every query then predicts with a probability near 1."""
+    import torch
+    from transformers import DetrConfig, DetrForObjectDetection, ResNetConfig
+    from transformers.models.detr.image_processing_pil_detr import DetrImageProcessorPil
+
+    from ..rewards.geneval import COCO_OBJECT_NAMES
+
+    labels = dict(enumerate(("N/A",) + COCO_OBJECT_NAMES))
+    config = DetrConfig(
+        use_timm_backbone=False,
+        backbone_config=ResNetConfig(embedding_size=8, hidden_sizes=[8, 8, 16, 16], depths=[1, 1, 1, 1],
+                                     layer_type="basic", out_features=["stage4"]),
+        num_queries=10, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16,
+        id2label=labels, label2id={name: i for i, name in labels.items()},
+    )
+    torch.manual_seed(seed)
+    model = DetrForObjectDetection(config).eval()
+    if favoured_class is not None:
+        with torch.no_grad():
+            head = model.class_labels_classifier
+            head.weight.mul_(0.01)
+            head.bias.fill_(-10.0)
+            head.bias[favoured_class + 1] = 10.0  # id 0 is "N/A"
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    DetrImageProcessorPil(size={"shortest_edge": 64, "longest_edge": 96}).save_pretrained(folder)
+    return str(folder)
+
+
+def save_tiny_owlv2(folder: str | os.PathLike[str], seed: int = 0) -> str:
+    """A random OWLv2 (zero-shot detector, 32 px input) with a locally learned CLIP tokenizer, saved to ``folder``."""
+    import torch
+    from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2Processor
+    from transformers.models.owlv2.image_processing_pil_owlv2 import Owlv2ImageProcessorPil
+
+    from .tiny_tokenizers import build_clip_tokenizer
+
+    tokenizer = build_clip_tokenizer()
+    vocab = tokenizer.get_vocab()
+    eos = vocab["<|endoftext|>"]
+    config = Owlv2Config(
+        text_config=dict(vocab_size=len(vocab), hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=16, bos_token_id=vocab["<|startoftext|>"],
+                         eos_token_id=eos, pad_token_id=eos),
+        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        projection_dim=16,
+    )
+    torch.manual_seed(seed)
+    model = Owlv2ForObjectDetection(config).eval()
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    Owlv2Processor(image_processor=Owlv2ImageProcessorPil(size={"height": 32, "width": 32}),
+                   tokenizer=tokenizer).save_pretrained(folder)
+    return str(folder)
