@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from flowgrpo.evaluate import layout
@@ -94,7 +95,7 @@ def test_images_mode_scores_a_folder_made_by_another_tool(tmp_path):
     assert summary["rewards"]["toy_count"]["mean"] == 1.0
 
 
-def test_lora_folder_is_loaded_and_changes_the_images(tiny_sd3_path, tmp_path):
+def test_lora_or_fine_tuned_transformer_is_loaded_and_changes_the_images(tiny_sd3_path, tmp_path):
     from diffusers import StableDiffusion3Pipeline
     from peft import LoraConfig, get_peft_model
 
@@ -113,11 +114,24 @@ def test_lora_folder_is_loaded_and_changes_the_images(tiny_sd3_path, tmp_path):
     assert (tmp_path / "tuned" / "00000" / "samples" / "0000.png").read_bytes() != base
     assert not (tmp_path / "base" / "results.jsonl").exists()  # --skip_scoring
 
+    # a fully fine-tuned transformer, as a run without LoRA writes it (<output_dir>/transformer)
+    from diffusers import SD3Transformer2DModel
+
+    full = SD3Transformer2DModel.from_pretrained(tiny_sd3_path, subfolder="transformer")
+    with torch.no_grad():
+        full.proj_out.bias.add_(0.5)
+    full.save_pretrained(tmp_path / "full_run" / "transformer")
+    assert _toy_run(tiny_sd3_path, prompts, tmp_path / "full", "--transformer", str(tmp_path / "full_run"),
+                    *common) == 0
+    assert (tmp_path / "full" / "00000" / "samples" / "0000.png").read_bytes() != base
+    from flowgrpo.evaluate.generation import load_lora
+
+    with pytest.raises(ValueError, match="pass it with --transformer"):
+        load_lora(pipe, str(tmp_path / "full_run"))
+
     (tmp_path / "peft_only").mkdir()
     (tmp_path / "peft_only" / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="adapter_model.safetensors, peft's format"):
-        from flowgrpo.evaluate.generation import load_lora
-
         load_lora(pipe, str(tmp_path / "peft_only"))
 
 

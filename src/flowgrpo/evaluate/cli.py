@@ -59,6 +59,9 @@ def build_parser(prog: str = "flowgrpo evaluate") -> argparse.ArgumentParser:
     _flag(what, "lora", default=None, metavar="ID_OR_PATH",
           help="LoRA to load with the pipeline's load_lora_weights: a Hub id, or a folder (a training output or "
                "checkpoint) holding pytorch_lora_weights.safetensors, or that file")
+    _flag(what, "transformer", default=None, metavar="PATH",
+          help="a fully fine-tuned transformer to use instead of the model's: the folder a run without LoRA wrote "
+               "(<output_dir>/transformer, or <output_dir>)")
     _flag(what, "metadata", default=None, metavar="PATH",
           help="the benchmark's prompts: geneval: GenEval's evaluation_metadata.jsonl (default "
                "data/geneval/evaluation_metadata.jsonl, from `python scripts/prepare_data.py geneval`); ocr / "
@@ -168,7 +171,7 @@ def settings_from_args(args: argparse.Namespace):
     if metadata is None:
         metadata = benchmark.default_metadata or str(Path(model) / "prompts_eval.txt")
     return EvaluationSettings(benchmark, Path(args.output), protocol, model=model, revision=args.revision,
-                              lora=args.lora, metadata=str(metadata), batch_size=args.batch_size,
+                              lora=args.lora, transformer=args.transformer, metadata=str(metadata), batch_size=args.batch_size,
                               max_prompts=args.max_prompts, reward_kwargs=reward_kwargs,
                               skip_grid=args.skip_grid, skip_scoring=args.skip_scoring)
 

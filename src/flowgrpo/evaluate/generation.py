@@ -76,6 +76,9 @@ def load_lora(pipeline: Any, lora: str) -> int:
     if path.is_file():
         pipeline.load_lora_weights(str(path.parent), weight_name=path.name)
     elif path.is_dir():
+        if not (path / LORA_WEIGHTS_NAME).is_file() and (path / "transformer" / "config.json").is_file():
+            raise ValueError(f"--lora {lora!r} holds a fully fine-tuned transformer (transformer/), not a LoRA: pass "
+                             "it with --transformer instead.")
         if not (path / LORA_WEIGHTS_NAME).is_file():
             found = sorted(p.name for p in path.glob("*.safetensors"))
             extra = (f" It holds {PEFT_ADAPTER_NAME}, peft's format, which diffusers does not read: give the run's "
@@ -127,6 +130,20 @@ def check_model(model: str, revision: str | None = None) -> None:
     name = index.get("_class_name")
     if name:
         check_text_to_image_family(family_adapter_class(name), name)
+
+
+def load_transformer(pipeline: Any, path: str) -> None:
+    """Replace ``pipeline.transformer`` by a fully fine-tuned one: a folder written by ``save_pretrained`` (what the
+    trainers write to ``<output_dir>/transformer`` without LoRA), or the run's output folder holding it."""
+    folder = Path(path).expanduser()
+    if (folder / "transformer" / "config.json").is_file():
+        folder = folder / "transformer"
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--transformer {path!r} holds no transformer (no config.json, nor transformer/config.json): "
+                         "give the folder a full fine-tuning run wrote (<output_dir>/transformer).")
+    current = pipeline.transformer
+    dtype = next(current.parameters()).dtype
+    pipeline.transformer = type(current).from_pretrained(str(folder), dtype=dtype)
 
 
 class ImageGenerator:
@@ -189,5 +206,6 @@ class ImageGenerator:
 
 __all__ = [
     "LORA_WEIGHTS_NAME", "ImageGenerator", "check_model", "check_text_to_image_family", "load_lora", "load_pipeline",
+    "load_transformer",
     "looks_like_local_path", "torch_dtype",
 ]

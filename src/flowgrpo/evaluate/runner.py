@@ -29,6 +29,7 @@ class EvaluationSettings:
     model: str | None = None
     revision: str | None = None
     lora: str | None = None
+    transformer: str | None = None
     metadata: str | None = None
     images: Path | None = None
     batch_size: int = 8
@@ -40,11 +41,12 @@ class EvaluationSettings:
     def record(self, prompts: int) -> dict[str, Any]:
         """What ``evaluation.json`` keeps of this run (compared when a run resumes in the same folder)."""
         return {"benchmark": self.benchmark.name, "model": self.model, "revision": self.revision, "lora": self.lora,
-                "metadata": self.metadata, "prompts": prompts, "protocol": self.protocol.as_dict()}
+                "transformer": self.transformer, "metadata": self.metadata, "prompts": prompts,
+                "protocol": self.protocol.as_dict()}
 
 
 #: Fields of ``evaluation.json`` that must agree for a run to resume in a folder.
-RESUME_KEYS = ("benchmark", "model", "revision", "lora", "protocol")
+RESUME_KEYS = ("benchmark", "model", "revision", "lora", "transformer", "protocol")
 
 
 def check_resumable(output: Path, record: Mapping[str, Any]) -> None:
@@ -149,10 +151,12 @@ def _generate(settings: EvaluationSettings, rows: list[dict], mine: list[int], d
     if jobs:
         import torch
 
-        from .generation import ImageGenerator, load_lora, load_pipeline, torch_dtype
+        from .generation import ImageGenerator, load_lora, load_pipeline, load_transformer, torch_dtype
 
         _quiet_loading_bars()
         pipeline = load_pipeline(settings.model, torch_dtype(protocol.dtype, dist.device), settings.revision)
+        if settings.transformer:
+            load_transformer(pipeline, settings.transformer)
         if settings.lora:
             load_lora(pipeline, settings.lora)
         generator = ImageGenerator(pipeline, protocol, dist.device)
