@@ -125,6 +125,17 @@ class PromptFolder:
     samples: tuple[Path, ...]
 
 
+def read_prompt_folder(folder: str | os.PathLike) -> PromptFolder:
+    """One prompt folder (named by its index): its metadata line and its ``samples/<digits>.png``, by number."""
+    folder = Path(folder)
+    samples_dir = folder / SAMPLES_DIR
+    samples = []
+    if samples_dir.is_dir():
+        samples = [p for p in samples_dir.iterdir() if p.is_file() and _SAMPLE_FILE.fullmatch(p.name)]
+    samples.sort(key=lambda p: int(_SAMPLE_FILE.fullmatch(p.name).group(1)))
+    return PromptFolder(int(folder.name), folder, read_prompt_metadata(folder), tuple(samples))
+
+
 def read_image_folder(images_dir: str | os.PathLike) -> list[PromptFolder]:
     """Every prompt folder of ``images_dir`` in index order, read as GenEval's ``evaluate_images.py`` reads them:
     subfolders named with digits only, each with ``metadata.jsonl`` and ``samples/<digits>.png``.
@@ -135,16 +146,8 @@ def read_image_folder(images_dir: str | os.PathLike) -> list[PromptFolder]:
     if not root.is_dir():
         raise ValueError(f"--images {str(images_dir)!r} is not a folder; give the folder that holds 00000/, 00001/, "
                          "... (GenEval's layout).")
-    folders = []
-    for child in root.iterdir():
-        if not child.is_dir() or not _PROMPT_DIR.fullmatch(child.name):
-            continue
-        samples_dir = child / SAMPLES_DIR
-        samples = []
-        if samples_dir.is_dir():
-            samples = [p for p in samples_dir.iterdir() if p.is_file() and _SAMPLE_FILE.fullmatch(p.name)]
-        samples.sort(key=lambda p: int(_SAMPLE_FILE.fullmatch(p.name).group(1)))
-        folders.append(PromptFolder(int(child.name), child, read_prompt_metadata(child), tuple(samples)))
+    folders = [read_prompt_folder(child) for child in root.iterdir()
+               if child.is_dir() and _PROMPT_DIR.fullmatch(child.name)]
     if not folders:
         raise ValueError(f"{str(images_dir)!r} holds no prompt folder: GenEval's layout is <dir>/00000/metadata.jsonl "
                          "and <dir>/00000/samples/0000.png, one folder per prompt.")
@@ -175,6 +178,6 @@ def _write_text_atomic(path: Path, text: str) -> None:
 __all__ = [
     "EVALUATION_FILE", "GRID_FILE", "METADATA_FILE", "RESULTS_FILE", "SAMPLES_DIR", "SUMMARY_JSON_FILE",
     "SUMMARY_MD_FILE", "PromptFolder", "existing_samples", "prompt_dir", "read_image_folder", "read_jsonl",
-    "read_prompt_metadata", "sample_path", "save_grid", "save_image", "write_jsonl", "write_prompt_metadata",
+    "read_prompt_folder", "read_prompt_metadata", "sample_path", "save_grid", "save_image", "write_jsonl", "write_prompt_metadata",
     "write_text",
 ]

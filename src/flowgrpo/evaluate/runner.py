@@ -107,12 +107,9 @@ def run_evaluation(settings: EvaluationSettings) -> dict[str, Any] | None:
             layout.write_text(output / layout.EVALUATION_FILE, json.dumps(record, indent=2) + "\n")
         mine = list(range(len(rows)))[dist.rank::dist.world]
         _generate(settings, rows, mine, dist)
-        folders = [_own_folder(output, i) for i in mine]
-        folders = [f for f in folders if f is not None]
-        images_root = output
+        folders = [layout.read_prompt_folder(layout.prompt_dir(output, i)) for i in mine]
     else:
         folders = layout.read_image_folder(settings.images)[dist.rank::dist.world]
-        images_root = settings.images
     if settings.skip_scoring:
         dist.wait()
         return None
@@ -127,14 +124,7 @@ def run_evaluation(settings: EvaluationSettings) -> dict[str, Any] | None:
         path = output / f"results.rank{rank}.jsonl"
         merged += layout.read_jsonl(path)
         path.unlink()
-    summary = _summarize(settings, merged, images_root)
-    return summary
-
-
-def _own_folder(output: Path, index: int) -> layout.PromptFolder | None:
-    folder = layout.prompt_dir(output, index)
-    samples = tuple(sorted((folder / layout.SAMPLES_DIR).glob("[0-9]*.png"), key=lambda p: int(p.stem)))
-    return layout.PromptFolder(index, folder, layout.read_prompt_metadata(folder), samples)
+    return _summarize(settings, merged)
 
 
 def _generate(settings: EvaluationSettings, rows: list[dict], mine: list[int], dist: _Distributed) -> None:
@@ -219,11 +209,11 @@ def _score(settings: EvaluationSettings, folders: list[layout.PromptFolder], dis
         bar.close()
 
 
-def _summarize(settings: EvaluationSettings, records: list[dict], images_root: Path) -> dict[str, Any]:
+def _summarize(settings: EvaluationSettings, records: list[dict]) -> dict[str, Any]:
     """Write ``results.jsonl``, ``summary.json`` and ``summary.md`` into the output folder; return the summary."""
     benchmark = settings.benchmark
     output = settings.output
-    records.sort(key=lambda r: _record_order(r, images_root))
+    records.sort(key=_record_order)
     if benchmark.scored_by_rewards:
         from .reward_scoring import reward_summary_markdown, summarize_reward_records
 
@@ -243,7 +233,7 @@ def _summarize(settings: EvaluationSettings, records: list[dict], images_root: P
     return {**summary, "markdown": markdown}
 
 
-def _record_order(record: Mapping[str, Any], images_root: Path) -> tuple[int, int]:
+def _record_order(record: Mapping[str, Any]) -> tuple[int, int]:
     """(prompt index, sample number) of a record, read from its image path."""
     path = Path(record["filename"])
     try:
