@@ -55,6 +55,8 @@ setup(
     python_requires=">=3.10",
     package_dir={"": "src"},
     packages=find_packages("src"),
+    # The toy world of the recipes and the demo (4.4 MB, made by scripts/make_toy_world.py --ship).
+    package_data={"flowgrpo.toy": ["shipped_world/*", "shipped_world/*/*"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={
