@@ -7,6 +7,7 @@ an independent computation with stock transformers parts (sequential positions, 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -27,6 +28,12 @@ from flowgrpo.testing.seeding import seeded_component
 from flowgrpo.testing.tiny_vlms import cached_tiny_vlm_path
 
 PIXELS = 56 * 56  # 4 merged image tokens per image: keeps the tiny model's sequences short
+
+
+def _noise(width, height):
+    """A fixed noise image (the same pixels on every call)."""
+    rng = np.random.default_rng(width * 1000 + height)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 def _official_layout(state: dict) -> dict:
@@ -89,7 +96,7 @@ def test_score_is_mu_at_the_reward_token_with_sequential_positions(hpsv3_checkpo
     reward = _reward(base, folder, batch_size=4)
     prompts = ["a red square", "a cat sitting on a wooden table, oil painting", "two dogs"]
     images = [Image.new("RGB", (64, 48), "red"), Image.new("RGB", (40, 40), (10, 200, 30)),
-              Image.effect_noise((50, 70), 60).convert("RGB")]
+              _noise(50, 70)]
     scores = reward(prompts, images)
     assert len(scores) == 3 and all(isinstance(s, float) for s in scores)
 
