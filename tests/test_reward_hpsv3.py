@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from flowgrpo.rewards import get_reward
+from flowgrpo.rewards import get_reward, list_rewards
 from flowgrpo.rewards.hpsv3 import (
     HPSV3_INSTRUCTION,
     HPSV3_REWARD_SUFFIX,
@@ -148,3 +148,7 @@ def test_bad_checkpoints_are_named(hpsv3_checkpoint, tmp_path):
         _reward(base, tmp_path / "nowhere").load()
     with pytest.raises(ValueError, match="output"):
         HPSv3Reward(output="median")
+
+
+def test_the_vlm_rewards_are_registered():
+    assert {"hpsv3", "unifiedreward", "vqascore", "deqa"} <= set(list_rewards())
