@@ -1,5 +1,5 @@
 """`unifiedreward`: the reference's prompt, 512x512 resize, ``Final Score`` parse and policies, against a fake
-OpenAI-compatible server on the loopback address, and in process on a tiny random Qwen2.5-VL."""
+OpenAI-compatible server on the loopback address, and in process on tiny random Qwen2.5-VL and Qwen3-VL models."""
 
 from __future__ import annotations
 
@@ -86,10 +86,11 @@ def test_final_score_parse_matches_the_reference_pattern():
     assert parse_final_score(None) is None
 
 
-def test_transformers_backend_generates_greedily_on_a_tiny_qwen2_5_vl():
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_transformers_backend_generates_greedily_on_tiny_qwen_vlms(kind):
     from transformers import AutoModelForImageTextToText
 
-    path = cached_tiny_vlm_path("qwen2_5_vl")
+    path = cached_tiny_vlm_path(kind)
     reward = get_reward("unifiedreward", backend="transformers", model=str(path), device="cpu", dtype="float32",
                         max_new_tokens=3, batch_size=2)
     prompts = ["a red apple", "a cat sitting on a wooden table", "a dog"]

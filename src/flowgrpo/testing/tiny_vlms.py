@@ -8,6 +8,10 @@
 * ``"qwen2_vl"``: ``Qwen2VLForConditionalGeneration`` (the backbone of HPSv3): text hidden 32, 2 layers, 2 heads of
   16, RoPE sections (2, 3, 3); a Qwen2-VL vision tower of depth 1 (width 16, patch 14, spatial merge 2, output 32),
   with a ``Qwen2VLProcessor``.
+* ``"qwen3_vl"``: ``Qwen3VLForConditionalGeneration`` (the family of the Qwen3-VL-based UnifiedReward 2.0
+  checkpoints): text hidden 32, 2 layers, 2 heads of 16, interleaved RoPE sections (4, 2, 2); a Qwen3-VL vision
+  tower of depth 1 (width 16, patch 16, spatial merge 2, a 4 x 4 learned position grid, DeepStack from block 0),
+  with a ``Qwen3VLProcessor``. Its chat template is the Qwen2-VL one above (the format, not Qwen3-VL's wording).
 
 Both are saved in one folder as on the hub (model, tokenizer, image-processor config) and load back with
 ``AutoModelForImageTextToText.from_pretrained`` and the processor loader of :mod:`flowgrpo.rewards.vlm_models`.
@@ -25,7 +29,7 @@ from typing import Any
 
 __all__ = ["QWEN2_VL_CHAT_TEMPLATE", "TINY_VLM_KINDS", "build_tiny_vlm", "cached_tiny_vlm_path", "save_tiny_vlm"]
 
-TINY_VLM_KINDS = ("qwen2_5_vl", "qwen2_vl")
+TINY_VLM_KINDS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
 _BUILD_REVISION = 1
 
@@ -69,13 +73,37 @@ _QWEN2_VL_VISION = {
     "spatial_merge_size": 2,
     "temporal_patch_size": 2,
 }
+_QWEN3_VL_TEXT = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2],
+                        "mrope_interleaved": True},
+}
+_QWEN3_VL_VISION = {
+    "depth": 1,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 32,
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0],
+}
 _IMAGE_PROCESSOR = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
+_QWEN3_IMAGE_PROCESSOR = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2}
 
 
-def _image_processor() -> Any:
+def _image_processor(kind: str) -> Any:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(**_IMAGE_PROCESSOR)
+    return Qwen2VLImageProcessorPil(**(_QWEN3_IMAGE_PROCESSOR if kind == "qwen3_vl" else _IMAGE_PROCESSOR))
 
 
 def _tokenizer() -> Any:
@@ -107,6 +135,22 @@ def _qwen2_vl(tokenizer: Any, seed: int) -> Any:
         return Qwen2VLForConditionalGeneration(config).eval()
 
 
+def _qwen3_vl(tokenizer: Any, seed: int) -> Any:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from .seeding import seeded_component
+
+    ids = _token_ids(tokenizer)
+    text = dict(_QWEN3_VL_TEXT, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"])
+    text["rope_parameters"] = dict(_QWEN3_VL_TEXT["rope_parameters"])
+    config = Qwen3VLConfig(text_config=text, vision_config=dict(_QWEN3_VL_VISION),
+                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    with seeded_component(seed, 33):
+        return Qwen3VLForConditionalGeneration(config).eval()
+
+
 def _qwen2_5_vl(tokenizer: Any, seed: int) -> Any:
     from .seeding import seeded_component
     from .tiny_qwenimage import _text_encoder
@@ -115,7 +159,9 @@ def _qwen2_5_vl(tokenizer: Any, seed: int) -> Any:
         return _text_encoder(tokenizer).eval()
 
 
-_PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+_PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                      "qwen3_vl": "Qwen3VLProcessor"}
+_MODEL_BUILDERS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl}
 
 
 def build_tiny_vlm(kind: str = "qwen2_5_vl", seed: int = 0) -> tuple[Any, Any, Any]:
@@ -126,8 +172,7 @@ def build_tiny_vlm(kind: str = "qwen2_5_vl", seed: int = 0) -> tuple[Any, Any, A
     if kind not in TINY_VLM_KINDS:
         raise ValueError(f"unknown tiny VLM {kind!r}; choose one of {', '.join(TINY_VLM_KINDS)}")
     tokenizer = _tokenizer()
-    model = _qwen2_vl(tokenizer, seed) if kind == "qwen2_vl" else _qwen2_5_vl(tokenizer, seed)
-    return model, tokenizer, _image_processor()
+    return _MODEL_BUILDERS[kind](tokenizer, seed), tokenizer, _image_processor(kind)
 
 
 def save_tiny_vlm(kind: str, output_dir: str | os.PathLike[str], seed: int = 0) -> Path:
@@ -155,7 +200,8 @@ def _fingerprint(kind: str, seed: int) -> str:
 
     spec = {
         "revision": _BUILD_REVISION, "kind": kind, "seed": seed,
-        "configs": [_QWEN2_VL_TEXT, _QWEN2_VL_VISION, _IMAGE_PROCESSOR, QWEN_CONFIGS, QWEN2_VL_CHAT_TEMPLATE],
+        "configs": [_QWEN2_VL_TEXT, _QWEN2_VL_VISION, _QWEN3_VL_TEXT, _QWEN3_VL_VISION, _IMAGE_PROCESSOR,
+                    _QWEN3_IMAGE_PROCESSOR, QWEN_CONFIGS, QWEN2_VL_CHAT_TEMPLATE],
         "tokenizer": [PROMPT_CORPUS, QWEN_NUM_MERGES, QWEN_SPECIAL_TOKENS],
         "versions": [torch.__version__, transformers.__version__],
     }
