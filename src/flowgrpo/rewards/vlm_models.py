@@ -66,13 +66,28 @@ def _processor_class_name(path: str) -> str | None:
     return None
 
 
+def _template_file(path: str, name: str) -> Path | None:
+    """``name`` in the local folder ``path``, or downloaded from the hub repository ``path``; ``None`` if absent."""
+    local = Path(path) / name
+    if local.is_file():
+        return local
+    if Path(path).is_dir():
+        return None
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(path, name))
+    except Exception:  # noqa: BLE001 - the repository simply may not have this file
+        return None
+
+
 def _read_chat_template(path: str, tokenizer: Any) -> str | None:
-    folder = Path(path)
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
+    """The chat template from ``chat_template.jinja``, ``chat_template.json`` or the tokenizer, in that order."""
+    jinja = _template_file(path, "chat_template.jinja")
+    if jinja is not None:
         return jinja.read_text()
-    js = folder / "chat_template.json"
-    if js.is_file():
+    js = _template_file(path, "chat_template.json")
+    if js is not None:
         return json.loads(js.read_text()).get("chat_template")
     return getattr(tokenizer, "chat_template", None)
 
@@ -149,25 +164,22 @@ def load_vlm(model_name_or_path: str, processor_name_or_path: str | None, device
 def chat_text(processor: Any, question: str, system_prompt: str | None = None) -> str:
     """One user turn ``[image, question]`` rendered with the processor's chat template, ending with the generation
     prompt (the assistant turn's opening)."""
-    if not getattr(processor, "chat_template", None):
+    template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
+    if not template:
         raise ValueError(f"{type(processor).__name__} has no chat template; give a processor folder that has one "
                          f"(chat_template.jinja / chat_template.json or the tokenizer's chat_template)")
     messages: list[dict] = []
     if system_prompt:
         messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
     messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
-    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return processor.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
 
 
 def vlm_batch(processor: Any, texts: Sequence[str], images: Sequence[Image.Image], device: Any,
               padding_side: str = "left") -> dict[str, Any]:
     """Processor outputs for ``texts`` (each with one image placeholder) and ``images``, padded on
-    ``padding_side``, moved to ``device`` (pixel values keep float32; the model casts them)."""
-    tokenizer = processor.tokenizer
-    previous = tokenizer.padding_side
-    tokenizer.padding_side = padding_side
-    try:
-        batch = processor(text=list(texts), images=[as_rgb(im) for im in images], padding=True, return_tensors="pt")
-    finally:
-        tokenizer.padding_side = previous
+    ``padding_side`` (per call: the shared processor is not modified), moved to ``device`` (pixel values stay
+    float32; the model casts them)."""
+    batch = processor(text=list(texts), images=[as_rgb(im) for im in images], padding=True,
+                      padding_side=padding_side, return_tensors="pt")
     return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
