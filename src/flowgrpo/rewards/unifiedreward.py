@@ -104,7 +104,8 @@ class UnifiedReward:
     Args:
         backend: ``"server"`` (an OpenAI-compatible server) or ``"transformers"`` (in-process).
         model: the served model name (server; default ``UnifiedReward-7b-v1.5``, the reference's) or the checkpoint
-            (transformers; hub id or local folder, default ``CodeGoat24/UnifiedReward-qwen-7b``).
+            (transformers; hub id or local folder, default ``CodeGoat24/UnifiedReward-qwen-7b``); alias
+            ``model_name_or_path``.
         on_unparsable: an answer without ``Final Score``: ``"zero"`` (default, the reference), ``"none"`` (scored
             ``None``, excluded), ``"raise"``, or a number to score instead.
         prompt_template: the question (``{prompt}`` is the caption).
@@ -137,7 +138,11 @@ class UnifiedReward:
         batch_size: int = 4,
         max_new_tokens: int = 512,
         reward_device: str | None = None,
+        model_name_or_path: str | None = None,
     ):
+        if model is not None and model_name_or_path is not None and model != model_name_or_path:
+            raise ValueError(f"give the judge once: model={model!r} and model_name_or_path={model_name_or_path!r}")
+        model = model if model is not None else model_name_or_path
         if backend not in ("server", "transformers"):
             raise ValueError(f"backend must be 'server' (an OpenAI-compatible server) or 'transformers' "
                              f"(in-process), got {backend!r}")
