@@ -64,6 +64,15 @@ def test_vqascore_is_the_softmax_probability_of_yes(tiny_vlm):
         expected.append(torch.softmax(logits, -1)[yes].item())
     assert scores == pytest.approx(expected, rel=1e-4, abs=1e-7)
     assert all(isinstance(s, float) and 0.0 < s < 1.0 for s in scores)
+
+    # t2v_metrics' way for its Qwen2-VL models: the first step's scores of a greedy one-token generate
+    question = f'Does this figure show "{PROMPTS[0]}"? Please answer yes or no.'
+    batch = processor(text=[TEMPLATE_HEAD + IMAGE + question + TEMPLATE_TAIL], images=[_images()[0]],
+                      return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=1, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    assert scores[0] == pytest.approx(torch.softmax(out.scores[0], -1)[0, yes].item(), rel=1e-4)
     assert len(set(scores)) == 3
     assert reward([], []) == []
 
