@@ -76,6 +76,9 @@ def test_unparsable_policies(server):
         UnifiedReward(on_unparsable="skip", health_check=False)
     with pytest.raises(ValueError, match="backend"):
         UnifiedReward(backend="sglang")
+    remote = UnifiedReward(health_check=False)
+    assert remote.to() is remote and remote._loaded_model is None  # a served judge has no local weights to move
+    remote.offload()
 
 
 def test_final_score_parse_matches_the_reference_pattern():

@@ -32,7 +32,16 @@ from typing import Any
 from PIL import Image
 
 from .registry import register_reward
-from .vlm_models import as_rgb, chat_text, load_vlm, resolve_device, resolve_dtype, vlm_batch
+from .vlm_models import (
+    OffloadableModelReward,
+    as_rgb,
+    chat_text,
+    load_vlm,
+    pick_device,
+    resolve_device,
+    resolve_dtype,
+    vlm_batch,
+)
 
 __all__ = ["DEFAULT_DEQA_MODEL", "DEQA_LEVELS", "DEQA_QUESTION", "DeQAScore", "expand_to_square", "level_token_ids"]
 
@@ -69,7 +78,7 @@ def expand_to_square(image: Image.Image, fill: tuple[int, ...]) -> Image.Image:
 
 
 @register_reward("deqa")
-class DeQAScore:
+class DeQAScore(OffloadableModelReward):
     """DeQA-Score's expected level score in [0.2, 1] from any transformers VLM (see the module docstring).
 
     Args:
@@ -114,13 +123,13 @@ class DeQAScore:
         self.level_token_prefix = level_token_prefix
         self.divide_by = float(divide_by)
         self.pad_to_square = bool(pad_to_square)
-        self.device_name = reward_device if reward_device is not None else device
+        self.device_name = pick_device(device, reward_device)
         self.dtype_name = dtype
         self.batch_size = int(batch_size)
         self._lock = threading.Lock()
         self.__name__ = "deqa"
 
-    def load(self) -> tuple[Any, Any]:
+    def _load(self) -> tuple[Any, Any]:
         device = resolve_device(self.device_name)
         dtype = resolve_dtype(self.dtype_name, "bfloat16" if device.type == "cuda" else "float32")
         return load_vlm(self.model_name_or_path, self.processor_name_or_path, device, dtype)

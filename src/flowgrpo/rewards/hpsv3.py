@@ -37,7 +37,16 @@ from typing import Any
 from PIL import Image
 
 from .registry import register_reward
-from .vlm_models import as_rgb, chat_text, load_vlm_processor, resolve_device, resolve_dtype, vlm_batch
+from .vlm_models import (
+    OffloadableModelReward,
+    as_rgb,
+    chat_text,
+    load_vlm_processor,
+    pick_device,
+    resolve_device,
+    resolve_dtype,
+    vlm_batch,
+)
 
 __all__ = [
     "DEFAULT_HPSV3_BASE_MODEL",
@@ -286,7 +295,7 @@ _MODELS_LOCK = threading.Lock()
 
 
 @register_reward("hpsv3")
-class HPSv3Reward:
+class HPSv3Reward(OffloadableModelReward):
     """HPSv3's ``mu`` for each (prompt, image) (see the module docstring).
 
     Args:
@@ -322,15 +331,14 @@ class HPSv3Reward:
         self.model_name_or_path = str(model_name_or_path)
         self.base_model_name_or_path = str(base_model_name_or_path)
         self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
-        self.device_name = reward_device if reward_device is not None else device
+        self.device_name = pick_device(device, reward_device)
         self.dtype_name = dtype
         self.batch_size = int(batch_size)
         self.output = output
         self._lock = threading.Lock()
         self.__name__ = "hpsv3"
 
-    def load(self) -> tuple[Any, Any]:
-        """Load (once per process and settings) and return ``(HPSv3Model, processor)``."""
+    def _load(self) -> tuple[Any, Any]:
         device = resolve_device(self.device_name)
         dtype = resolve_dtype(self.dtype_name, "bfloat16" if device.type == "cuda" else "float32")
         key = (self.model_name_or_path, self.base_model_name_or_path, str(device), str(dtype))

@@ -31,7 +31,16 @@ from PIL import Image
 
 from .registry import register_reward
 from .vlm_judge import VLMJudgeReward
-from .vlm_models import as_rgb, chat_text, load_vlm, resolve_device, resolve_dtype, vlm_batch
+from .vlm_models import (
+    OffloadableModelReward,
+    as_rgb,
+    chat_text,
+    load_vlm,
+    pick_device,
+    resolve_device,
+    resolve_dtype,
+    vlm_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +107,7 @@ class _UnifiedRewardJudge(VLMJudgeReward):
 
 
 @register_reward("unifiedreward")
-class UnifiedReward:
+class UnifiedReward(OffloadableModelReward):
     """UnifiedReward's ``Final Score`` / 5 (see the module docstring).
 
     Args:
@@ -168,7 +177,7 @@ class UnifiedReward:
                 raise ValueError("prompt_template must contain '{prompt}'")
             self.model = model or DEFAULT_INPROCESS_MODEL
         self.processor_name_or_path = processor_name_or_path
-        self.device_name = reward_device if reward_device is not None else device
+        self.device_name = pick_device(device, reward_device)
         self.dtype_name = dtype
         self.batch_size = int(batch_size)
         self.max_new_tokens = int(max_new_tokens)
@@ -198,7 +207,11 @@ class UnifiedReward:
 
     # ---- in-process backend ------------------------------------------------------------------------------------
 
-    def load(self) -> tuple[Any, Any]:
+    def to(self, device: Any = None) -> UnifiedReward:
+        """Move the in-process judge to ``device`` (the server backend has no local weights: nothing happens)."""
+        return self if self._judge is not None else super().to(device)
+
+    def _load(self) -> tuple[Any, Any]:
         device = resolve_device(self.device_name)
         dtype = resolve_dtype(self.dtype_name, "bfloat16" if device.type == "cuda" else "float32")
         return load_vlm(self.model, self.processor_name_or_path, device, dtype)

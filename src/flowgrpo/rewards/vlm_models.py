@@ -23,7 +23,8 @@ from typing import Any
 
 from PIL import Image
 
-__all__ = ["as_rgb", "chat_text", "load_vlm", "load_vlm_processor", "resolve_device", "resolve_dtype", "vlm_batch"]
+__all__ = ["OffloadableModelReward", "as_rgb", "chat_text", "load_vlm", "load_vlm_processor", "pick_device",
+           "resolve_device", "resolve_dtype", "vlm_batch"]
 
 _MODELS: dict[tuple, tuple[Any, Any]] = {}
 _MODELS_LOCK = threading.Lock()
@@ -41,6 +42,41 @@ def resolve_dtype(dtype: Any, default: str = "float32") -> Any:
     from .clip_scorers import _resolve_dtype
 
     return _resolve_dtype(default if dtype is None else dtype)
+
+
+def pick_device(device: Any, reward_device: Any) -> Any:
+    """The one device of the ``device`` / ``reward_device`` pair of options (two names for the same option)."""
+    if device is not None and reward_device is not None and str(device) != str(reward_device):
+        raise ValueError(f"device={device!r} and reward_device={reward_device!r} disagree; give only one of them")
+    return reward_device if reward_device is not None else device
+
+
+class OffloadableModelReward:
+    """Placement methods of a reward whose ``load()`` returns ``(model, processor)``: ``to(device=None)`` moves the
+    weights to ``device`` (default: the reward's own device) and returns the reward; ``offload()`` moves them to the
+    CPU (nothing before the first load). ``reward_offload`` calls them around each scoring. Inputs always follow the
+    model's current device, so a model shared by two rewards scores correctly wherever it is."""
+
+    device_name: Any = None
+    _loaded_model: Any = None
+
+    def _load(self) -> tuple[Any, Any]:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def load(self) -> tuple[Any, Any]:
+        """Load (once; cached per process and settings) and return ``(model, processor)``."""
+        model, processor = self._load()
+        self._loaded_model = model
+        return model, processor
+
+    def to(self, device: Any = None) -> OffloadableModelReward:
+        model, _ = self.load()
+        model.to(resolve_device(device if device is not None else self.device_name))
+        return self
+
+    def offload(self) -> None:
+        if self._loaded_model is not None:
+            self._loaded_model.to("cpu")
 
 
 def as_rgb(image: Any) -> Image.Image:

@@ -26,7 +26,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from .registry import register_reward
-from .vlm_models import chat_text, load_vlm, resolve_device, resolve_dtype, vlm_batch
+from .vlm_models import (
+    OffloadableModelReward,
+    chat_text,
+    load_vlm,
+    pick_device,
+    resolve_device,
+    resolve_dtype,
+    vlm_batch,
+)
 
 __all__ = ["DEFAULT_VQASCORE_MODEL", "DEFAULT_VQASCORE_QUESTION", "VQAScore", "answer_token_id"]
 
@@ -43,7 +51,7 @@ def answer_token_id(tokenizer: Any, answer: str) -> int:
 
 
 @register_reward("vqascore")
-class VQAScore:
+class VQAScore(OffloadableModelReward):
     """P("Yes") of a vision-language model asked whether the image shows the prompt (see the module docstring).
 
     Args:
@@ -80,13 +88,13 @@ class VQAScore:
         self.question_template = question_template
         self.answer = answer
         self.system_prompt = system_prompt
-        self.device_name = reward_device if reward_device is not None else device
+        self.device_name = pick_device(device, reward_device)
         self.dtype_name = dtype
         self.batch_size = int(batch_size)
         self._lock = threading.Lock()
         self.__name__ = "vqascore"
 
-    def load(self) -> tuple[Any, Any]:
+    def _load(self) -> tuple[Any, Any]:
         device = resolve_device(self.device_name)
         dtype = resolve_dtype(self.dtype_name, "bfloat16" if device.type == "cuda" else "float32")
         return load_vlm(self.model_name_or_path, self.processor_name_or_path, device, dtype)
