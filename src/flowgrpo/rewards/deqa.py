@@ -86,7 +86,8 @@ class DeQAScore(OffloadableModelReward):
         processor_name_or_path: its processor (default: the model's folder).
         question, answer_prefix: the user question and the assistant's opening words before the level word.
         levels: ``(word, value)`` pairs; the softmax runs over the words' first tokens.
-        level_token_prefix: text before each level word when finding its token (" " for BPE tokenizers).
+        level_token_prefix: text before each level word when finding its token (" " for byte-level BPE tokenizers
+            such as Qwen's, "" for SentencePiece ones such as LLaMA's, which mark the word start themselves).
         divide_by: the expected value is divided by this (5: Flow-GRPO's scale; 1: DeQA's 1-5 scale).
         pad_to_square: apply DeQA's ``expand2square`` first.
         device (alias ``reward_device``), dtype, batch_size: placement, precision (bfloat16 on CUDA, float32 on CPU
