@@ -1,5 +1,5 @@
-"""Loading and prompting in-process vision-language models for the VLM rewards (``vqascore``, ``deqa``, the
-in-process ``unifiedreward``).
+"""Loading, placing and prompting in-process vision-language models for the VLM rewards (``vqascore``, ``deqa``,
+the in-process ``unifiedreward``; ``hpsv3`` uses the processor loading, prompting and placement).
 
 * `load_vlm` loads ``AutoModelForImageTextToText`` and its processor once per process and per (model, processor,
   device, dtype), in eval mode without gradients.
@@ -9,8 +9,10 @@ in-process ``unifiedreward``).
   template from the same folder); images are processed exactly as with the full processor.
 * `chat_text` renders one user turn holding an image and a question with the processor's chat template, plus the
   generation prompt, so the next token the model predicts is the first token of its answer.
-* `vlm_batch` tokenises a batch of rendered texts with their images, left-padded, so that position -1 of every row
-  is that row's answer position.
+* `vlm_batch` tokenises a batch of rendered texts with their images, left-padded by default, so that position -1
+  of every row is that row's answer position.
+* `OffloadableModelReward` gives a reward ``to()`` / ``offload()`` for ``reward_offload``; `pick_device` reconciles
+  the ``device`` and ``reward_device`` spellings of the placement option.
 """
 
 from __future__ import annotations
