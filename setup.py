@@ -41,7 +41,10 @@ EXTRAS = {
     "tensorboard": ["tensorboard>=2.21.0"],
     "deepspeed": ["deepspeed>=0.19.8"],
     "bnb": ["bitsandbytes>=0.50.2"],
-    "dev": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "ruff>=0.17.5", "tensorboard>=2.21.0", "wandb>=0.31.0"],
+    # The `geneval` reward: transformers' Mask2Former builds its (training) matcher with scipy.
+    "geneval": ["scipy>=1.11"],
+    "dev": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "ruff>=0.17.5", "tensorboard>=2.21.0", "wandb>=0.31.0",
+            "scipy>=1.11"],
 }
 EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() for req in reqs})
 

@@ -10,6 +10,12 @@ returns a `RewardSet`. Calling it scores a batch with every reward and returns a
 ``None`` is "could not score": it is excluded from the statistics (`reward_statistics`) and never counted as 0.
 A reward that returns NaN (or +-inf) for an image gets ``None`` there, with a warning.
 
+A reward may return a `RewardOutput` instead of a plain list: still the list of scores, plus per-image ``notes``
+(a short text per image, e.g. why GenEval failed it; shown with the logged sample images) and per-image
+``metrics`` (``{key: [value or None per image]}``, e.g. the per-task accuracy of GenEval, logged as
+``rewards/<name>/<key>``, the mean over the images that have a value). They land in ``RewardResult.notes`` and
+``RewardResult.metrics``.
+
 A reward that raises is handled by its ``on_failure`` policy (see `flowgrpo.rewards.failures`): ``"raise"`` (the
 default) lets the exception through; ``"skip"`` scores the batch ``None`` for that reward and counts the samples
 in ``RewardResult.failed[name]``.
@@ -47,7 +53,7 @@ from .registry import get_reward, list_rewards
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RewardResult", "RewardSet", "accepts_video", "resolve_reward_funcs", "reward_statistics"]
+__all__ = ["RewardOutput", "RewardResult", "RewardSet", "accepts_video", "resolve_reward_funcs", "reward_statistics"]
 
 RewardSpec = str | Callable[..., Any]
 
@@ -74,6 +80,38 @@ def reward_statistics(
     return out
 
 
+class RewardOutput(list):
+    """What a reward may return instead of a plain list: the scores (it *is* that list), plus
+
+    * ``notes``: one short text (or ``None``) per image, shown with the logged sample images;
+    * ``metrics``: ``{key: [float | None per image]}``, logged as ``rewards/<reward name>/<key>``: the mean over the
+      images with a value (``None`` = this image does not count for that metric).
+    """
+
+    def __init__(self, scores: Sequence[float | None], notes: Sequence[str | None] | None = None,
+                 metrics: Mapping[str, Sequence[float | None]] | None = None):
+        super().__init__(scores)
+        n = len(self)
+        self.notes: list[str | None] = list(notes) if notes is not None else [None] * n
+        self.metrics: dict[str, list[float | None]] = {k: list(v) for k, v in (metrics or {}).items()}
+        if len(self.notes) != n:
+            raise ValueError(f"RewardOutput has {n} scores but {len(self.notes)} notes")
+        for key, values in self.metrics.items():
+            if len(values) != n:
+                raise ValueError(f"RewardOutput metric {key!r} has {len(values)} values for {n} scores")
+
+
+def metric_means(sums: Sequence[Mapping[str, tuple[float, int]]]) -> dict[str, float]:
+    """Merge ``{key: (sum, count)}`` of several batches or processes (`RewardResult.metric_sums`) into means."""
+    total: dict[str, list[float]] = {}
+    for part in sums:
+        for key, (value, count) in part.items():
+            acc = total.setdefault(key, [0.0, 0])
+            acc[0] += value
+            acc[1] += count
+    return {key: (value / count if count else math.nan) for key, (value, count) in total.items()}
+
+
 @dataclass
 class RewardResult:
     """Scores of one batch: every component (``per_reward``) and the weighted ``total``."""
@@ -83,6 +121,10 @@ class RewardResult:
     weights: dict[str, float] = field(default_factory=dict)
     #: samples per reward whose scoring failed and were scored None under ``on_failure="skip"``
     failed: dict[str, int] = field(default_factory=dict)
+    #: per-image notes of the rewards that give them (`RewardOutput`), by reward name
+    notes: dict[str, list[str | None]] = field(default_factory=dict)
+    #: per-image metric values of the rewards that give them, keyed ``"<reward name>/<key>"``
+    metrics: dict[str, list[float | None]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.total)
@@ -98,7 +140,26 @@ class RewardResult:
         total = reward_statistics({"total": self.total}, "")
         stats["reward"] = total["total/mean"]
         stats["reward_std"] = total["total/std"]
+        for key, mean in metric_means([self.metric_sums()]).items():
+            stats[f"{head}{key}"] = mean
         return stats
+
+    def metric_sums(self) -> dict[str, tuple[float, int]]:
+        """``{"<reward>/<key>": (sum, count)}`` of the reward-defined metrics, ``None``/NaN left out (merge the sums of
+        several processes with `metric_means`)."""
+        out = {}
+        for key, values in self.metrics.items():
+            valid = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+            out[key] = (math.fsum(valid), len(valid))
+        return out
+
+    def image_notes(self) -> list[str]:
+        """One text per image joining the rewards' notes (``"<reward>: <note>"``), ``""`` where none has one."""
+        out = []
+        for i in range(len(self.total)):
+            parts = [f"{name}: {notes[i]}" for name, notes in self.notes.items() if i < len(notes) and notes[i]]
+            out.append(" | ".join(parts))
+        return out
 
     @classmethod
     def concatenate(cls, results: Sequence[RewardResult]) -> RewardResult:
@@ -114,6 +175,10 @@ class RewardResult:
             total=[v for r in results for v in r.total],
             weights=dict(results[0].weights),
             failed={n: sum(r.failed.get(n, 0) for r in results) for n in names},
+            notes={n: [v for r in results for v in r.notes.get(n, [None] * len(r))]
+                   for n in dict.fromkeys(k for r in results for k in r.notes)},
+            metrics={k: [v for r in results for v in r.metrics.get(k, [None] * len(r))]
+                     for k in dict.fromkeys(k for r in results for k in r.metrics)},
         )
 
 
@@ -364,6 +429,8 @@ class RewardSet:
             raise ValueError("a batch mixes images and videos (lists of frames); score them in separate batches")
         per_reward: dict[str, list[float | None]] = {}
         failed: dict[str, int] = {}
+        notes: dict[str, list[str | None]] = {}
+        metrics: dict[str, list[float | None]] = {}
         for name, fn in zip(self.names, self.funcs):
             with collect_failed_samples() as reported:
                 try:
@@ -384,6 +451,9 @@ class RewardSet:
                     continue
             per_reward[name] = frame_scores if frame_scores is not None else self._check_scores(name, raw, n)
             failed[name] = min(n, sum(reported))
+            if frame_scores is None and isinstance(raw, RewardOutput):
+                notes[name] = list(raw.notes)
+                metrics.update({f"{name}/{key}": list(values) for key, values in raw.metrics.items()})
         total: list[float | None] = []
         for i in range(n):
             acc = 0.0
@@ -397,7 +467,7 @@ class RewardSet:
                 acc += w * v
             total.append(acc)
         return RewardResult(per_reward=per_reward, total=total, weights=dict(zip(self.names, self.weights)),
-                            failed=failed)
+                            failed=failed, notes=notes, metrics=metrics)
 
     @classmethod
     def _score_frames(cls, name: str, fn: Callable, prompts: list[str], videos: list[Sequence[Any]],

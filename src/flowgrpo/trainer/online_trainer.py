@@ -126,7 +126,7 @@ class _StepHooks(TrainerCallback):
             t.ema.update(t._trainable_parameters(), state.global_step)
         t._on_optimizer_step_end(state.global_step)
         if args.log_images_steps and state.global_step % args.log_images_steps == 0 and t._last_samples:
-            t._log_images(*t._last_samples, step=state.global_step)
+            t._log_images(*t._last_samples, step=state.global_step, notes=t._last_sample_notes)
 
 
 
@@ -241,6 +241,7 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         self._buffer: list[dict] | None = None
         self._micro_step = 0
         self._last_samples: tuple | None = None
+        self._last_sample_notes: list[str] | None = None
         self._last_eval: dict | None = None
         self._eval_baseline = EvaluationBaseline()
         if args.ddp_find_unused_parameters is None:  # read by Trainer when it builds the accelerator, just below
@@ -417,8 +418,10 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         super().log(logs, start_time)
         self._metrics[mode].clear()
 
-    def _log_images(self, images: list, prompts: list[str], rewards: list[float], step: int) -> None:
-        """Sample images (or videos) with prompts and rewards to every image-capable ``report_to`` backend.
+    def _log_images(self, images: list, prompts: list[str], rewards: list[float], step: int,
+                    notes: list[str] | None = None) -> None:
+        """Sample images (or videos) with prompts, rewards and the rewards' notes (e.g. why GenEval failed an image)
+        to every image-capable ``report_to`` backend.
 
         TensorBoard: a contact sheet (``samples``; videos show their first, middle and last frame), the captions, and
         for videos all samples tiled into one animated GIF (``samples/video``). wandb: ``samples`` holds one image, or
@@ -430,7 +433,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
 
         from transformers.integrations import TensorBoardCallback, WandbCallback
 
-        captions = [f"{p[:120]} | reward={r:.3f}" for p, r in zip(prompts, rewards)]
+        notes = notes or [""] * len(prompts)
+        captions = [f"{p[:120]} | reward={r:.3f}" + (f" | {n}" if n else "") for p, r, n in zip(prompts, rewards, notes)]
         videos = all(is_video(im) for im in images)
         fps = self.args.log_video_fps
         for cb in self.callback_handler.callbacks:

@@ -26,9 +26,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from accelerate.utils import gather_object
 
 from ...cpu_threads import limit_worker_threads
 from ...models import PromptEmbeds
+from ...rewards import RewardResult
+from ...rewards.composition import metric_means
 from ...schedulers import FlowODESolver, rollout_steps, sde_step_from_sigmas
 from ..data.condition_images import IMAGE_COLUMN, image_key, load_condition_image
 from ..data.datasets import INDEX_COLUMN
@@ -331,6 +334,11 @@ class RolloutPipeline:
             m[f"rewards/{name}/mean"].append(float(valid.mean()) if valid.numel() else math.nan)
             m[f"rewards/{name}/std"].append(float(valid.std(unbiased=False)) if valid.numel() else math.nan)
             m[f"rewards/{name}/failed"].append(float(g_failed[k]))  # samples scored None by on_failure="skip"
+        # Metrics a reward defines itself (RewardOutput.metrics, e.g. GenEval's accuracy per task), over all processes.
+        metric_sums = RewardResult.concatenate(results).metric_sums() if results else {}
+        for key, mean in metric_means(gather_object([metric_sums]) if self.accelerator.num_processes > 1
+                                      else [metric_sums]).items():
+            m[f"rewards/{key}"].append(mean)
         # sampling: the rollout phase (text encoding, sampling, decoding unless it runs in the background);
         # reward: the time spent waiting for decoding and rewards that did not overlap anything.
         m["timing/sampling"].append(timing["sampling_total"])
@@ -343,6 +351,7 @@ class RolloutPipeline:
         totals_list = totals.cpu().tolist()
         self._last_samples = (flat_images[: args.num_log_images], prompts[: args.num_log_images],
                               totals_list[: args.num_log_images])
+        self._last_sample_notes = [note for r in results for note in r.image_notes()][: args.num_log_images]
         for sl, traj in zip(chunks, samples):
             traj["advantages"] = local_adv[sl]
 
