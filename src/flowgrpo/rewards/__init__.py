@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 # Modules whose import registers built-in rewards. Each must keep heavy imports inside functions.
-BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge")
+BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge", "imagereward", "hpsv2")
 
 for _module in BUILTIN_REWARD_MODULES:
     if importlib.util.find_spec(f"{__name__}.{_module}") is not None:
