@@ -118,16 +118,24 @@ def save_tiny_hpsv2(folder: str | os.PathLike[str], seed: int = 0, filename: str
     checkpoint (half-precision state dict under ``state_dict``); returns ``checkpoint`` and ``tokenizer`` paths."""
     import torch
 
-    from ..rewards.hpsv2 import build_hps_clip, ours_to_open_clip
-    from .tiny_tokenizers import build_clip_tokenizer
+    from ..rewards.hpsv2 import _byte_to_unicode, build_hps_clip, ours_to_open_clip
+    from .tiny_tokenizers import clip_vocab_and_merges
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_clip_tokenizer()
     tokenizer_dir = folder / "tokenizer"
-    tokenizer.save_pretrained(str(tokenizer_dir))
-    model = build_hps_clip(vision_width=64, vision_layers=2, vision_heads=4, text_width=32, text_layers=2,
-                           text_heads=2, embed_dim=24, vocab_size=len(tokenizer))
+    tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    _, merges = clip_vocab_and_merges()
+    # open_clip's vocabulary construction: bytes, bytes + "</w>", one token per merge (a repeated token keeps its
+    # last id), then the start and end tokens
+    symbols = list(_byte_to_unicode().values())
+    tokens = symbols + [s + "</w>" for s in symbols] + [m.replace(" ", "") for m in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = dict(zip(tokens, range(len(tokens))))
+    (tokenizer_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (tokenizer_dir / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    # head widths as ViT-H-14's (80 in the ViT, 64 in the text tower), which the loader assumes
+    model = build_hps_clip(vision_width=160, vision_layers=2, vision_heads=2, text_width=128, text_layers=2,
+                           text_heads=2, embed_dim=24, vocab_size=len(tokens))
     randomize_(model, seed)
     state = ours_to_open_clip(model.state_dict())
     state = {k: v.half() for k, v in state.items()}
