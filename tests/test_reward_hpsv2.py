@@ -133,3 +133,19 @@ def test_versions_folders_and_errors(tiny_hps, tmp_path):
     with pytest.raises(ValueError, match="vocabulary"):
         HPSv2(model_name_or_path=str(tiny_hps["checkpoint"]), tokenizer_name_or_path=str(small_vocab),
               device="cpu").load()
+
+
+def test_head_counts_from_arguments_or_open_clip_config(tiny_hps, tmp_path):
+    state = torch.load(tiny_hps["checkpoint"], weights_only=True)
+    torch.save(state, tmp_path / "HPS_v2.1_compressed.pt")
+    default = load_hps_clip(tmp_path / "HPS_v2.1_compressed.pt")
+    assert (default.config.vision_config.num_attention_heads, default.config.text_config.num_attention_heads) == (2, 2)
+    given = load_hps_clip(tmp_path / "HPS_v2.1_compressed.pt", heads=(4, None))
+    assert (given.config.vision_config.num_attention_heads, given.config.text_config.num_attention_heads) == (4, 2)
+    (tmp_path / "open_clip_config.json").write_text(json.dumps(
+        {"model_cfg": {"vision_cfg": {"width": 160, "head_width": 40}, "text_cfg": {"heads": 8}}}))
+    found = load_hps_clip(tmp_path / "HPS_v2.1_compressed.pt")
+    assert (found.config.vision_config.num_attention_heads, found.config.text_config.num_attention_heads) == (4, 8)
+    reward = HPSv2(model_name_or_path=str(tmp_path), tokenizer_name_or_path=str(tiny_hps["tokenizer"]),
+                   device="cpu", vision_heads=2, text_heads=2)  # the arguments win over the file
+    assert reward(PROMPTS, _images()) == pytest.approx(OFFICIAL_SCORES, abs=2e-6)

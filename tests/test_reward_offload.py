@@ -82,3 +82,9 @@ def test_offload_frees_accelerator_memory(tiny_hps):
     reward.to()
     assert all(p.device.type == "cuda" for p in reward.load().parameters())
     assert reward(prompts, images) == pytest.approx(scores, abs=1e-4)
+
+
+def test_rewards_are_registered():
+    from flowgrpo.rewards import list_rewards
+
+    assert {"imagereward", "hpsv2", "image_similarity", "pickscore_rank"} <= set(list_rewards())

@@ -18,7 +18,8 @@ the end-of-text token (the position of the highest token id, as open_clip). Real
 Preprocessing (HPS's ``image_transform(224, is_train=False, resize_longest_max=True)``): RGB; ``ToTensor``
 (``/ 255``); when the long side is not 224, a letterbox: resize the float tensor to ``(round(h * s), round(w * s))``
 with ``s = 224 / max(h, w)`` (bicubic, antialiased, no clamping) and pad with zeros (black) to 224 x 224, with
-``pad // 2`` on the left and top and the rest on the right and bottom; then OpenAI's CLIP mean/std.
+``pad // 2`` on the left and top and the rest on the right and bottom; then OpenAI's CLIP mean/std. (A non-square
+image whose long side is already 224 is padded too; the official transform leaves it unpadded and cannot score it.)
 
 Text (open_clip's tokenizer): ``ftfy.fix_text``, HTML unescaped twice, whitespace runs collapsed to one space,
 stripped, lower-cased; split with CLIP's pattern; byte-level BPE with the ``</w>`` end-of-word suffix; then
@@ -42,6 +43,7 @@ __all__ = [
     "HPSv2",
     "OpenCLIPTokenizer",
     "build_hps_clip",
+    "heads_from_open_clip_config",
     "hps_pixels",
     "load_hps_clip",
     "open_clip_to_ours",
@@ -227,11 +229,25 @@ def _architecture(state: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
-def load_hps_clip(checkpoint: str | Path, heads: tuple[int, int] | None = None) -> Any:
+def heads_from_open_clip_config(folder: str | Path, vision_width: int) -> tuple[int | None, int | None]:
+    """``(vision_heads, text_heads)`` from an ``open_clip_config.json`` in ``folder`` (open_clip's hub format:
+    ``model_cfg.vision_cfg.head_width``, default 64, and ``model_cfg.text_cfg.heads``, default 8); ``(None, None)``
+    without one."""
+    file = Path(folder) / "open_clip_config.json"
+    if not file.is_file():
+        return None, None
+    cfg = json.loads(file.read_text())
+    cfg = cfg.get("model_cfg", cfg)
+    head_width = int(cfg.get("vision_cfg", {}).get("head_width", 64))
+    return max(1, vision_width // head_width), int(cfg.get("text_cfg", {}).get("heads", 8))
+
+
+def load_hps_clip(checkpoint: str | Path, heads: tuple[int | None, int | None] | None = None) -> Any:
     """The CLIP of an HPS checkpoint file (``torch.save({"state_dict": ...})`` of an open_clip CLIP), strictly.
 
-    ``heads`` = ``(vision_heads, text_heads)`` overrides the head counts, which weights cannot tell (default: head
-    width 80 for the ViT when it divides, else 64; 64 for the text tower, as ``ViT-H-14``).
+    Head counts cannot be read from weights. They come from ``heads`` = ``(vision_heads, text_heads)`` where given,
+    else from an ``open_clip_config.json`` beside the checkpoint, else from ViT-H-14's head widths: 80 in the ViT
+    when it divides the width (else 64), 64 in the text tower.
     """
     import torch
 
@@ -242,8 +258,11 @@ def load_hps_clip(checkpoint: str | Path, heads: tuple[int, int] | None = None) 
         raise ValueError(f"{checkpoint} does not hold a state dict (got {type(raw).__name__})")
     state = open_clip_to_ours(raw)
     arch = _architecture(state)
-    if heads is not None:
-        arch["vision_heads"], arch["text_heads"] = heads
+    found = heads_from_open_clip_config(Path(checkpoint).parent, arch["vision_width"])
+    given = heads if heads is not None else (None, None)
+    for key, value, fallback in zip(("vision_heads", "text_heads"), given, found):
+        if value is not None or fallback is not None:
+            arch[key] = int(value if value is not None else fallback)
     model = build_hps_clip(**arch)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -427,6 +446,8 @@ class HPSv2(ModelReward):
             default ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (the open_clip BPE of ViT-H-14).
         device / reward_device, dtype, batch_size: placement (default CUDA when available, float32) and pairs per
             forward pass.
+        vision_heads, text_heads: attention heads of a checkpoint that is not ViT-H-14-shaped (see `load_hps_clip`;
+            the released checkpoints need neither).
     """
 
     def __init__(
@@ -438,6 +459,8 @@ class HPSv2(ModelReward):
         dtype: Any = None,
         batch_size: int = 32,
         reward_device: Any = None,
+        vision_heads: int | None = None,
+        text_heads: int | None = None,
     ):
         if version not in HPS_CHECKPOINTS:
             raise ValueError(f"hpsv2 version must be one of {sorted(HPS_CHECKPOINTS)}, got {version!r}")
@@ -445,11 +468,12 @@ class HPSv2(ModelReward):
         self.model_name_or_path = model_name_or_path
         self.tokenizer_name_or_path = tokenizer_name_or_path
         self.version = version
+        self.heads = (vision_heads, text_heads)
         self.tokenizer: OpenCLIPTokenizer | None = None
 
     def _load(self, device: Any, dtype: Any) -> Any:
         checkpoint = resolve_model_file(self.model_name_or_path, HPS_CHECKPOINTS[self.version], "hpsv2 checkpoint")
-        model = load_hps_clip(checkpoint)
+        model = load_hps_clip(checkpoint, self.heads)
         tokenizer = OpenCLIPTokenizer.from_pretrained(self.tokenizer_name_or_path,
                                                       model.config.text_config.max_position_embeddings)
         vocab = model.config.text_config.vocab_size

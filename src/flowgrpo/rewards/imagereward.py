@@ -321,12 +321,14 @@ def _architecture_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
                 mlp_sizes=mlp_sizes)
 
 
-def load_imagereward_model(checkpoint: str | Path, med_config: str | Path | Mapping[str, Any]) -> Any:
+def load_imagereward_model(checkpoint: str | Path, med_config: str | Path | Mapping[str, Any],
+                           vision_heads: int | None = None) -> Any:
     """The ImageReward model with the weights of an official checkpoint file (a ``torch.save``d state dict of the
     official ``ImageReward`` module), strictly: every weight must be there, and nothing else but the dropped keys.
 
     The ViT's width, depth and patch size and the head's sizes are read from the weights; the text encoder's from
-    ``med_config`` (a path to ``med_config.json`` or its contents).
+    ``med_config`` (a path to ``med_config.json`` or its contents). The ViT's heads, which weights cannot tell, are
+    ``vision_heads`` or, by default, ``width // 64`` (BLIP's ViT-B and ViT-L, 12 and 16 heads).
     """
     import torch
 
@@ -338,7 +340,7 @@ def load_imagereward_model(checkpoint: str | Path, med_config: str | Path | Mapp
     if not isinstance(raw, Mapping):
         raise ValueError(f"{checkpoint} does not hold a state dict (got {type(raw).__name__})")
     state = official_to_ours({k.removeprefix("module."): v for k, v in raw.items()})
-    model = build_imagereward_model(med_config, **_architecture_from_state(state))
+    model = build_imagereward_model(med_config, vision_heads=vision_heads, **_architecture_from_state(state))
     expected = set(model.state_dict())
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)
@@ -375,6 +377,8 @@ class ImageReward(ModelReward):
             added as the official code does.
         device / reward_device, dtype, batch_size: placement (default CUDA when available, float32) and pairs per
             forward pass.
+        vision_heads: the ViT's attention heads for a checkpoint other than BLIP's ViT-B / ViT-L (default
+            ``width // 64``: 16 for ImageReward v1.0).
     """
 
     def __init__(
@@ -386,12 +390,14 @@ class ImageReward(ModelReward):
         dtype: Any = None,
         batch_size: int = 32,
         reward_device: Any = None,
+        vision_heads: int | None = None,
     ):
         super().__init__(device=device, dtype=dtype, batch_size=batch_size, reward_device=reward_device)
         self.model_name_or_path = (DEFAULT_IMAGEREWARD_REPO if str(model_name_or_path) in IMAGEREWARD_NAMES
                                    else model_name_or_path)
         self.med_config = med_config
         self.tokenizer_name_or_path = tokenizer_name_or_path
+        self.vision_heads = vision_heads
         self.tokenizer: Any = None
 
     def _load(self, device: Any, dtype: Any) -> Any:
@@ -402,7 +408,7 @@ class ImageReward(ModelReward):
             if Path(str(source)).expanduser().is_file():
                 source = Path(str(source)).expanduser().parent
             med_config = resolve_model_file(source, IMAGEREWARD_MED_CONFIG, "imagereward med_config")
-        model = load_imagereward_model(checkpoint, med_config)
+        model = load_imagereward_model(checkpoint, med_config, self.vision_heads)
         tokenizer = load_imagereward_tokenizer(self.tokenizer_name_or_path)
         vocab = model.text.config.vocab_size
         if len(tokenizer) > vocab:
