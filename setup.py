@@ -30,6 +30,8 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.9",
     "tqdm>=4.66",
     "psutil>=5.9",
+    # Text cleaning of the open_clip tokenizer (the hpsv2 reward).
+    "ftfy>=6.1",
 ]
 
 EXTRAS = {
