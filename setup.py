@@ -30,6 +30,8 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.9",
     "tqdm>=4.66",
     "psutil>=5.9",
+    # Text cleaning of the open_clip tokenizer (the hpsv2 reward).
+    "ftfy>=6.1",
 ]
 
 EXTRAS = {
@@ -58,6 +60,8 @@ setup(
     python_requires=">=3.10",
     package_dir={"": "src"},
     packages=find_packages("src"),
+    # The toy world of the recipes and the demo (4.4 MB, made by scripts/make_toy_world.py --ship).
+    package_data={"flowgrpo.toy": ["shipped_world/*", "shipped_world/*/*"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={

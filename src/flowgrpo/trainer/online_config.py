@@ -226,6 +226,13 @@ class OnlineRLConfig(TrainingArguments):
         default=1,
         metadata={"help": "Background threads that score decoded images while the next chunk is sampled."},
     )
+    reward_offload: bool = field(
+        default=False,
+        metadata={"help": "Keep reward models (imagereward, hpsv2, the CLIP scorers...) on the CPU between scorings: "
+                          "moved to their reward device for each scoring call and back after it, so the policy has "
+                          "the accelerator's memory while it samples and trains (one host-device copy of the weights "
+                          "per call). Rewards without weights are unaffected."},
+    )
     cpu_threads: str = field(
         default="auto",
         metadata={"help": "Threads of each process when the transformer runs on the CPU. 'auto': this process's share "

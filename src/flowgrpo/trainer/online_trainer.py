@@ -177,7 +177,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         # Cheap validation first: rewards and datasets fail before any model is loaded.
         self.reward_set: RewardSet = resolve_reward_funcs(reward_funcs, args.reward_weights, args.reward_kwargs,
                                                           num_workers=args.reward_num_workers,
-                                                          on_failure=args.reward_on_failure)
+                                                          on_failure=args.reward_on_failure,
+                                                          offload=args.reward_offload)
         train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
         eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
         check_prompt_cache_capacity(args, train_dataset, eval_dataset)

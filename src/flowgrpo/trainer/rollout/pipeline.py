@@ -278,7 +278,8 @@ class RolloutPipeline:
             pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
                                            self.args.vae_decode_batch_size))
         seconds = self._clock() - tic
-        return pil, self.reward_set.submit(prompts, pil, **columns), seconds
+        # group-wise rewards (pickscore_rank) give raw scores here; they are combined over whole groups below
+        return pil, self.reward_set.submit(prompts, pil, defer_groupwise=True, **columns), seconds
 
     def _resolve_scoring(self) -> None:
         """Wait for the pending rollout's rewards; gather them, compute advantages into its buffers, log metrics."""
@@ -312,6 +313,13 @@ class RolloutPipeline:
         g_totals = self.accelerator.gather(totals).cpu()
         g_groups = self.accelerator.gather(group_ids.to(device)).cpu()
         g_per_reward = {n: self.accelerator.gather(t).cpu() for n, t in per_reward.items()}
+        if self.reward_set.has_groupwise:  # every group is complete once gathered: combine, recompute the totals
+            combined, g_total_list = self.reward_set.finish_groupwise(
+                {n: t.tolist() for n, t in g_per_reward.items()}, g_groups.tolist())
+            g_per_reward = {n: as_tensor(v).cpu() for n, v in combined.items()}
+            g_totals = as_tensor(g_total_list).cpu()
+            n_local, rank = len(prompts), self.accelerator.process_index
+            totals = g_totals[rank * n_local:(rank + 1) * n_local]
         advantages, stats = compute_reward_advantages(
             g_totals, g_per_reward, dict(zip(self.reward_set.names, self.reward_set.weights)), g_groups,
             args.scale_rewards, args.adv_clip_max, args.reward_aggregation,
@@ -333,7 +341,7 @@ class RolloutPipeline:
             m[f"rewards/{name}/std"].append(float(valid.std(unbiased=False)) if valid.numel() else math.nan)
             m[f"rewards/{name}/failed"].append(float(g_failed[k]))  # samples scored None by on_failure="skip"
         # Metrics a reward defines itself (RewardOutput.metrics, e.g. GenEval's accuracy per task), over all processes.
-        metric_sums = RewardResult.concatenate(results).metric_sums()
+        metric_sums = RewardResult.concatenate(results).metric_sums() if results else {}
         for key, mean in metric_means(gather_object([metric_sums]) if self.accelerator.num_processes > 1
                                       else [metric_sums]).items():
             m[f"rewards/{key}"].append(mean)
