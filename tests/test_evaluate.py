@@ -304,3 +304,28 @@ def test_ocr_benchmark_scores_rendered_text_with_the_ocr_reward(tmp_path):
     scores = [r["ocr"] for r in layout.read_jsonl(images / "results.jsonl")]
     assert len(scores) == 2 and min(scores) >= 0.8
     assert json.loads((images / "summary.json").read_text())["rewards"]["ocr"]["count"] == 2
+
+
+@pytest.mark.slow
+def test_two_processes_split_the_prompts_and_the_main_one_merges(tiny_sd3_path, tmp_path):
+    """`accelerate launch -m flowgrpo.evaluate` on two CPU processes (gloo): process k generates and scores prompts
+    k, k + 2, ...; the main process merges their results in prompt order and writes the summary."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(TOY_PROMPTS) + "\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_ddp.yaml",
+           "-m", "flowgrpo.evaluate", "--benchmark", "toy", "--model", str(tiny_sd3_path), "--metadata", str(prompts),
+           "--output", str(out), "--images_per_prompt", "1", "--skip_grid", *FAST]
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("# toy") == 1  # one summary, from the main process
+    records = layout.read_jsonl(out / "results.jsonl")
+    assert [(r["index"], r["sample"]) for r in records] == [(0, 0), (1, 0), (2, 0)]
+    assert not list(out.glob("results.rank*.jsonl"))
+    assert json.loads((out / "summary.json").read_text())["images"] == 3
