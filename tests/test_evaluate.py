@@ -191,6 +191,12 @@ def test_flowgrpo_command_dispatches_each_subcommand(capsys):
         assert exit_info.value.code == 0
         assert expected in capsys.readouterr().out
     assert main(["evalute"]) == 2 and "Did you mean 'evaluate'" in capsys.readouterr().err
+    import importlib.util
+
+    if importlib.util.find_spec("flowgrpo.plan") is not None:  # flowgrpo.plan.main(argv) -> int
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "--help"])
+        assert exit_info.value.code == 0 and "usage: flowgrpo plan" in capsys.readouterr().out
     missing = Subcommand("plan", "flowgrpo.no_such_module", "main", "")
     original = SUBCOMMANDS["plan"]
     SUBCOMMANDS["plan"] = missing
