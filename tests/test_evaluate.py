@@ -313,25 +313,35 @@ def test_ocr_benchmark_scores_rendered_text_with_the_ocr_reward(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_split_the_prompts_and_the_main_one_merges(tiny_sd3_path, tmp_path):
-    """`accelerate launch -m flowgrpo.evaluate` on two CPU processes (gloo): process k generates and scores prompts
-    k, k + 2, ...; the main process merges their results in prompt order and writes the summary."""
+def test_toy_benchmark_on_two_processes_reproduces_the_toy_worlds_accuracy(tmp_path):
+    """`accelerate launch -m flowgrpo.evaluate --benchmark toy` on two CPU processes (gloo), with the defaults: the
+    toy world (shipped with the package) and its own settings (toy_world.json: 32 px, 20 steps, CFG 3), its 43
+    held-out prompts x 4 images. Process k generates and scores prompts k, k + 2, ...; the main process merges the
+    results in prompt order and writes the one summary. The accuracies must match those the toy world's builder
+    measured on the same prompts with the diffusers pipeline's own sampling (other seeds: within 0.1)."""
     import os
     import subprocess
     import sys
 
+    from flowgrpo.toy.build import cached_toy_world
+
+    world = json.loads((cached_toy_world() / "toy_world.json").read_text())
     repo = Path(__file__).resolve().parents[1]
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(TOY_PROMPTS) + "\n")
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_ddp.yaml",
-           "-m", "flowgrpo.evaluate", "--benchmark", "toy", "--model", str(tiny_sd3_path), "--metadata", str(prompts),
-           "--output", str(out), "--images_per_prompt", "1", "--skip_grid", *FAST]
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+           "-m", "flowgrpo.evaluate", "--benchmark", "toy", "--output", str(out), "--batch_size", "64",
+           "--skip_grid"]
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("# toy") == 1  # one summary, from the main process
     records = layout.read_jsonl(out / "results.jsonl")
-    assert [(r["index"], r["sample"]) for r in records] == [(0, 0), (1, 0), (2, 0)]
+    assert [(r["index"], r["sample"]) for r in records] == [(i, n) for i in range(43) for n in range(4)]
     assert not list(out.glob("results.rank*.jsonl"))
-    assert json.loads((out / "summary.json").read_text())["images"] == 3
+    protocol = json.loads((out / "evaluation.json").read_text())["protocol"]
+    assert (protocol["height"], protocol["num_inference_steps"], protocol["guidance_scale"]) == (32, 20, 3.0)
+    summary = json.loads((out / "summary.json").read_text())["rewards"]
+    expected = world["eval_accuracy"]
+    for attribute in ("color", "shape", "count", "position"):
+        assert abs(summary[f"toy_{attribute}"]["mean"] - expected[attribute]) < 0.1, (attribute, summary)
+    assert abs(summary["toy_geneval"]["mean"] - expected["all"]) < 0.1
