@@ -171,8 +171,8 @@ def settings_from_args(args: argparse.Namespace):
     if metadata is None:
         metadata = benchmark.default_metadata or str(Path(model) / "prompts_eval.txt")
     return EvaluationSettings(benchmark, Path(args.output), protocol, model=model, revision=args.revision,
-                              lora=args.lora, transformer=args.transformer, metadata=str(metadata), batch_size=args.batch_size,
-                              max_prompts=args.max_prompts, reward_kwargs=reward_kwargs,
+                              lora=args.lora, transformer=args.transformer, metadata=str(metadata),
+                              batch_size=args.batch_size, max_prompts=args.max_prompts, reward_kwargs=reward_kwargs,
                               skip_grid=args.skip_grid, skip_scoring=args.skip_scoring)
 
 

@@ -178,6 +178,6 @@ def _write_text_atomic(path: Path, text: str) -> None:
 __all__ = [
     "EVALUATION_FILE", "GRID_FILE", "METADATA_FILE", "RESULTS_FILE", "SAMPLES_DIR", "SUMMARY_JSON_FILE",
     "SUMMARY_MD_FILE", "PromptFolder", "existing_samples", "prompt_dir", "read_image_folder", "read_jsonl",
-    "read_prompt_folder", "read_prompt_metadata", "sample_path", "save_grid", "save_image", "write_jsonl", "write_prompt_metadata",
-    "write_text",
+    "read_prompt_folder", "read_prompt_metadata", "sample_path", "save_grid", "save_image", "write_jsonl",
+    "write_prompt_metadata", "write_text",
 ]

@@ -199,5 +199,5 @@ def install_training_console(trainer: Any) -> TrainingConsole | None:
     return console
 
 
-__all__ = ["BAR_FORMAT", "MAX_REWARDS_SHOWN", "RolloutProgress", "TrainingConsole", "evaluation_table", "full_dictionary",
-           "install_training_console", "rollout_progress", "train_figures"]
+__all__ = ["BAR_FORMAT", "MAX_REWARDS_SHOWN", "RolloutProgress", "TrainingConsole", "evaluation_table",
+           "full_dictionary", "install_training_console", "rollout_progress", "train_figures"]
