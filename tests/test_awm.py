@@ -158,7 +158,7 @@ def test_ema_adapter_decay_and_config_checks(tmp_path):
     with pytest.raises(ValueError, match="loss_type='mean_first'"):
         AWMConfig(output_dir=str(tmp_path), report_to=[], loss_type="mean_first")
     with pytest.raises(ValueError, match="empty range"):
-        AWMConfig(output_dir=str(tmp_path), report_to=[], num_inference_steps=2, timestep_fraction=0.5)
+        AWMConfig(output_dir=str(tmp_path), report_to=[], num_inference_steps=2, timestep_fraction=0.4)
     args = AWMConfig(output_dir=str(tmp_path), report_to=[])
     assert (args.train_timesteps, args.time_type, args.weighting, args.loss_type, args.clip_range, args.beta,
             args.num_inference_steps, args.guidance_scale, args.scale_rewards) == (

@@ -224,7 +224,7 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
                     p.data = p.data.float()
         else:
             transformer.requires_grad_(True)
-            if args.beta > 0:
+            if self._needs_reference(args):
                 self.ref_model = copy.deepcopy(transformer).requires_grad_(False).eval()
         self.is_peft = peft_config is not None
 
@@ -377,6 +377,11 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
 
     def _on_optimizer_step_end(self, step: int) -> None:
         """Called after each optimizer step ``step`` (1-based), before logging and checkpointing."""
+
+    def _needs_reference(self, args: OnlineRLConfig) -> bool:
+        """Whether the loss reads the reference policy (full fine-tuning then keeps a frozen copy; LoRA training
+        disables the adapter instead): with a KL term, ``beta > 0``."""
+        return args.beta > 0
 
     def _uses_old_policy(self, args: OnlineRLConfig) -> bool:
         """Whether the trainer keeps a second copy of the policy, ``self.old_policy`` (`run_state/old_policy.py`: a

@@ -15,6 +15,8 @@ TRAINERS: dict[str, tuple[str, str]] = {
     "diffusion_nft": ("flowgrpo.trainer.algorithms.nft_config:DiffusionNFTConfig",
                       "flowgrpo.trainer.algorithms.nft_trainer:DiffusionNFTTrainer"),
     "awm": ("flowgrpo.trainer.algorithms.awm_config:AWMConfig", "flowgrpo.trainer.algorithms.awm_trainer:AWMTrainer"),
+    "diffusion_dpo": ("flowgrpo.trainer.algorithms.dpo_config:DiffusionDPOConfig",
+                      "flowgrpo.trainer.algorithms.dpo_trainer:DiffusionDPOTrainer"),
 }
 DEFAULT_TRAINER = "flow_grpo"
 

@@ -144,7 +144,7 @@ class AWMConfig(OnlineRLConfig):
         if self.time_type.startswith("discrete"):
             last = int(self.num_inference_steps * fraction)
             low = 0 if self.time_type == "discrete" else 1
-            if last - low < 1:
+            if last < low:
                 raise ValueError(f"time_type={self.time_type!r} draws levels from rollout steps {low} .. {last} "
                                  f"(int(num_inference_steps={self.num_inference_steps} x timestep_fraction="
                                  f"{fraction})), an empty range; raise num_inference_steps or timestep_fraction.")
