@@ -54,11 +54,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 try:
-    from flowgrpo.toy.leaderboard import leaderboard_variants, render_leaderboard, summarize
+    from flowgrpo.toy.leaderboard import EVAL_GUIDANCE_SCALE, leaderboard_variants, render_leaderboard, summarize
     from flowgrpo.toy.learning import RLSettings, run_toy_rl
 except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(REPO / "src"))
-    from flowgrpo.toy.leaderboard import leaderboard_variants, render_leaderboard, summarize
+    from flowgrpo.toy.leaderboard import EVAL_GUIDANCE_SCALE, leaderboard_variants, render_leaderboard, summarize
     from flowgrpo.toy.learning import RLSettings, run_toy_rl
 
 LEADERBOARD_SEEDS = (0, 1, 2)
@@ -205,7 +205,7 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
     for i, settings in enumerate(runs):
         folder = output / settings.name / f"seed{settings.seed}"
         eval_config = {"prompts": _eval_prompt_count(world, max_prompts), "images_per_prompt": images,
-                       "steps": eval_steps, "guidance_scale": settings.guidance_scale, "seed": EVAL_SEED,
+                       "steps": eval_steps, "guidance_scale": EVAL_GUIDANCE_SCALE, "seed": EVAL_SEED,
                        "every": eval_every}
         previous = None if args.fresh else _reusable(folder / "result.json", settings, eval_config)
         if previous is not None:
@@ -216,7 +216,8 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
         print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed} "
               f"({time.perf_counter() - start:.0f} s so far)", flush=True)
         results.append(run_toy_rl(world, settings, folder, eval_every=eval_every, eval_images_per_prompt=images,
-                                  eval_steps=eval_steps, max_eval_prompts=max_prompts, eval_seed=EVAL_SEED))
+                                  eval_steps=eval_steps, max_eval_prompts=max_prompts, eval_seed=EVAL_SEED,
+                                  eval_guidance_scale=EVAL_GUIDANCE_SCALE))
         _write_results(output, world, args.quick, torch_threads, results)
     _write_results(output, world, args.quick, torch_threads, results)
     summary = summarize(results, descriptions)

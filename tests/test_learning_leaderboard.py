@@ -50,8 +50,9 @@ def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp
         if settings.name == NFT_VARIANT:  # the other trainer: its own fields, the recipe's world and batch
             assert settings.trainer == "diffusion_nft" and what
             args = DiffusionNFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
-            assert args.generation_batch_size == 32 and args.guidance_scale == reference.guidance_scale
-            assert (args.num_inference_steps, args.num_generations) == (reference.num_inference_steps, 8)
+            assert args.generation_batch_size == 32 and args.guidance_scale == 1.0  # published: CFG-free
+            assert (args.num_inference_steps, args.num_trained_timesteps, args.num_generations) == (10, 9, 8)
+            assert args.eval_guidance_scales == [1.0, 3.0] and args.ema_decay == 0.9
             continue
         assert what and settings.trainer == "flow_grpo"
         changed = {f.name for f in dataclasses.fields(RLSettings)

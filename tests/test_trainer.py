@@ -229,6 +229,21 @@ def test_evaluate_draws_several_seeded_images_per_prompt(tiny_sd3_path, tmp_path
         make_args(tmp_path, eval_images_per_prompt=0)
 
 
+def test_evaluation_at_several_guidance_scales_logs_each(tiny_sd3_path, tmp_path):
+    trainer = make_trainer(tiny_sd3_path, tmp_path, eval_num_inference_steps=3, eval_guidance_scales=[1.0, 4.0])
+    assert trainer.args.evaluation_guidance_scales == [1.0, 4.0]
+    metrics = trainer.evaluate(Dataset.from_dict({"prompt": PROMPTS[:2]}))
+    for prefix in ("eval", "eval_cfg4"):
+        assert f"{prefix}_reward" in metrics and f"{prefix}_rewards/brightness_reward/count" in metrics
+    assert metrics["eval_reward"] != metrics["eval_cfg4_reward"]  # guidance changes the images
+    assert os.path.exists(os.path.join(trainer.args.output_dir, "eval_step_0.png"))
+    assert os.path.exists(os.path.join(trainer.args.output_dir, "eval_step_0_cfg4.png"))
+    again = trainer.evaluate(Dataset.from_dict({"prompt": PROMPTS[:2]}))
+    assert again["eval_cfg4_rewards/brightness_reward/change"] == 0.0  # each scale is paired with its own baseline
+    with pytest.raises(ValueError, match="eval_guidance_scales"):
+        make_args(tmp_path, eval_guidance_scales=[-1.0])
+
+
 
 @pytest.mark.parametrize("kind", list(TRAINER_KINDS))
 def test_resume_matches_uninterrupted(tiny_sd3_path, tmp_path, kind):

@@ -11,8 +11,9 @@
 Every Flow-GRPO variant is the recipe (``RLSettings()``: Flow-GRPO-Fast, a window of 2 SDE steps among the first 4,
 the dense shape score plus half-weight colour) with one algorithmic change, so each row answers "what does this choice
 do on equal footing". The other trainer, DiffusionNFT, is one more row (`NFT_VARIANT`, with the settings of
-``recipes/toy_nft.yaml``: same world, rewards, group size, batch, sampling steps and CFG; its own sampler, loss and
-learning rate). A later trainer joins the same way with ``RLSettings(trainer=...)`` (see
+``recipes/toy_nft.yaml``: same world, rewards, group size and batch; DiffusionNFT's published sampling, loss and
+schedule). Every row's held-out accuracy is measured at the world's own guidance (CFG 3, `EVAL_GUIDANCE_SCALE`),
+whatever guidance it trains at. A later trainer joins the same way with ``RLSettings(trainer=...)`` (see
 ``flowgrpo.toy.learning.TOY_TRAINERS``).
 
 How the comparison is made:
@@ -35,23 +36,27 @@ from typing import Any
 
 from .learning import RLSettings
 
-__all__ = ["NFT_VARIANT", "REFERENCE_VARIANT", "TOY_NFT_SETTINGS", "VariantSummary", "leaderboard_variants",
+__all__ = ["EVAL_GUIDANCE_SCALE", "NFT_VARIANT", "REFERENCE_VARIANT", "TOY_NFT_SETTINGS", "VariantSummary", "leaderboard_variants",
            "render_leaderboard", "summarize"]
 
 #: The row every other one is compared with: the recipe itself (Flow-GRPO-Fast with random windows).
 REFERENCE_VARIANT = "fast-random"
 #: DiffusionNFT's row.
 NFT_VARIANT = "diffusion-nft"
-#: What DiffusionNFT changes from the toy recipe (``recipes/toy_nft.yaml``): its trainer, CFG 3 as the recipe (the toy
-#: model needs guidance: without it held-out shape accuracy starts at about 24% instead of 44%), half of the 8 noise
-#: levels trained per image and no reference pass (each cuts a step's cost), the recipe's learning rate (6e-4 first
-#: rose faster, then fell well below the start within 120 steps; 1e-3 was unstable at once; docs/algorithms.md).
+#: What DiffusionNFT changes from the toy recipe (``recipes/toy_nft.yaml``): its trainer at the published settings
+#: (official ``scripts/train_nft_sd3.py``): CFG-free rollouts and training (guidance 1), 10 DPM-Solver++ 2M steps,
+#: 9 of the 10 noise levels trained per image, advantages with the batch std, a constant learning rate, an EMA of
+#: 0.9 of the weights for the trainer's evaluation (at guidance 1 and 3); no reference pass (a cost, not the recipe).
 TOY_NFT_SETTINGS: dict = dict(
-    trainer="diffusion_nft", learning_rate=3e-4, beta=0.0,
-    extra_config={"sampler": "dpmpp_2m", "timestep_fraction": 0.5, "nft_beta": 1.0, "adv_clip_max": 5.0,
-                  "old_policy_decay_start": 0, "old_policy_decay_rate": 0.001, "old_policy_decay_max": 0.5},
+    trainer="diffusion_nft", learning_rate=3e-4, lr_scheduler_type="constant", beta=0.0, guidance_scale=1.0,
+    num_inference_steps=10, scale_rewards="batch",
+    extra_config={"sampler": "dpmpp_2m", "timestep_fraction": 0.99, "nft_beta": 1.0, "adv_clip_max": 5.0,
+                  "old_policy_decay_start": 0, "old_policy_decay_rate": 0.001, "old_policy_decay_max": 0.5,
+                  "use_ema": True, "ema_decay": 0.9, "eval_guidance_scale": 1.0, "eval_guidance_scales": [1.0, 3.0]},
 )
 BUDGET_FRACTIONS = (0.25, 0.5, 1.0)
+#: The guidance of every row's held-out evaluation: the toy world's (the recipe's) CFG 3.
+EVAL_GUIDANCE_SCALE = 3.0
 
 
 def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tuple[RLSettings, str]]:
@@ -82,8 +87,8 @@ def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tup
          "shape score and colour each normalised in its group, then summed (1 : 0.5)"),
         (dict(name="same-noise", same_noise_per_group=True), "the 8 samples of a prompt start from the same noise"),
         (dict(name=NFT_VARIANT, **{**TOY_NFT_SETTINGS, "extra_config": dict(TOY_NFT_SETTINGS["extra_config"])}),
-         "DiffusionNFT (recipes/toy_nft.yaml): CFG-3 rollouts by the old policy with DPM-Solver++ 2M, 4 of 8 noise "
-         "levels trained per image, no reference pass"),
+         "DiffusionNFT as published (recipes/toy_nft.yaml): CFG-free rollouts by the old policy with 10 DPM-Solver++ "
+         "2M steps, 9 of 10 noise levels trained per image, batch std, constant learning rate"),
     ]
     return [(dataclasses.replace(base, **change), what) for change, what in rows]
 
