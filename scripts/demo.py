@@ -5,7 +5,7 @@
     python scripts/demo.py --recipe recipes/tiny_cpu.yaml --num_processes 1 --max_steps 4
 
 Steps: build the recipe's model folder if it is missing (the recipe's ``build_tiny_pipeline_if_missing``: the toy
-world takes about 3.5 minutes on one core), run ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml
+world is copied from the one shipped in the package, or built in about 3.5 minutes on one core if the builder changed), run ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml
 src/train.py RECIPE --output_dir OUT`` with its progress on the terminal, then write ``reward_curve.png`` and
 ``before_after.png`` next to the trained weights in OUT and print where everything is. The recipe's batch is the
 batch of one process; with N processes each takes 1/N of it (when it divides), so the run trains what the recipe
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     start = time.perf_counter()
     if model_args.build_tiny_pipeline_if_missing:
-        # Built here, before the training processes start (the toy world comes from its cache when the tests or an
-        # earlier demo built it).
+        # Made here, before the training processes start (the toy world is copied from the shipped one through the
+        # shared cache).
         from flowgrpo.cli.train import prepare_model_path
 
         prepare_model_path(model_args)

@@ -1,11 +1,13 @@
 """The toy world: captions, rendering, the programmatic rewards, the pipeline build, and RL learning on it.
 
 The fast tests check the world and the rewards exactly. The pipeline tests build the ``light`` preset (tens of
-seconds). The learning test needs a world that follows prompts: it builds the ``full`` preset, the very world the
-recipe and the demo train (about 3 minutes on one core), once into a cache folder (``$FLOWGRPO_TOY_WORLD_CACHE``
-or ``~/.cache/flowgrpo/toy-worlds``, keyed by a fingerprint of the builder and the library versions), and
-asserts that a short Flow-GRPO run raises the held-out target reward by more than the seed-to-seed spread of the
-evaluation.
+seconds) through the same builder code as the ``full`` world. The learning test needs a world that follows prompts:
+the ``full`` preset, the very world the recipe and the demo train. It ships with the package (built here by
+``scripts/make_toy_world.py --ship``, about 3.5 minutes on one core); ``test_shipped_world_is_what_the_builder_makes_now``
+checks that it is still what the builder makes (its digest of the builder's code and settings, its text encoders
+and component configs), and the cache (``$FLOWGRPO_TOY_WORLD_CACHE`` or ``~/.cache/flowgrpo/toy-worlds``) copies it.
+The learning test asserts that a short Flow-GRPO run raises the held-out target reward by more than the
+seed-to-seed spread of the evaluation.
 """
 
 import json
@@ -272,6 +274,64 @@ def test_learning_benchmark_grid_is_valid_and_tabulates(tmp_path):
 # dense shape score plus colour), at a constant learning rate, sized for CI (60 steps, about 40 s of training on one
 # core; on this machine such runs raised the held-out score by 0.054-0.074 after 50 steps over three seeds and
 # learning rates, against a seed-to-seed spread of the evaluation of 0.004).
+def test_shipped_world_is_what_the_builder_makes_now(tmp_path, tiny_sd3_path):
+    """The shipped world must be what ``build_toy_world("full", seed=0)`` would write now: same digest of the builder's
+    code and settings, the same frozen text stack (weights and tokenizers: the builder takes them from the tiny SD3
+    pipeline of seed 0, which the suite's cache builds with the current code) and the same component configs (the
+    trained VAE and transformer differ only in weights and in the VAE's latent statistics)."""
+    import dataclasses
+
+    from diffusers import StableDiffusion3Pipeline
+
+    from flowgrpo.toy.build import (
+        METADATA_FILE,
+        SHIPPED_WORLD_DIR,
+        _make_transformer,
+        _make_vae,
+        builder_digest,
+        cached_toy_world,
+        shipped_toy_world,
+    )
+
+    fix = "the toy world's builder changed: remake the shipped world with `python scripts/make_toy_world.py --ship`"
+    assert shipped_toy_world("full", 0) == SHIPPED_WORLD_DIR, fix
+    assert shipped_toy_world("light", 0) is None and shipped_toy_world("full", 1) is None
+    metadata = json.loads((SHIPPED_WORLD_DIR / METADATA_FILE).read_text())
+    assert metadata["builder_digest"] == builder_digest("full", 0)
+    assert metadata["seed"] == 0 and metadata["torch_threads"] == 1
+    assert metadata["config"] == json.loads(json.dumps(dataclasses.asdict(PRESETS["full"]))), fix
+
+    shipped = StableDiffusion3Pipeline.from_pretrained(SHIPPED_WORLD_DIR)
+    fresh = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        ours, theirs = getattr(shipped, name).state_dict(), getattr(fresh, name).state_dict()
+        assert ours.keys() == theirs.keys(), (name, fix)
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), (name, fix)
+    caption_text = read_prompts(SHIPPED_WORLD_DIR, "eval")[0]
+    for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+        assert getattr(shipped, name)(caption_text).input_ids == getattr(fresh, name)(caption_text).input_ids, fix
+    assert shipped.tokenizer.model_max_length == PRESETS["full"].clip_max_length
+    skip = {"shift_factor", "scaling_factor", "_class_name", "_name_or_path", "_use_default_values",
+            "_diffusers_version"}
+
+    def settings(config) -> dict:  # as saved: JSON types, without the trained statistics and bookkeeping
+        return {k: v for k, v in json.loads(json.dumps(dict(config))).items() if k not in skip}
+
+    assert settings(shipped.vae.config) == settings(_make_vae(PRESETS["full"]).config), fix
+    transformer = _make_transformer(PRESETS["full"], fresh.transformer.config.joint_attention_dim,
+                                    fresh.transformer.config.pooled_projection_dim)
+    assert settings(shipped.transformer.config) == settings(transformer.config), fix
+    assert {k: tuple(v.shape) for k, v in shipped.transformer.state_dict().items()} == \
+        {k: tuple(v.shape) for k, v in transformer.state_dict().items()}
+
+    # The cache copies the shipped world instead of building it.
+    cached = cached_toy_world("full", seed=0, cache_dir=tmp_path, log=lambda message: None)
+    assert cached.parent == tmp_path and cached != SHIPPED_WORLD_DIR
+    for path in SHIPPED_WORLD_DIR.rglob("*"):
+        if path.is_file():
+            assert (cached / path.relative_to(SHIPPED_WORLD_DIR)).read_bytes() == path.read_bytes(), path
+
+
 CI_RL_SETTINGS = dict(name="ci", max_steps=60, lr_scheduler_type="constant")
 CI_EVAL_STEPS = 10
 CI_EVAL_IMAGES = 4
@@ -280,13 +340,13 @@ TARGET = "reward/toy_shape_score"
 
 @pytest.fixture(scope="module")
 def learning_world():
-    """The recipe's world (preset ``full``), cached across runs by fingerprint (see the module docstring)."""
+    """The recipe's world (preset ``full``): the shipped one, copied into the cache (see the module docstring)."""
     from flowgrpo.toy.build import cached_toy_world
 
     return cached_toy_world("full", seed=0, log=lambda message: None)
 
 
-@pytest.mark.run_first  # the longest test (the world's build and the run): started first, beside all the others
+@pytest.mark.run_first  # the longest test (the RL run): started first, beside all the others
 def test_short_rl_run_improves_the_target_reward_beyond_eval_noise(learning_world, tmp_path):
     from diffusers import DiffusionPipeline
 

@@ -20,7 +20,13 @@ Steps (all on CPU, deterministic for a seed on a given machine and thread count)
    default of 256 tokens, so that a plain ``pipe(prompt)`` works too. The saved weights are an exponential moving
    average.
 5. **Save**: ``StableDiffusion3Pipeline.save_pretrained`` (safetensors), plus ``prompts_train.txt``,
-   ``prompts_eval.txt`` and ``toy_world.json`` (seed, settings, recommended generation settings, accuracies).
+   ``prompts_eval.txt`` and ``toy_world.json`` (seed, settings, recommended generation settings, accuracies, and
+   the :func:`builder_digest` of the code that made it).
+
+The recipes' world (preset ``full``, seed 0, one thread) ships with the package (``SHIPPED_WORLD_DIR``, 4.4 MB):
+:func:`cached_toy_world` copies it instead of spending minutes on a build, as long as its recorded digest is that of
+the current builder. The tests build the ``light`` preset through the same code, and check that the shipped world's
+text encoders and component configs are what the builder makes now.
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ __all__ = [
     "evaluate_pipeline",
     "read_prompts",
     "cached_toy_world",
+    "builder_digest",
+    "shipped_toy_world",
+    "SHIPPED_WORLD_DIR",
 ]
 
 PROMPTS_TRAIN_FILE = "prompts_train.txt"
@@ -59,6 +68,10 @@ METADATA_FILE = "toy_world.json"
 PIPELINE_DEFAULT_SEQUENCE_LENGTH = 256
 BUILD_REVISION = 3
 """Bumped whenever the world or its training changes, so that cached worlds are rebuilt."""
+SHIPPED_WORLD_DIR = Path(__file__).parent / "shipped_world"
+"""The recipes' world (preset ``full``, seed 0) as this builder made it with one thread, shipped with the package so
+that nobody waits minutes for it (``scripts/make_toy_world.py --ship`` remakes it)."""
+SHIPPED_PRESET, SHIPPED_SEED = "full", 0
 
 _LAST_BUILD_INFO: dict[str, Any] = {}
 
@@ -553,6 +566,7 @@ def _build_toy_world(output_dir, seed: int, config: ToyWorldConfig, evaluate: bo
             "max_sequence_length": config.max_sequence_length,
         },
         "train_seconds": round(train_seconds, 1),
+        "builder_digest": builder_digest(config, seed),
         **_LAST_BUILD_INFO,
         "torch_threads": torch.get_num_threads(),
     }
@@ -573,18 +587,39 @@ def _build_toy_world(output_dir, seed: int, config: ToyWorldConfig, evaluate: bo
     return output_dir
 
 
+def builder_digest(preset: str | ToyWorldConfig, seed: int) -> str:
+    """What decides the weights a build writes: the revision, seed and settings, and the sources of the renderer
+    (``world.py``) and the builder (``build.py``). A world whose ``toy_world.json`` records the digest of the current
+    code is what a build would write now (on one thread), so it can be reused instead of rebuilt. The text encoders
+    come from :func:`flowgrpo.testing.build_tiny_pipeline`; the tests compare the shipped ones with a fresh build."""
+    import hashlib
+
+    spec = {"revision": BUILD_REVISION, "seed": seed, "config": dataclasses.asdict(_resolve_config(preset))}
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode("utf-8"))
+    for module in ("world.py", "build.py"):
+        digest.update((Path(__file__).parent / module).read_bytes().replace(b"\r\n", b"\n"))
+    return digest.hexdigest()[:16]
+
+
+def shipped_toy_world(preset: str | ToyWorldConfig = "full", seed: int = 0) -> Path | None:
+    """The shipped world's folder when it is the world ``preset`` and ``seed`` would build now, else ``None``."""
+    metadata = SHIPPED_WORLD_DIR / METADATA_FILE
+    if not metadata.is_file() or not (SHIPPED_WORLD_DIR / "model_index.json").is_file():
+        return None
+    recorded = json.loads(metadata.read_text(encoding="utf-8")).get("builder_digest")
+    return SHIPPED_WORLD_DIR if recorded == builder_digest(preset, seed) else None
+
+
 def _fingerprint(preset: str | ToyWorldConfig, seed: int) -> str:
     import hashlib
 
     import diffusers
     import transformers
 
-    config = _resolve_config(preset)
-    spec = {"revision": BUILD_REVISION, "seed": seed, "config": dataclasses.asdict(config),
-            "versions": [torch.__version__, diffusers.__version__, transformers.__version__]}
-    digest = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode("utf-8"))
-    for module in ("world.py", "rewards.py", "build.py"):
-        digest.update((Path(__file__).parent / module).read_bytes())
+    spec = {"builder": builder_digest(preset, seed), "versions": [torch.__version__, diffusers.__version__,
+                                                                transformers.__version__]}
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode("utf-8"))
+    digest.update((Path(__file__).parent / "rewards.py").read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -599,18 +634,28 @@ def default_cache_dir() -> Path:
 
 def cached_toy_world(preset: str = "full", seed: int = 0, cache_dir: str | os.PathLike[str] | None = None,
                      log: Callable[[str], None] = _log_default, threads: int = 1) -> Path:
-    """Path of a built toy world (``preset``, ``seed``), built on first use and reused afterwards.
+    """Path of a built toy world (``preset``, ``seed``), made on first use and reused afterwards.
 
     The folder name carries a fingerprint of the builder's sources, the preset and the library versions, so a
-    changed builder makes a new folder; a world missing from the cache is built with ``threads`` threads (see
-    :func:`build_toy_world`; ``toy_world.json`` records the count). Built in a private temporary folder and renamed
-    into place atomically; concurrent callers wait for the first builder (``flowgrpo.build_cache``).
+    changed builder makes a new folder. A world missing from the cache is copied from the shipped one when that is
+    what the builder would make now (:func:`shipped_toy_world`: the recipes' world, in a second), else built with
+    ``threads`` threads (see :func:`build_toy_world`; ``toy_world.json`` records the count). Written in a private
+    temporary folder and renamed into place atomically; concurrent callers wait for the first (``flowgrpo.build_cache``).
     """
+    import shutil
+
     from ..build_cache import build_folder_once
 
     name = preset if isinstance(preset, str) else "custom"
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / f"{name}-seed{seed}-{_fingerprint(preset, seed)}"
-    return build_folder_once(target, lambda path: build_toy_world(path, seed=seed, config=preset, log=log,
-                                                                  threads=threads),
-                             what="toy world cache folder")
+    shipped = shipped_toy_world(preset, seed)
+
+    def build(path: Path) -> None:
+        if shipped is not None:
+            log(f"[toy world] copying the shipped world (preset {name}, seed {seed}) to {target}")
+            shutil.copytree(shipped, path)
+        else:
+            build_toy_world(path, seed=seed, config=preset, log=log, threads=threads)
+
+    return build_folder_once(target, build, what="toy world cache folder")

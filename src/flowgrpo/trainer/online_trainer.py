@@ -47,6 +47,7 @@ from ..models import PromptEmbeds, get_family_adapter
 from ..rewards import RewardSet, resolve_reward_funcs
 from ..schedulers import FlowMatchSDEScheduler
 from .base import FlowBaseTrainer
+from .console import install_training_console
 from .data.datasets import INDEX_COLUMN, IndexedPromptDataset
 from .data.prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
 from .data.sampler import RepeatSampler
@@ -127,7 +128,7 @@ class _StepHooks(TrainerCallback):
             t.ema.update(t._trainable_parameters(), state.global_step)
         t._on_optimizer_step_end(state.global_step)
         if args.log_images_steps and state.global_step % args.log_images_steps == 0 and t._last_samples:
-            t._log_images(*t._last_samples, step=state.global_step)
+            t._log_images(*t._last_samples, step=state.global_step, notes=t._last_sample_notes)
 
 
 
@@ -177,7 +178,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         # Cheap validation first: rewards and datasets fail before any model is loaded.
         self.reward_set: RewardSet = resolve_reward_funcs(reward_funcs, args.reward_weights, args.reward_kwargs,
                                                           num_workers=args.reward_num_workers,
-                                                          on_failure=args.reward_on_failure)
+                                                          on_failure=args.reward_on_failure,
+                                                          offload=args.reward_offload)
         train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
         eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
         check_prompt_cache_capacity(args, train_dataset, eval_dataset)
@@ -242,6 +244,7 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         self._buffer: list[dict] | None = None
         self._micro_step = 0
         self._last_samples: tuple | None = None
+        self._last_sample_notes: list[str] | None = None
         self._last_eval: dict | None = None
         self._eval_baseline = EvaluationBaseline()
         if args.ddp_find_unused_parameters is None:  # read by Trainer when it builds the accelerator, just below
@@ -255,6 +258,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         # callbacks (tensorboard, wandb) read ``model.config``.
         self.callback_handler.callbacks.insert(0, _StepHooks(self))
         self.callback_handler.model = _CallbackModelView(self.model)
+        # One bar with the key figures and a table per evaluation, instead of every logged dictionary.
+        self.console = install_training_console(self)
 
         device = self.accelerator.device
         model_parameters = sum(p.numel() for module in self.adapter.transformers() for p in module.parameters())
@@ -448,8 +453,10 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         super().log(logs, start_time)
         self._metrics[mode].clear()
 
-    def _log_images(self, images: list, prompts: list[str], rewards: list[float], step: int) -> None:
-        """Sample images (or videos) with prompts and rewards to every image-capable ``report_to`` backend.
+    def _log_images(self, images: list, prompts: list[str], rewards: list[float], step: int,
+                    notes: list[str] | None = None) -> None:
+        """Sample images (or videos) with prompts, rewards and the rewards' notes (e.g. why GenEval failed an image)
+        to every image-capable ``report_to`` backend.
 
         TensorBoard: a contact sheet (``samples``; videos show their first, middle and last frame), the captions, and
         for videos all samples tiled into one animated GIF (``samples/video``). wandb: ``samples`` holds one image, or
@@ -461,7 +468,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
 
         from transformers.integrations import TensorBoardCallback, WandbCallback
 
-        captions = [f"{p[:120]} | reward={r:.3f}" for p, r in zip(prompts, rewards)]
+        notes = notes or [""] * len(prompts)
+        captions = [f"{p[:120]} | reward={r:.3f}" + (f" | {n}" if n else "") for p, r, n in zip(prompts, rewards, notes)]
         videos = all(is_video(im) for im in images)
         fps = self.args.log_video_fps
         for cb in self.callback_handler.callbacks:
