@@ -3,17 +3,18 @@
 
     python scripts/learning_benchmark.py --output outputs/learning_benchmark [--quick]
     python scripts/learning_benchmark.py --world .cache/toy-world --output DIR --only flow-grpo,fast-w2
-    python scripts/learning_benchmark.py --leaderboard --processes 2   # every algorithm variant, 3 seeds each
+    python scripts/learning_benchmark.py --leaderboard --processes 2   # every algorithm variant, 5 seeds each
 
 ``--leaderboard`` runs the Flow-GRPO family (``flowgrpo.toy.leaderboard.leaderboard_variants``: plain Flow-GRPO,
 Fast random windows, MixGRPO progressive windows, MixGRPO-Flash, GRPO-Guard, each KL estimator at beta 0.04,
-rewards normalised before summing, shared group noise) and DiffusionNFT (``recipes/toy_nft.yaml``) with ``--seeds``
-(0,1,2) each, and writes the leaderboard
-(held-out shape accuracy at equal steps and at equal training-seconds budgets, colour kept, seconds per step, and
-which differences exceed the seed spread) to ``--leaderboard-md`` (``docs/learning_leaderboard.md``) and to
-``--output``/leaderboard.md. Defaults: 120 steps, evaluations every 20 steps on all 43 eval prompts x 2 images
-(20 ODE steps). With ``--processes 2`` the variants are dealt out to two concurrent processes of one thread
-each: 41 minutes on 2 CPU cores (measured; 80 minutes of runs). Finished runs (``--output``/<variant>/seed<k>/result.json with the
+rewards normalised before summing, shared group noise, DanceGRPO), AWM, online Diffusion-DPO and DiffusionNFT
+(``recipes/toy_nft.yaml``), each at its published-style settings, with ``--seeds`` (0,1,2,3,4) each, and writes the
+leaderboard (held-out shape accuracy at equal steps and at equal training-seconds budgets, colour kept, seconds per
+step, the means with 95% bootstrap intervals and the pairwise paired-difference verdicts, and a plot of accuracy
+against training seconds with each variant's band) to ``--leaderboard-md`` (``docs/learning_leaderboard.md``, the
+plot beside it) and to ``--output``/leaderboard.md and leaderboard.png. Defaults: 300 steps, evaluations every 50
+steps on all 43 eval prompts x 8 images (20 ODE steps at CFG 3, the same image seeds before and after, and for
+every run). With ``--processes 2`` the variants are dealt out to two concurrent processes of one thread each. Finished runs (``--output``/<variant>/seed<k>/result.json with the
 same settings) are reused, so an interrupted leaderboard continues where it stopped; ``--fresh`` reruns them.
 ``--leaderboard --quick`` is a smoke test of the machinery (3 variants x 2 seeds x 3 steps, 4 eval prompts; it
 writes only into ``--output``).
@@ -44,6 +45,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -54,15 +56,27 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 try:
-    from flowgrpo.toy.leaderboard import leaderboard_variants, render_leaderboard, summarize
+    from flowgrpo.toy.leaderboard import (
+        EVAL_GUIDANCE_SCALE,
+        leaderboard_variants,
+        plot_leaderboard,
+        render_leaderboard,
+        summarize,
+    )
     from flowgrpo.toy.learning import RLSettings, run_toy_rl
 except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(REPO / "src"))
-    from flowgrpo.toy.leaderboard import leaderboard_variants, render_leaderboard, summarize
+    from flowgrpo.toy.leaderboard import (
+        EVAL_GUIDANCE_SCALE,
+        leaderboard_variants,
+        plot_leaderboard,
+        render_leaderboard,
+        summarize,
+    )
     from flowgrpo.toy.learning import RLSettings, run_toy_rl
 
-LEADERBOARD_SEEDS = (0, 1, 2)
-LEADERBOARD_STEPS = 120
+LEADERBOARD_SEEDS = (0, 1, 2, 3, 4)
+LEADERBOARD_STEPS = 300
 LEADERBOARD_QUICK_VARIANTS = ("fast-random", "mixgrpo-flash", "diffusion-nft")
 EVAL_SEED = 1234
 
@@ -183,8 +197,8 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
     import torch
 
     steps = args.steps or (3 if args.quick else LEADERBOARD_STEPS)
-    eval_every = args.eval_every or (0 if args.quick else 20)
-    images = args.eval_images_per_prompt or (1 if args.quick else 2)
+    eval_every = args.eval_every or (0 if args.quick else 50)
+    images = args.eval_images_per_prompt or (1 if args.quick else 8)
     max_prompts = args.max_eval_prompts or (4 if args.quick else None)
     eval_steps = args.eval_steps or (8 if args.quick else 20)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list((0, 1) if args.quick else
@@ -205,7 +219,7 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
     for i, settings in enumerate(runs):
         folder = output / settings.name / f"seed{settings.seed}"
         eval_config = {"prompts": _eval_prompt_count(world, max_prompts), "images_per_prompt": images,
-                       "steps": eval_steps, "guidance_scale": settings.guidance_scale, "seed": EVAL_SEED,
+                       "steps": eval_steps, "guidance_scale": EVAL_GUIDANCE_SCALE, "seed": EVAL_SEED,
                        "every": eval_every}
         previous = None if args.fresh else _reusable(folder / "result.json", settings, eval_config)
         if previous is not None:
@@ -216,7 +230,8 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
         print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed} "
               f"({time.perf_counter() - start:.0f} s so far)", flush=True)
         results.append(run_toy_rl(world, settings, folder, eval_every=eval_every, eval_images_per_prompt=images,
-                                  eval_steps=eval_steps, max_eval_prompts=max_prompts, eval_seed=EVAL_SEED))
+                                  eval_steps=eval_steps, max_eval_prompts=max_prompts, eval_seed=EVAL_SEED,
+                                  eval_guidance_scale=EVAL_GUIDANCE_SCALE))
         _write_results(output, world, args.quick, torch_threads, results)
     _write_results(output, world, args.quick, torch_threads, results)
     summary = summarize(results, descriptions)
@@ -231,11 +246,16 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
                 f"steps, CFG {RLSettings().guidance_scale}, fixed seeds, every {eval_every or steps} steps and at "
                 f"the end",
     }
-    text = render_leaderboard(summary, context)
-    (output / "leaderboard.md").write_text(text, encoding="utf-8")
     destination = args.leaderboard_md or (None if args.quick else REPO / "docs" / "learning_leaderboard.md")
+    plot_leaderboard(results, output / "leaderboard.png", summary["attribute"],
+                     title="held-out accuracy against training seconds (toy world)")
+    text = render_leaderboard(summary, {**context, "plot": "leaderboard.png"})
+    (output / "leaderboard.md").write_text(text, encoding="utf-8")
     if destination is not None:
-        Path(destination).write_text(text, encoding="utf-8")
+        destination = Path(destination)
+        plot_name = destination.with_suffix(".png").name
+        shutil.copyfile(output / "leaderboard.png", destination.with_suffix(".png"))
+        destination.write_text(render_leaderboard(summary, {**context, "plot": plot_name}), encoding="utf-8")
     print(text)
     print(f"[leaderboard] {len(results)} runs in {time.perf_counter() - start:.0f} s; written to "
           f"{output / 'leaderboard.md'}" + (f" and {destination}" if destination else ""))
@@ -260,10 +280,23 @@ def _without_note(argv: list[str]) -> list[str]:
     return _without_options(argv, ("--note",))
 
 
+#: Rough cost of a variant's run relative to the recipe's (more trained steps or extra forwards per step), for
+#: dealing the variants out to processes of about equal length.
+VARIANT_COST = {"flow-grpo": 3.0, "diffusion-nft": 3.0, "awm": 2.5, "dancegrpo": 2.0, "diffusion-dpo": 1.5}
+
+
 def shard_variants(names: list[str], processes: int) -> list[list[str]]:
-    """The variants dealt out in turn to ``processes`` processes (empty shards dropped). In the leaderboard's order
-    this puts the two slowest variants (plain Flow-GRPO, DiffusionNFT) into different processes."""
-    return [names[i::processes] for i in range(processes) if names[i::processes]]
+    """The variants dealt out to ``processes`` processes of about equal cost (`VARIANT_COST`; the costliest first,
+    each to the least loaded process), each shard in the leaderboard's order; empty shards dropped. This puts the
+    slowest variants (plain Flow-GRPO, DiffusionNFT, AWM) into different processes."""
+    loads = [0.0] * processes
+    shards: list[list[str]] = [[] for _ in range(processes)]
+    for name in sorted(names, key=lambda n: -VARIANT_COST.get(n, 1.0)):
+        k = loads.index(min(loads))
+        shards[k].append(name)
+        loads[k] += VARIANT_COST.get(name, 1.0)
+    order = {name: i for i, name in enumerate(names)}
+    return [sorted(shard, key=order.__getitem__) for shard in shards if shard]
 
 
 def _run_in_processes(args, world: Path, names: list[str]) -> tuple[int, int, str]:
@@ -331,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--leaderboard", action="store_true",
                         help="run every algorithm variant with several seeds and write the leaderboard")
-    parser.add_argument("--seeds", default=None, help="leaderboard: comma-separated seeds (0,1,2; quick: 0,1)")
+    parser.add_argument("--seeds", default=None, help="leaderboard: comma-separated seeds (0,1,2,3,4; quick: 0,1)")
     parser.add_argument("--eval-steps", type=int, default=None, help="leaderboard: ODE steps per eval image (20)")
     parser.add_argument("--leaderboard-md", type=Path, default=None,
                         help="leaderboard: where to write the page (default docs/learning_leaderboard.md; quick runs "

@@ -33,25 +33,38 @@ TOY_RECIPES = {
     "toy_mixgrpo_flash.yaml": "mixgrpo-flash", "toy_grpo_guard.yaml": "grpo-guard",
     "toy_kl_analytic.yaml": "kl-analytic", "toy_kl_k1.yaml": "kl-k1", "toy_kl_k3.yaml": "kl-k3",
     "toy_kl_velocity.yaml": "kl-velocity", "toy_normalize_then_sum.yaml": "normalize-then-sum",
-    "toy_same_noise.yaml": "same-noise", "toy_nft.yaml": "diffusion-nft",
+    "toy_same_noise.yaml": "same-noise", "toy_nft.yaml": "diffusion-nft", "toy_dancegrpo.yaml": "dancegrpo",
+    "toy_awm.yaml": "awm",
 }
 
 
 def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp_path):
     variants = leaderboard_variants(120)
     names = [s.name for s, _ in variants]
-    assert len(set(names)) == len(names) == 12 and REFERENCE_VARIANT in names and names[-1] == NFT_VARIANT
+    assert len(set(names)) == len(names) == 15 and REFERENCE_VARIANT in names and names[-1] == NFT_VARIANT
+    assert {"dancegrpo", "awm", "diffusion-dpo"} <= set(names)
     reference = next(s for s, _ in variants if s.name == REFERENCE_VARIANT)
     assert dataclasses.replace(reference, name="x") == dataclasses.replace(RLSettings(max_steps=120), name="x")
     algorithm_fields = {"sde_window_size", "sde_window_range", "sde_window_strategy", "sde_window_shift_interval",
                         "ode_solver", "ode_compression_ratio", "ratio_normalization", "beta", "kl_estimator",
                         "reward_aggregation", "same_noise_per_group"}
     for settings, what in variants:
+        if settings.trainer in ("awm", "diffusion_dpo"):  # the other trainers at their published-style settings
+            args = toy_trainer_classes(settings.trainer)[0](output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                                           **settings.config_kwargs())
+            assert what and args.generation_batch_size == 32 and args.guidance_scale == reference.guidance_scale
+            continue
+        if settings.name == "dancegrpo":  # DanceGRPO's own sampler, clip range and schedule
+            args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
+            assert (args.sde_type, args.noise_level, args.timestep_fraction, args.epsilon) == ("dance", 0.3, 0.6, 1e-4)
+            assert args.same_noise_per_group and args.sde_window_size == 0
+            continue
         if settings.name == NFT_VARIANT:  # the other trainer: its own fields, the recipe's world and batch
             assert settings.trainer == "diffusion_nft" and what
             args = DiffusionNFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
-            assert args.generation_batch_size == 32 and args.guidance_scale == reference.guidance_scale
-            assert (args.num_inference_steps, args.num_generations) == (reference.num_inference_steps, 8)
+            assert args.generation_batch_size == 32 and args.guidance_scale == 1.0  # published: CFG-free
+            assert (args.num_inference_steps, args.num_trained_timesteps, args.num_generations) == (10, 9, 8)
+            assert args.eval_guidance_scales == [1.0, 3.0] and args.ema_decay == 0.9
             continue
         assert what and settings.trainer == "flow_grpo"
         changed = {f.name for f in dataclasses.fields(RLSettings)
@@ -89,7 +102,7 @@ def test_toy_variant_recipes_run_the_leaderboard_variants(recipe):
             continue  # the config fills in its default
         assert actual == value, (recipe, key, actual, value)
     assert model.lora_r == settings.lora_r and model.use_peft == settings.use_lora
-    assert type(args) is (DiffusionNFTConfig if settings.trainer == "diffusion_nft" else FlowGRPOConfig)
+    assert type(args) is toy_trainer_classes(settings.trainer)[0]
     text = (REPO / "recipes" / recipe).read_text()
     assert f"python src/train.py recipes/{recipe}" in text and "# Hardware:" in text
 
@@ -156,6 +169,38 @@ def test_summary_figures_budgets_and_seed_spread():
     assert "one seed" in render_leaderboard(one_seed, {"quick": True})
 
 
+def test_bootstrap_intervals_paired_verdicts_and_plot(tmp_path):
+    """Five seeds: a variant better by 5 points on every seed is beyond the noise (paired, although the seed spread
+    of each side overlaps the other's); one whose seed-by-seed differences change sign is not."""
+    from flowgrpo.toy.leaderboard import bootstrap_interval, paired_difference, plot_leaderboard
+
+    low, high = bootstrap_interval([0.4, 0.5, 0.6])
+    assert 0.4 <= low < 0.5 < high <= 0.6 and bootstrap_interval([0.3]) == (0.3, 0.3)
+    assert bootstrap_interval([0.4, 0.5, 0.6]) == (low, high)  # a fixed resampling seed: reproducible pages
+    base = {0: 0.40, 1: 0.48, 2: 0.44, 3: 0.52, 4: 0.46}
+    better = {k: v + 0.05 for k, v in base.items()}
+    mixed = {k: v + (0.03 if k % 2 else -0.03) for k, v in base.items()}
+    diff = paired_difference(better, base)
+    assert diff["mean"] == pytest.approx(0.05) and diff["beyond"] and diff["seeds"] == 5
+    assert not paired_difference(mixed, base)["beyond"] and paired_difference({0: 1.0}, {0: 0.0}) is None
+    results = []
+    for seed, value in base.items():
+        results.append(fake_run(REFERENCE_VARIANT, seed, {0: 0.4, 10: value, 20: value}, 1.0))
+        results.append(fake_run("better", seed, {0: 0.4, 10: better[seed], 20: better[seed]}, 1.0))
+        results.append(fake_run("mixed", seed, {0: 0.4, 10: mixed[seed], 20: mixed[seed]}, 1.5))
+    summary = summarize(results)
+    paired = {(p["better"], p["worse"], p["how"]): p for p in summary["paired"]}
+    assert paired[("better", REFERENCE_VARIANT, "steps")]["beyond"]
+    assert not any(p["beyond"] for k, p in paired.items() if "mixed" in k[:2] and REFERENCE_VARIANT in k[:2])
+    assert summary["intervals"]["better"]["steps"][0] < 0.52 < summary["intervals"]["better"]["steps"][1]
+    page = render_leaderboard(summary, {"plot": "leaderboard.png"})
+    assert "## Means with 95% bootstrap intervals, and paired differences" in page
+    assert "better > fast-random by 5.0 pts [5.0, 5.0]" in page
+    assert "![held-out shape accuracy against training seconds" in page
+    path = plot_leaderboard(results, tmp_path / "leaderboard.png")
+    assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_leaderboard_command_line_fails_fast_on_unknown_variants(tmp_path, capsys):
     sys.path.insert(0, str(REPO / "scripts"))
     import learning_benchmark as bench
@@ -165,7 +210,7 @@ def test_leaderboard_command_line_fails_fast_on_unknown_variants(tmp_path, capsy
     assert "no-such-variant" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
     runs, descriptions = bench.leaderboard_runs(50, [0, 1, 2], None, None)
-    assert len(runs) == 36 and len(descriptions) == 12 and {r.seed for r in runs} == {0, 1, 2}
+    assert len(runs) == 45 and len(descriptions) == 15 and {r.seed for r in runs} == {0, 1, 2}
     assert all(r.max_steps == 50 for r in runs)
 
 

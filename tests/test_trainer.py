@@ -16,7 +16,14 @@ from datasets import Dataset
 from peft import LoraConfig
 from PIL import Image
 
-from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
+from flowgrpo import (
+    AWMConfig,
+    AWMTrainer,
+    DiffusionDPOConfig,
+    DiffusionDPOTrainer,
+    FlowGRPOConfig,
+    FlowGRPOTrainer,
+)
 from flowgrpo.schedulers import sde_step_from_sigmas
 
 PROMPTS = ["a red circle", "two blue squares", 'a sign that says "hi"', "a green triangle on the left",
@@ -41,7 +48,20 @@ def lora_config(init="gaussian"):
     return LoraConfig(r=4, lora_alpha=8, init_lora_weights=init, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
 
 
-def make_args(tmp_path, **kwargs):
+#: the trainers on the shared base that the resume and export tests run: configuration and trainer classes, the
+#: settings that make a short run exercise their own state (SDE window; AWM's EMA adapter sampling off-policy;
+#: online DPO pairs), and the logged keys a resumed run must reproduce
+TRAINER_KINDS = {
+    "flow_grpo": (FlowGRPOConfig, FlowGRPOTrainer, dict(sde_window_size=2, sde_window_range=[0, 2]),
+                  ("reward", "policy_loss", "ratio_mean", "grad_norm")),
+    "awm": (AWMConfig, AWMTrainer, dict(train_timesteps=2, beta=0.01, off_policy=True),
+            ("reward", "policy_loss", "ratio_mean", "kl", "grad_norm")),
+    "diffusion_dpo": (DiffusionDPOConfig, DiffusionDPOTrainer, dict(dpo_mode="online", beta_dpo=50.0),
+                      ("reward", "loss", "dpo/inside", "grad_norm")),
+}
+
+
+def make_args(tmp_path, config_class=FlowGRPOConfig, **kwargs):
     base = dict(
         output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=4, num_generations=4,
         resolution=64, num_inference_steps=4, eval_num_inference_steps=4, guidance_scale=1.0, max_steps=1,
@@ -49,20 +69,22 @@ def make_args(tmp_path, **kwargs):
         disable_tqdm=True, seed=0, log_images_steps=0, dtype="float32",
     )
     base.update(kwargs)
-    return FlowGRPOConfig(**base)
+    return config_class(**base)
 
 
-def make_trainer(path, tmp_path, reward=brightness_reward, peft=True, dataset=None, **kwargs):
-    """A trainer on the tiny pipeline at ``path`` with test-sized defaults (``kwargs`` go to FlowGRPOConfig)."""
-    return FlowGRPOTrainer(
-        model=str(path), reward_funcs=reward, args=make_args(tmp_path, **kwargs),
+def make_trainer(path, tmp_path, reward=brightness_reward, peft=True, dataset=None, kind="flow_grpo", **kwargs):
+    """A trainer of ``kind`` (`TRAINER_KINDS`) on the tiny pipeline at ``path`` with test-sized defaults (``kwargs``
+    go to its configuration)."""
+    config_class, trainer_class, _, _ = TRAINER_KINDS[kind]
+    return trainer_class(
+        model=str(path), reward_funcs=reward, args=make_args(tmp_path, config_class, **kwargs),
         train_dataset=dataset if dataset is not None else Dataset.from_dict({"prompt": PROMPTS}),
         peft_config=lora_config() if peft else None,
     )
 
 
-def train_logs(trainer):
-    return [h for h in trainer.state.log_history if "ratio_mean" in h]
+def train_logs(trainer, key="ratio_mean"):
+    return [h for h in trainer.state.log_history if key in h]
 
 
 @pytest.mark.parametrize("sde_type", ["sde", "cps"])
@@ -207,10 +229,27 @@ def test_evaluate_draws_several_seeded_images_per_prompt(tiny_sd3_path, tmp_path
         make_args(tmp_path, eval_images_per_prompt=0)
 
 
+def test_evaluation_at_several_guidance_scales_logs_each(tiny_sd3_path, tmp_path):
+    trainer = make_trainer(tiny_sd3_path, tmp_path, eval_num_inference_steps=3, eval_guidance_scales=[1.0, 4.0])
+    assert trainer.args.evaluation_guidance_scales == [1.0, 4.0]
+    metrics = trainer.evaluate(Dataset.from_dict({"prompt": PROMPTS[:2]}))
+    for prefix in ("eval", "eval_cfg4"):
+        assert f"{prefix}_reward" in metrics and f"{prefix}_rewards/brightness_reward/count" in metrics
+    assert metrics["eval_reward"] != metrics["eval_cfg4_reward"]  # guidance changes the images
+    assert os.path.exists(os.path.join(trainer.args.output_dir, "eval_step_0.png"))
+    assert os.path.exists(os.path.join(trainer.args.output_dir, "eval_step_0_cfg4.png"))
+    again = trainer.evaluate(Dataset.from_dict({"prompt": PROMPTS[:2]}))
+    assert again["eval_cfg4_rewards/brightness_reward/change"] == 0.0  # each scale is paired with its own baseline
+    with pytest.raises(ValueError, match="eval_guidance_scales"):
+        make_args(tmp_path, eval_guidance_scales=[-1.0])
 
-def test_resume_matches_uninterrupted(tiny_sd3_path, tmp_path):
-    common = dict(max_steps=4, save_strategy="steps", save_steps=2, sde_window_size=2, sde_window_range=[0, 2],
-                  learning_rate=3e-3, use_ema=True, reward=redness_reward)
+
+
+@pytest.mark.parametrize("kind", list(TRAINER_KINDS))
+def test_resume_matches_uninterrupted(tiny_sd3_path, tmp_path, kind):
+    _, _, settings, keys = TRAINER_KINDS[kind]
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, learning_rate=3e-3, use_ema=True,
+                  reward=redness_reward, kind=kind, **settings)
     straight = make_trainer(tiny_sd3_path, tmp_path / "a", **common)
     straight.train()
     interrupted = make_trainer(tiny_sd3_path, tmp_path / "b", **common)
@@ -221,23 +260,28 @@ def test_resume_matches_uninterrupted(tiny_sd3_path, tmp_path):
     assert (ckpt / "ema_state.pt").exists()
     resumed = make_trainer(tiny_sd3_path, tmp_path / "b", **common)
     resumed.train(resume_from_checkpoint=str(ckpt))
-    a = train_logs(straight)
-    b = train_logs(resumed)  # the restored history (steps 1-2) plus the resumed steps
-    assert train_logs(interrupted) == b[:2]
+    a = train_logs(straight, keys[1])
+    b = train_logs(resumed, keys[1])  # the restored history (steps 1-2) plus the resumed steps
+    assert train_logs(interrupted, keys[1]) == b[:2]
     assert [round(x["step"]) for x in b] == [1, 2, 3, 4]
     for x, y in zip(a, b):
-        for key in ("reward", "policy_loss", "ratio_mean", "grad_norm"):
+        for key in keys:
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
     for p, q in zip(straight.model.parameters(), resumed.model.parameters()):
         torch.testing.assert_close(p, q)
     for s, t in zip(straight.ema.shadow, resumed.ema.shadow):
         torch.testing.assert_close(s, t)
+    if straight.old_policy is not None:  # AWM's EMA adapter
+        for (_, o), (_, r) in zip(straight.old_policy.pairs, resumed.old_policy.pairs):
+            torch.testing.assert_close(o, r)
 
 
-def test_lora_export_loads_in_stock_pipeline(tiny_sd3_path, tmp_path):
+@pytest.mark.parametrize("kind", list(TRAINER_KINDS))
+def test_lora_export_loads_in_stock_pipeline(tiny_sd3_path, tmp_path, kind):
     from diffusers import DiffusionPipeline
 
-    trainer = make_trainer(tiny_sd3_path, tmp_path, learning_rate=5e-2)
+    trainer = make_trainer(tiny_sd3_path, tmp_path, learning_rate=5e-2, kind=kind, reward=redness_reward,
+                           **TRAINER_KINDS[kind][2])
     trainer.train()
     trainer.save_model()
     out = trainer.args.output_dir
@@ -245,9 +289,10 @@ def test_lora_export_loads_in_stock_pipeline(tiny_sd3_path, tmp_path):
 
     with safe_open(os.path.join(out, "pytorch_lora_weights.safetensors"), "pt") as f:
         keys = list(f.keys())
-        assert keys and all(k.startswith("transformer.") for k in keys)
+        assert keys and all(k.startswith("transformer.") and ".old." not in k for k in keys)
         assert any(f.get_tensor(k).abs().sum() > 0 for k in keys if "lora_B" in k)
         assert "lora_adapter_metadata" in (f.metadata() or {})
+    assert not os.path.exists(os.path.join(out, "old"))  # exports hold the trained adapter only
     pipe = DiffusionPipeline.from_pretrained(str(tiny_sd3_path))
     kwargs = dict(prompt="a red circle", num_inference_steps=3, height=64, width=64, output_type="np",
                   max_sequence_length=16)
@@ -255,6 +300,9 @@ def test_lora_export_loads_in_stock_pipeline(tiny_sd3_path, tmp_path):
     pipe.load_lora_weights(out)
     tuned = pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
     assert np.abs(base - tuned).max() > 0
+    trainer.create_model_card()
+    card = open(os.path.join(out, "README.md")).read()
+    assert trainer._name in card and trainer._paper["id"] in card
 
 
 def test_bad_inputs_fail_before_loading(tmp_path):
@@ -346,3 +394,56 @@ def test_num_iterations_reuse_one_generation(tiny_sd3_path, tmp_path):
     assert abs(logs[0]["ratio_mean"] - 1) < 1e-5
     assert logs[1]["approx_kl"] > 0  # the second pass is off-policy: the ratio has moved and gets clipped
     assert logs[1]["clip_frac"] > 0
+
+
+@pytest.mark.parametrize("kind", ["awm", "diffusion_dpo"])
+def test_launch_line_runs_the_new_trainers(tiny_sd3_path, tmp_path, kind):
+    """``src/train.py recipe.yaml --trainer NAME``; offline DPO reads its pairs from a jsonl prompt file whose image
+    paths are relative to the file."""
+    import json
+
+    from flowgrpo.cli import main
+
+    prompts = ["a red circle", "a cat"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    extra = ""
+    dataset = tmp_path / "prompts.txt"
+    if kind == "diffusion_dpo":
+        (tmp_path / "pairs" / "images").mkdir(parents=True)
+        rows = []
+        for i, prompt in enumerate(prompts):
+            for role, colour in (("chosen", (220, 30, 30)), ("rejected", (30, 30, 220))):
+                Image.fromarray(np.full((64, 64, 3), colour, np.uint8)).save(tmp_path / "pairs" / "images" / f"{i}{role}.png")
+            rows.append({"prompt": prompt, "chosen": f"images/{i}chosen.png", "rejected": f"images/{i}rejected.png"})
+        (tmp_path / "pairs" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        dataset, extra = tmp_path / "pairs" / "train.jsonl", "dpo_mode: offline\n"
+    else:
+        extra = "train_timesteps: 2\n"
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(f"""model_name_or_path: {tiny_sd3_path}
+dtype: float32
+lora_r: 4
+lora_alpha: 8
+lora_target_modules: [to_q, to_k]
+dataset_name: {dataset}
+dataset_test_split: null
+reward_funcs: [jpeg_compressibility]
+resolution: 64
+num_inference_steps: 2
+sampler: euler
+max_sequence_length: 16
+num_generations: 2
+per_device_train_batch_size: 2
+max_steps: 1
+output_dir: {tmp_path / "run"}
+save_strategy: "no"
+report_to: none
+use_cpu: true
+disable_tqdm: true
+log_images_steps: 0
+{extra}""")
+    trainer = main([str(recipe), "--trainer", kind])
+    assert type(trainer).__name__ == {"awm": "AWMTrainer", "diffusion_dpo": "DiffusionDPOTrainer"}[kind]
+    assert trainer.state.global_step == 1 and (tmp_path / "run" / "pytorch_lora_weights.safetensors").exists()
+    if kind == "diffusion_dpo":
+        assert trainer.state.log_history[0]["dpo/pairs"] == 2

@@ -2,17 +2,29 @@
 
     from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
     from flowgrpo import DiffusionNFTConfig, DiffusionNFTTrainer
+    from flowgrpo import AWMConfig, AWMTrainer
+    from flowgrpo import DiffusionDPOConfig, DiffusionDPOTrainer
 """
 
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["DiffusionNFTConfig", "DiffusionNFTTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "__version__"]
+__all__ = ["AWMConfig", "AWMTrainer", "DiffusionDPOConfig", "DiffusionDPOTrainer", "DiffusionNFTConfig",
+           "DiffusionNFTTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "__version__"]
 _TRAINER_NAMES = frozenset(__all__) - {"__version__"}
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .trainer import DiffusionNFTConfig, DiffusionNFTTrainer, FlowGRPOConfig, FlowGRPOTrainer
+    from .trainer import (
+        AWMConfig,
+        AWMTrainer,
+        DiffusionDPOConfig,
+        DiffusionDPOTrainer,
+        DiffusionNFTConfig,
+        DiffusionNFTTrainer,
+        FlowGRPOConfig,
+        FlowGRPOTrainer,
+    )
 
 
 def __getattr__(name: str):

@@ -44,16 +44,19 @@ def _looks_local(name: str) -> bool:
 
 def read_prompt_file(path: str | os.PathLike) -> Any:
     """Read one prompt file (see the module docstring for the formats) into a ``datasets.Dataset``; relative source
-    image paths (an ``image`` column) are resolved against the file's folder."""
+    image paths (an ``image`` column; ``chosen`` / ``rejected`` of preference pairs) are resolved against the file's
+    folder."""
     path = Path(path).expanduser()
     dataset = _read_prompt_file(path)
-    if "image" in dataset.column_names and isinstance(dataset[0]["image"], str):
-        folder = path.resolve().parent
+    folder = path.resolve().parent
 
-        def resolve(value: Any) -> Any:
-            return str(folder / value) if isinstance(value, str) and value and not Path(value).is_absolute() else value
+    def resolve(value: Any) -> Any:
+        return str(folder / value) if isinstance(value, str) and value and not Path(value).is_absolute() else value
 
-        dataset = dataset.map(lambda row: {"image": resolve(row["image"])})
+    # image columns: editing families' source images, offline preference pairs' images
+    for column in ("image", "chosen", "rejected"):
+        if column in dataset.column_names and isinstance(dataset[0][column], str):
+            dataset = dataset.map(lambda row, c=column: {c: resolve(row[c])})
     return dataset
 
 

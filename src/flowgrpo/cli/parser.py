@@ -55,6 +55,10 @@ def _other_trainer_epilog(trainer: str) -> str:
     if trainer == "diffusion_nft":
         return ("Flow-GRPO's sampler and objective settings are not accepted with trainer: diffusion_nft ("
                 + ", ".join(FLOW_GRPO_ONLY_SETTINGS) + ").")
+    if trainer != "flow_grpo":
+        return (f"trainer: {trainer} has the settings above; the other trainers ("
+                + ", ".join(name for name in TRAINERS if name != trainer)
+                + ") are listed by `--trainer NAME --help`.")
     shared = {f.name: f.default for f in dataclasses.fields(OnlineRLConfig)}
     nft_fields = [f for f in dataclasses.fields(DiffusionNFTConfig) if f.name not in shared]
     changed = [f"{f.name} {f.default!r}" for f in dataclasses.fields(DiffusionNFTConfig)
@@ -72,11 +76,12 @@ def build_parser(trainer: str = DEFAULT_TRAINER):
     from transformers import HfArgumentParser
 
     config = config_class(trainer)
-    what = {"flow_grpo": "Flow-GRPO", "diffusion_nft": "DiffusionNFT"}[trainer]
+    what = {"flow_grpo": "Flow-GRPO", "diffusion_nft": "DiffusionNFT", "awm": "AWM",
+            "diffusion_dpo": "Diffusion-DPO"}.get(trainer, trainer)
     return HfArgumentParser((ScriptArguments, ModelArguments, config), allow_abbrev=False,
                             description=f"{what} training of a flow-matching text-to-image pipeline from a YAML "
                                         "recipe; --key value flags override the recipe. The recipe key trainer "
-                                        "(flow_grpo | diffusion_nft) picks the algorithm.",
+                                        f"({' | '.join(TRAINERS)}) picks the algorithm.",
                             epilog=_other_trainer_epilog(trainer),
                             usage="%(prog)s [RECIPE.yaml] [--key value ...]")
 
@@ -172,6 +177,10 @@ def _other_trainer_setting(name: str, trainer: str) -> str | None:
     shared = {f.name for f in dataclasses.fields(OnlineRLConfig)}
     if trainer == "flow_grpo" and name in {f.name for f in dataclasses.fields(DiffusionNFTConfig)} - shared:
         return "a DiffusionNFT setting: add trainer: diffusion_nft to the recipe (or --trainer diffusion_nft)."
+    own = {f.name for f in dataclasses.fields(config_class(trainer))}
+    for other in TRAINERS:
+        if other != trainer and name not in own and name in {f.name for f in dataclasses.fields(config_class(other))}:
+            return f"a setting of trainer {other}: add trainer: {other} to the recipe (or --trainer {other})."
     return None
 
 

@@ -109,6 +109,30 @@ def _prompts_come_with_model(script_args: ScriptArguments, model_args: ModelArgu
     return False
 
 
+def _prepare_toy_dpo_pairs(script_args: ScriptArguments, model: str, training_args: Any = None) -> None:
+    """A toy world's preference pairs (``<world>/dpo_pairs/train.jsonl``, ``recipes/toy_dpo.yaml``) are written on
+    first use by the local main process (``flowgrpo.toy.dpo_pairs``) while the others wait, like the world itself."""
+    world = Path(str(model))
+    pairs = world / "dpo_pairs"
+    name = script_args.dataset_name
+    if not name or not (world / "toy_world.json").is_file() or \
+            Path(name).expanduser().resolve() != (pairs / "train.jsonl").resolve() or (pairs / "train.jsonl").is_file():
+        return
+    from contextlib import nullcontext
+
+    from ..build_cache import build_folder_once
+    from ..toy.dpo_pairs import make_toy_dpo_pairs
+
+    def build(target: Path) -> None:
+        print(f"[flowgrpo] writing the toy world's preference pairs to {pairs}", flush=True)
+        make_toy_dpo_pairs(world, target)
+
+    context = training_args.main_process_first(local=True, desc="writing the preference pairs") \
+        if training_args is not None else nullcontext()
+    with context:
+        build_folder_once(pairs, build, marker="train.jsonl", what="preference pairs folder")
+
+
 def _hub_dataset_name(script_args: ScriptArguments) -> str | None:
     from .data import _looks_local
 
@@ -130,6 +154,7 @@ def run(script_args: ScriptArguments, model_args: ModelArguments, training_args:
     if _prompts_come_with_model(script_args, model_args):
         # the toy world writes its prompt files next to the pipeline: build it before reading them
         model = prepare_model_path(model_args, training_args)
+        _prepare_toy_dpo_pairs(script_args, model, training_args)
         train_dataset, eval_dataset = load_prompt_dataset(script_args)
     else:
         train_dataset, eval_dataset = load_prompt_dataset(script_args)

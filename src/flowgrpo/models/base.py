@@ -108,6 +108,8 @@ class ModelFamilyAdapter(ABC):
     images_optional: bool = False
     negative_depends_on_image: bool = False
     is_video: bool = False
+    #: ``encode_images`` gives training latents (SD3, FLUX.1): offline preference pairs
+    encodes_images: bool = False
     default_lora_target_modules: tuple[str, ...] = MMDIT_LORA_TARGET_MODULES
     #: Whether a training forward may leave some trainable weights without a gradient (DDP then has to search for
     #: them: ``find_unused_parameters``). False for families whose every block output reaches the velocity.
@@ -209,6 +211,25 @@ class ModelFamilyAdapter(ABC):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Decode latents to pixels in [0, 1], float32: images ``(B, 3, H, W)``, or frames ``(B, F, 3, H, W)`` for a
         video family."""
+
+    def encode_images(self, images: Sequence[Any], height: int, width: int, device: torch.device) -> torch.Tensor:
+        """Images (PIL) as clean latents x0 in the layout ``decode`` reads and the transformer denoises: resized to
+        ``height`` x ``width`` by the pipeline's image processor, the VAE's mean, shifted and scaled; float32 (offline
+        preference pairs). Families whose latents are laid out otherwise (video, Qwen-Image) do not provide it."""
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3_img2img import retrieve_latents
+
+        if not self.encodes_images:
+            raise NotImplementedError(f"{type(self).__name__} does not encode images to training latents; offline "
+                                      "preference pairs are supported for the SD3 and FLUX.1 families.")
+        vae = self.pipeline.vae
+        pixels = self._preprocess_images(images, height, width, device, vae.dtype)
+        latents = retrieve_latents(vae.encode(pixels), sample_mode="argmax")
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        return self._latents_layout((latents.float() - shift) * vae.config.scaling_factor)
+
+    def _latents_layout(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents ``(B, C, h, w)`` in the transformer's layout (identity for SD3; FLUX.1 packs them)."""
+        return latents
 
     # --- helpers shared by families ---------------------------------------------------------------
     def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:

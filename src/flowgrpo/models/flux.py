@@ -20,6 +20,11 @@ from .base import ModelFamilyAdapter, PromptEmbeds, packed_latent_size
 class FluxAdapter(ModelFamilyAdapter):
     family = "flux"
     pipeline_class_names = ("FluxPipeline",)
+    encodes_images = True
+
+    def _latents_layout(self, latents: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = latents.shape
+        return self.pipeline._pack_latents(latents, b, c, h, w)
 
     @property
     def _guidance_embeds(self) -> bool:

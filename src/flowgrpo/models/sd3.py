@@ -17,6 +17,7 @@ class SD3Adapter(ModelFamilyAdapter):
 
     family = "sd3"
     pipeline_class_names = ("StableDiffusion3Pipeline",)
+    encodes_images = True
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
                        images: Sequence[Any] | None = None, *, height: int | None = None,

@@ -49,6 +49,9 @@ class FlowMatchSDEScheduler(FlowMatchEulerDiscreteScheduler):
     - inside the window, ``sde_type="cps"`` (coefficients-preserving sampling):
       ``std = sigma' sin(a pi / 2)``,
       ``mean = (1 - sigma') (x - sigma v) + sqrt(sigma'^2 - std^2) (x + (1 - sigma) v)``;
+    - inside the window, ``sde_type="dance"`` (DanceGRPO's ``flux_step``, ``a`` its ``eta``):
+      ``std = a sqrt(sigma - sigma')``, ``mean = x + dt (v - a^2 / 2 score)`` with
+      ``score = -(x - (x - sigma v)(1 - sigma)) / sigma^2``;
     - outside the window, or with ``noise_level = 0``: the stock Euler (ODE) step ``x' = x + v dt``, computed by
       the parent class, so ``noise_level=0`` is bit-identical to ``FlowMatchEulerDiscreteScheduler``.
 
@@ -62,7 +65,7 @@ class FlowMatchSDEScheduler(FlowMatchEulerDiscreteScheduler):
 
     Args:
         noise_level (`float`, defaults to 0.7): ``a``; 0 makes every step an ODE step. At most 1 for ``"cps"``.
-        sde_type (`str`, defaults to ``"sde"``): ``"sde"`` or ``"cps"``.
+        sde_type (`str`, defaults to ``"sde"``): ``"sde"``, ``"cps"`` or ``"dance"``.
         sde_window_size (`int`, defaults to 0): SDE steps per rollout; 0 = every step but the last.
         sde_window_range (`[lo, hi)`, *optional*): range of window starts; ``None`` means
             ``[0, num_inference_steps - sde_window_size)``.
@@ -94,7 +97,7 @@ class FlowMatchSDEScheduler(FlowMatchEulerDiscreteScheduler):
         time_shift_type: Literal["exponential", "linear"] = "exponential",
         stochastic_sampling: bool = False,
         noise_level: float = 0.7,
-        sde_type: Literal["sde", "cps"] = "sde",
+        sde_type: Literal["sde", "cps", "dance"] = "sde",
         sde_window_size: int = 0,
         sde_window_range: Sequence[int] | None = None,
         log_prob_reduction: Literal["mean", "sum"] = "mean",

@@ -16,6 +16,12 @@ step, ``dt = sigma' - sigma`` (negative), ``a`` the ``noise_level``.
     x0_hat  = x - sigma v,   x1_hat = x + (1 - sigma) v
     mean    = (1 - sigma') x0_hat + sqrt(sigma'^2 - std^2) x1_hat
 
+``sde_type="dance"`` (DanceGRPO's ``flux_step``, with ``a`` its ``eta``)::
+
+    std     = a * sqrt(sigma - sigma')
+    score   = -(x - (x - sigma v) (1 - sigma)) / sigma^2
+    mean    = x + (sigma' - sigma) * (v - a^2 / 2 * score)
+
 ODE (``a = 0``)::
 
     x' = x + v dt,   log_prob = 0,   std = 0
@@ -53,7 +59,7 @@ __all__ = [
     "sde_step_with_logprob",
 ]
 
-SDE_TYPES = ("sde", "cps")
+SDE_TYPES = ("sde", "cps", "dance")
 LOG_PROB_REDUCTIONS = ("mean", "sum")
 CPS_LOG_PROB_MODES = ("exact", "reference")
 
@@ -76,7 +82,8 @@ class FlowMatchSDESchedulerOutput(BaseOutput):
             The transition mean, in the compute dtype (float32, or float64).
         std (`torch.Tensor`, shape `(batch,)`):
             The transition's standard deviation per sample (``sigma_t * sqrt(-dt)`` for ``"sde"``,
-            ``sigma' * sin(a pi / 2)`` for ``"cps"``, 0 for ODE steps), in the compute dtype.
+            ``sigma' * sin(a pi / 2)`` for ``"cps"``, ``a * sqrt(sigma - sigma')`` for ``"dance"``, 0 for ODE
+            steps), in the compute dtype.
     """
 
     prev_sample: torch.Tensor
@@ -253,6 +260,9 @@ def _flow_step(
         half_var_over_sigma = ((noise_level**2) / (2 * one_minus)).view(bshape)
         mean = x * (1 + half_var_over_sigma * dt) + v * (1 + half_var_over_sigma * (1 - s_b)) * dt
         std = sigma_t * torch.sqrt((s - s_next).clamp_min(0))
+    elif sde_type == "dance":
+        return _dance_step(x, model_output, s, s_next, prev_sample, noise_level, generator, log_prob_reduction,
+                           dtype, out_dtype)
     else:  # "cps"
         std = s_next * math.sin(noise_level * math.pi / 2)
         x0_hat = x - s_b * v
@@ -279,6 +289,64 @@ def _flow_step(
     return FlowMatchSDESchedulerOutput(prev_sample=prev_sample, log_prob=log_prob, prev_sample_mean=mean, std=std)
 
 
+def _scaled_velocity(scale: torch.Tensor, model_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale * v`` as DanceGRPO's ``flux_step`` computes it: a float32 noise level (a 0-d tensor there) times a
+    bf16 / fp16 model output is a product in the model output's dtype, the noise level rounded to that dtype first;
+    the product is then added to float32 states."""
+    if model_output.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32:
+        return (scale.to(model_output.dtype) * model_output).to(dtype)
+    return scale * model_output.to(dtype)
+
+
+def _dance_step(
+    x: torch.Tensor,
+    model_output: torch.Tensor,
+    s: torch.Tensor,
+    s_next: torch.Tensor,
+    prev_sample: torch.Tensor | None,
+    eta: float,
+    generator,
+    log_prob_reduction: str,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> FlowMatchSDESchedulerOutput:
+    """DanceGRPO's step (official ``fastvideo/train_grpo_flux.py``, ``flux_step`` with ``sde_solver=True``).
+
+    ``std = eta sqrt(sigma - sigma')``; ``x0_hat = x - sigma v``; ``score = -(x - (1 - sigma) x0_hat) / sigma^2``;
+    ``mean = x + (sigma' - sigma) v - eta^2 / 2 score (sigma' - sigma)``; the exact Gaussian log-density of ``x'``.
+
+    The arithmetic follows the official function operation by operation: the state in float32, the products of a
+    noise level and a bf16 / fp16 velocity rounded to the velocity's dtype, ``std`` in double precision from the
+    float32 noise-level difference, and the ``log sqrt(2 pi)`` constant computed in float32. The log-density is
+    reduced over the non-batch dimensions as for the other types (the official function takes the mean).
+    """
+    batch = x.shape[0]
+    bshape = _broadcast_shape(batch, x.ndim)
+    s_b, s_next_b = s.view(bshape), s_next.view(bshape)
+    dsigma = s_next_b - s_b
+    mean = x + _scaled_velocity(dsigma, model_output, dtype)
+    x0_hat = x - _scaled_velocity(s_b, model_output, dtype)
+    score = -(x - x0_hat * (1 - s_b)) / s_b**2
+    mean = mean + (-0.5 * eta**2 * score) * dsigma
+    # std_dev_t = eta * math.sqrt(sigma - sigma'): the difference in the compute dtype, the root in double precision
+    std64 = eta * torch.sqrt((s - s_next).clamp_min(0).to(torch.float64))
+    std = std64.to(dtype)
+    std_b = std.view(bshape)
+    if prev_sample is None:
+        noise = _draw_noise(x.shape, generator, x.device, dtype)
+        prev_sample = (mean + noise * std_b).to(out_dtype)
+    target = prev_sample.detach().to(dtype)
+    stochastic = std64 > 0
+    safe_std64 = torch.where(stochastic, std64, torch.ones_like(std64))
+    two_var = (2 * safe_std64**2).to(dtype).view(bshape)
+    log_std = torch.log(safe_std64).to(dtype).view(bshape)
+    log_sqrt_2pi = torch.log(torch.sqrt(2 * torch.as_tensor(math.pi, dtype=dtype))).to(x.device)
+    log_density = -((target - mean) ** 2) / two_var - log_std - log_sqrt_2pi
+    log_prob = torch.where(stochastic, reduce_per_sample(log_density, log_prob_reduction),
+                           torch.zeros_like(std))
+    return FlowMatchSDESchedulerOutput(prev_sample=prev_sample, log_prob=log_prob, prev_sample_mean=mean, std=std)
+
+
 def sde_step_from_sigmas(
     model_output: torch.Tensor,
     sample: torch.Tensor,
@@ -302,6 +370,8 @@ def sde_step_from_sigmas(
       ``std = sigma_t sqrt(-dt)``.
     - ``"cps"``: ``std = sigma' sin(a pi / 2)``, ``mean = (1 - sigma') (x - sigma v) + sqrt(sigma'^2 - std^2)
       (x + (1 - sigma) v)``.
+    - ``"dance"`` (DanceGRPO): ``std = a sqrt(sigma - sigma')``, ``score = -(x - (x - sigma v)(1 - sigma)) /
+      sigma^2``, ``mean = x + dt (v - a^2 / 2 score)``.
     - ``noise_level == 0``: the ODE step ``x' = x + v dt`` with ``log_prob = 0`` and ``std = 0``.
 
     ``x' = mean + std z``, ``z ~ N(0, I)``, and ``log_prob`` is the exact Gaussian log-density
@@ -318,7 +388,7 @@ def sde_step_from_sigmas(
         prev_sample: if given, nothing is sampled: the log-probability of this next sample is returned (the
             training path), and it is returned unchanged as ``prev_sample``.
         noise_level: ``a >= 0`` (``<= 1`` for ``"cps"``); 0 gives the ODE step.
-        sde_type: ``"sde"`` or ``"cps"``.
+        sde_type: ``"sde"``, ``"cps"`` or ``"dance"``.
         generator: a ``torch.Generator`` or a list with one per sample, as in diffusers' ``randn_tensor``.
         log_prob_reduction: ``"mean"`` (default) or ``"sum"`` over the non-batch dimensions.
         sigma_max_fallback: for ``"sde"``, the value used in the ``1 - sigma`` denominator of ``sigma_t`` where

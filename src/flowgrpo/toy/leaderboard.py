@@ -11,8 +11,9 @@
 Every Flow-GRPO variant is the recipe (``RLSettings()``: Flow-GRPO-Fast, a window of 2 SDE steps among the first 4,
 the dense shape score plus half-weight colour) with one algorithmic change, so each row answers "what does this choice
 do on equal footing". The other trainer, DiffusionNFT, is one more row (`NFT_VARIANT`, with the settings of
-``recipes/toy_nft.yaml``: same world, rewards, group size, batch, sampling steps and CFG; its own sampler, loss and
-learning rate). A later trainer joins the same way with ``RLSettings(trainer=...)`` (see
+``recipes/toy_nft.yaml``: same world, rewards, group size and batch; DiffusionNFT's published sampling, loss and
+schedule). Every row's held-out accuracy is measured at the world's own guidance (CFG 3, `EVAL_GUIDANCE_SCALE`),
+whatever guidance it trains at. A later trainer joins the same way with ``RLSettings(trainer=...)`` (see
 ``flowgrpo.toy.learning.TOY_TRAINERS``).
 
 How the comparison is made:
@@ -24,6 +25,9 @@ How the comparison is made:
   time, so every run has reached each of them.
 * **Seed spread**: mean over seeds with the range (min - max). A difference *exceeds the seed spread* when the
   two ranges do not overlap, i.e. every seed of one variant beats every seed of the other.
+* **Noise** (`bootstrap_interval`, `paired_difference`): the mean over seeds with its 95% percentile-bootstrap
+  interval, and for each pair of variants the seed-by-seed (paired) differences bootstrapped: *beyond the noise* when
+  that interval excludes 0. `plot_leaderboard` draws accuracy against training seconds with each variant's band.
 """
 
 from __future__ import annotations
@@ -31,32 +35,62 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .learning import RLSettings
 
-__all__ = ["NFT_VARIANT", "REFERENCE_VARIANT", "TOY_NFT_SETTINGS", "VariantSummary", "leaderboard_variants",
-           "render_leaderboard", "summarize"]
+__all__ = ["EVAL_GUIDANCE_SCALE", "NFT_VARIANT", "REFERENCE_VARIANT", "TOY_AWM_SETTINGS", "TOY_DANCEGRPO_SETTINGS",
+           "TOY_DPO_SETTINGS", "TOY_NFT_SETTINGS", "VariantSummary", "bootstrap_interval", "leaderboard_variants",
+           "paired_difference", "plot_leaderboard", "render_leaderboard", "summarize"]
 
 #: The row every other one is compared with: the recipe itself (Flow-GRPO-Fast with random windows).
 REFERENCE_VARIANT = "fast-random"
 #: DiffusionNFT's row.
 NFT_VARIANT = "diffusion-nft"
-#: What DiffusionNFT changes from the toy recipe (``recipes/toy_nft.yaml``): its trainer, CFG 3 as the recipe (the toy
-#: model needs guidance: without it held-out shape accuracy starts at about 24% instead of 44%), half of the 8 noise
-#: levels trained per image and no reference pass (each cuts a step's cost), the recipe's learning rate (6e-4 first
-#: rose faster, then fell well below the start within 120 steps; 1e-3 was unstable at once; docs/algorithms.md).
+#: What DiffusionNFT changes from the toy recipe (``recipes/toy_nft.yaml``): its trainer at the published settings
+#: (official ``scripts/train_nft_sd3.py``): CFG-free rollouts and training (guidance 1), 10 DPM-Solver++ 2M steps,
+#: 9 of the 10 noise levels trained per image, advantages with the batch std, a constant learning rate, an EMA of
+#: 0.9 of the weights for the trainer's evaluation (at guidance 1 and 3); no reference pass (a cost, not the recipe).
 TOY_NFT_SETTINGS: dict = dict(
-    trainer="diffusion_nft", learning_rate=3e-4, beta=0.0,
-    extra_config={"sampler": "dpmpp_2m", "timestep_fraction": 0.5, "nft_beta": 1.0, "adv_clip_max": 5.0,
-                  "old_policy_decay_start": 0, "old_policy_decay_rate": 0.001, "old_policy_decay_max": 0.5},
+    trainer="diffusion_nft", learning_rate=3e-4, lr_scheduler_type="constant", beta=0.0, guidance_scale=1.0,
+    num_inference_steps=10, scale_rewards="batch",
+    extra_config={"sampler": "dpmpp_2m", "timestep_fraction": 0.99, "nft_beta": 1.0, "adv_clip_max": 5.0,
+                  "old_policy_decay_start": 0, "old_policy_decay_rate": 0.001, "old_policy_decay_max": 0.5,
+                  "use_ema": True, "ema_decay": 0.9, "eval_guidance_scales": [1.0, 3.0]},
 )
 BUDGET_FRACTIONS = (0.25, 0.5, 1.0)
+#: DanceGRPO's row (``recipes/toy_dancegrpo.yaml``): its SDE (eta 0.3) on every step but the last, shared group noise,
+#: 60% of each image's steps trained, clip range 1e-4, a constant learning rate (the published LoRA recipe's 3e-4).
+TOY_DANCEGRPO_SETTINGS: dict = dict(
+    sde_type="dance", noise_level=0.3, sde_window_size=0, sde_window_range=None, same_noise_per_group=True,
+    epsilon=1e-4, lr_scheduler_type="constant", extra_config={"timestep_fraction": 0.6},
+)
+#: AWM's row (``recipes/toy_awm.yaml``): the paper's settings (config/dgx_awm.py) on the toy world's sampling.
+TOY_AWM_SETTINGS: dict = dict(
+    trainer="awm", learning_rate=3e-4, lr_scheduler_type="constant", beta=0.001, scale_rewards="batch",
+    extra_config={"sampler": "dpmpp_2m", "train_timesteps": 6, "time_type": "discrete_wo_init",
+                  "timestep_fraction": 0.9, "time_shift": 3.0, "weighting": "ghuber", "ghuber_power": 0.25,
+                  "loss_type": "exp_first", "clip_range": 1.0, "adv_clip_max": 5.0, "advantage_max": 1.0,
+                  "kl_weight": "Uniform", "ema_beta": 1.0, "kl_ema_weight": "Uniform", "kl_ema_decay": 0.3,
+                  "kl_ema_decay_type": "linear", "off_policy": False},
+)
+#: Diffusion-DPO's row, online: each group's best and worst rollout (Euler, the toy sampling) are a pair.
+TOY_DPO_SETTINGS: dict = dict(
+    trainer="diffusion_dpo", learning_rate=1e-4, lr_scheduler_type="constant", beta=0.0,
+    extra_config={"dpo_mode": "online", "beta_dpo": 5000.0, "time_shift": 1.0, "sampler": "euler"},
+)
+#: The guidance of every row's held-out evaluation: the toy world's (the recipe's) CFG 3.
+EVAL_GUIDANCE_SCALE = 3.0
+
+
+def _copy(settings: dict) -> dict:
+    return {**settings, "extra_config": dict(settings.get("extra_config", {}))}
 
 
 def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tuple[RLSettings, str]]:
     """The compared variants as ``(settings, what changes)``, all from ``base`` (default: the recipe) at ``steps``:
-    the Flow-GRPO family, then DiffusionNFT (`NFT_VARIANT`).
+    the Flow-GRPO family (DanceGRPO included), then AWM, Diffusion-DPO and DiffusionNFT (`NFT_VARIANT`).
 
     Progressive windows move over the same candidate starts as the random ones (``sde_window_range``) and shift
     every ``max(1, steps // 6)`` steps, so they visit each start twice in a run; the KL rows use beta 0.04 (the
@@ -81,9 +115,17 @@ def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tup
         (dict(name="normalize-then-sum", reward_aggregation="normalize_then_sum"),
          "shape score and colour each normalised in its group, then summed (1 : 0.5)"),
         (dict(name="same-noise", same_noise_per_group=True), "the 8 samples of a prompt start from the same noise"),
-        (dict(name=NFT_VARIANT, **{**TOY_NFT_SETTINGS, "extra_config": dict(TOY_NFT_SETTINGS["extra_config"])}),
-         "DiffusionNFT (recipes/toy_nft.yaml): CFG-3 rollouts by the old policy with DPM-Solver++ 2M, 4 of 8 noise "
-         "levels trained per image, no reference pass"),
+        (dict(name="dancegrpo", **_copy(TOY_DANCEGRPO_SETTINGS)),
+         "DanceGRPO: its SDE (eta 0.3) on every step but the last, shared group noise, 60% of the steps trained, "
+         "clip 1e-4, constant learning rate"),
+        (dict(name="awm", **_copy(TOY_AWM_SETTINGS)),
+         "AWM (recipes/toy_awm.yaml): the advantage-weighted flow-matching likelihood at 6 noise levels per image, "
+         "ghuber weighting, exp_first, clip 1, KL to the reference and to an EMA adapter"),
+        (dict(name="diffusion-dpo", **_copy(TOY_DPO_SETTINGS)),
+         "Diffusion-DPO online: each group's best and worst rollout as a preference pair, beta_dpo 5000"),
+        (dict(name=NFT_VARIANT, **_copy(TOY_NFT_SETTINGS)),
+         "DiffusionNFT as published (recipes/toy_nft.yaml): CFG-free rollouts by the old policy with 10 DPM-Solver++ "
+         "2M steps, 9 of 10 noise levels trained per image, batch std, constant learning rate"),
     ]
     return [(dataclasses.replace(base, **change), what) for change, what in rows]
 
@@ -146,6 +188,73 @@ def accuracy_at_budget(curve: Sequence[dict[str, Any]], budget: float, attribute
     return float(point[attribute]), int(point["step"])
 
 
+def bootstrap_interval(values: Sequence[float], confidence: float = 0.95, resamples: int = 10_000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (resampled with replacement ``resamples`` times,
+    from a fixed seed so that a page is reproducible); NaNs are dropped, one value gives a zero-width interval."""
+    import numpy as np
+
+    v = np.asarray([x for x in values if not math.isnan(x)], dtype=float)
+    if v.size == 0:
+        return math.nan, math.nan
+    if v.size == 1:
+        return float(v[0]), float(v[0])
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, v.size, size=(resamples, v.size))].mean(axis=1)
+    tail = (1 - confidence) / 2
+    return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
+
+
+def paired_difference(a: dict[int, float], b: dict[int, float], confidence: float = 0.95) -> dict[str, Any] | None:
+    """``a - b`` paired by seed (the same training seed and evaluation images on both sides): the mean of the
+    per-seed differences, its bootstrap interval, and whether it is *beyond the noise* (the interval excludes 0).
+    ``None`` with fewer than two shared seeds."""
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    diffs = [a[k] - b[k] for k in seeds]
+    low, high = bootstrap_interval(diffs, confidence)
+    return {"mean": sum(diffs) / len(diffs), "low": low, "high": high, "seeds": len(seeds),
+            "beyond": low > 0 or high < 0}
+
+
+def plot_leaderboard(results: Sequence[dict[str, Any]], path: str | Path, attribute: str = "shape",
+                     title: str = "") -> Path:
+    """A PNG of held-out ``attribute`` accuracy against training seconds: per variant the mean over seeds of each
+    run's last evaluation at or before t, with a band from the lowest to the highest seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for result in results:
+        by_name.setdefault(result["settings"]["name"], []).append(result)
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    for name, runs in by_name.items():
+        end = min(r["train_seconds"] for r in runs)
+        grid = sorted({p["train_seconds"] for r in runs for p in r["curve"] if p["train_seconds"] <= end + 1e-9})
+        values = [[accuracy_at_budget(r["curve"], t, attribute)[0] for t in grid] for r in runs]
+        mean = [sum(col) / len(col) for col in zip(*values)]
+        low = [min(col) for col in zip(*values)]
+        high = [max(col) for col in zip(*values)]
+        (line,) = ax.step(grid, mean, where="post", label=f"{name} ({len(runs)} seed{'s' * (len(runs) != 1)})")
+        if len(runs) > 1:
+            ax.fill_between(grid, low, high, step="post", alpha=0.15, color=line.get_color())
+    ax.set_xlabel("training seconds")
+    ax.set_ylabel(f"held-out {attribute} accuracy")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def summarize(results: Sequence[dict[str, Any]], descriptions: dict[str, str] | None = None,
               attribute: str = "shape", budget_fractions: Sequence[float] = BUDGET_FRACTIONS
               ) -> dict[str, Any]:
@@ -190,8 +299,23 @@ def summarize(results: Sequence[dict[str, Any]], descriptions: dict[str, str] | 
             for b in variants:
                 if a.name != b.name and pick(a).separated_from(pick(b)) > 0:
                     separated.append((a.name, b.name, how))
+    intervals = {v.name: {"steps": bootstrap_interval(v.at_steps.values),
+                          "budget": bootstrap_interval(v.at_budgets[-1].values)} for v in variants}
+    paired = []
+    for how, pick in (("steps", lambda v: v.at_steps), ("budget", lambda v: v.at_budgets[-1])):
+        for i, a in enumerate(variants):
+            for b in variants[i + 1:]:
+                diff = paired_difference(dict(zip(a.seeds, pick(a).values)), dict(zip(b.seeds, pick(b).values)))
+                if diff is None:
+                    continue
+                if diff["mean"] < 0:  # written as better - worse
+                    a_name, b_name = b.name, a.name
+                    diff = {**diff, "mean": -diff["mean"], "low": -diff["high"], "high": -diff["low"]}
+                else:
+                    a_name, b_name = a.name, b.name
+                paired.append({"better": a_name, "worse": b_name, "how": how, **diff})
     return {"variants": variants, "budgets": budgets, "steps": steps, "separated": separated,
-            "attribute": attribute}
+            "attribute": attribute, "intervals": intervals, "paired": paired}
 
 
 def _seconds(value: float) -> str:
@@ -280,4 +404,48 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
         else:
             lines.append(f"- {label}: none; every difference between variants is within the seed spread.")
     lines.append("")
+    lines += _interval_section(summary, reference)
+    if context.get("plot"):
+        lines += ["## Accuracy against training seconds", "",
+                  f"![held-out {attribute} accuracy against training seconds, mean over seeds with the lowest-highest "
+                  f"band]({context['plot']})", ""]
     return "\n".join(lines)
+
+
+def _interval_section(summary: dict[str, Any], reference: VariantSummary | None) -> list[str]:
+    """Means with 95% bootstrap intervals, and the pairwise paired-difference verdicts."""
+    intervals, budgets = summary.get("intervals") or {}, summary["budgets"]
+    if not intervals:
+        return []
+    steps, budget = summary["steps"], _seconds(budgets[-1])
+
+    def ci(pair: tuple[float, float]) -> str:
+        return "n/a" if math.isnan(pair[0]) else f"[{pair[0]:.1%}, {pair[1]:.1%}]"
+
+    lines = [
+        "## Means with 95% bootstrap intervals, and paired differences",
+        "",
+        "The interval is a percentile bootstrap of the mean over seeds. Two variants are compared *paired*: the "
+        "difference of their accuracies seed by seed (each seed trains from the same world and is evaluated on the "
+        "same prompts and image seeds), bootstrapped; a difference is **beyond the noise** when its 95% interval "
+        "excludes 0.",
+        "",
+        f"| variant | at {steps} steps | 95% interval | at {budget} | 95% interval |",
+        "|---|---|---|---|---|",
+    ]
+    for v in sorted(summary["variants"], key=lambda v: -v.at_steps.mean):
+        lines.append(f"| {v.name} | {v.at_steps.mean:.1%} | {ci(intervals[v.name]['steps'])} | "
+                     f"{v.at_budgets[-1].mean:.1%} | {ci(intervals[v.name]['budget'])} |")
+    lines.append("")
+    for how, label in (("steps", f"at {steps} steps"), ("budget", f"at {budget} of training")):
+        pairs = [p for p in summary.get("paired", []) if p["how"] == how]
+        beyond = [p for p in pairs if p["beyond"]]
+        if not pairs:
+            lines.append(f"- {label}: fewer than two shared seeds; no paired verdicts.")
+            continue
+        text = "; ".join(f"{p['better']} > {p['worse']} by {100 * p['mean']:.1f} pts [{100 * p['low']:.1f}, "
+                         f"{100 * p['high']:.1f}]" for p in beyond)
+        lines.append(f"- {label}, beyond the noise: {text or 'none'} ({len(pairs) - len(beyond)} of {len(pairs)} "
+                     "pairs within the noise).")
+    lines.append("")
+    return lines

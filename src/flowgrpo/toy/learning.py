@@ -39,6 +39,9 @@ TOY_TRAINERS: dict[str, tuple[str, str]] = {
                   "flowgrpo.trainer.algorithms.flow_grpo_trainer:FlowGRPOTrainer"),
     "diffusion_nft": ("flowgrpo.trainer.algorithms.nft_config:DiffusionNFTConfig",
                       "flowgrpo.trainer.algorithms.nft_trainer:DiffusionNFTTrainer"),
+    "awm": ("flowgrpo.trainer.algorithms.awm_config:AWMConfig", "flowgrpo.trainer.algorithms.awm_trainer:AWMTrainer"),
+    "diffusion_dpo": ("flowgrpo.trainer.algorithms.dpo_config:DiffusionDPOConfig",
+                      "flowgrpo.trainer.algorithms.dpo_trainer:DiffusionDPOTrainer"),
 }
 
 #: RLSettings fields that configure Flow-GRPO's sampler and objective: passed only to the ``flow_grpo`` trainer.

@@ -3,17 +3,23 @@ so that parsing a recipe or printing ``--help`` only imports the configurations.
 
 from typing import TYPE_CHECKING
 
+from .algorithms.awm_config import AWMConfig
+from .algorithms.dpo_config import DiffusionDPOConfig
 from .algorithms.flow_grpo_config import FlowGRPOConfig
 from .algorithms.nft_config import DiffusionNFTConfig
 from .online_config import OnlineRLConfig
 
-__all__ = ["DiffusionNFTConfig", "DiffusionNFTTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "OnlineRLConfig"]
+__all__ = ["AWMConfig", "AWMTrainer", "DiffusionDPOConfig", "DiffusionDPOTrainer", "DiffusionNFTConfig",
+           "DiffusionNFTTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "OnlineRLConfig"]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .algorithms.awm_trainer import AWMTrainer
+    from .algorithms.dpo_trainer import DiffusionDPOTrainer
     from .algorithms.flow_grpo_trainer import FlowGRPOTrainer
     from .algorithms.nft_trainer import DiffusionNFTTrainer
 
-_LAZY = {"FlowGRPOTrainer": ".algorithms.flow_grpo_trainer", "DiffusionNFTTrainer": ".algorithms.nft_trainer"}
+_LAZY = {"FlowGRPOTrainer": ".algorithms.flow_grpo_trainer", "DiffusionNFTTrainer": ".algorithms.nft_trainer",
+         "AWMTrainer": ".algorithms.awm_trainer", "DiffusionDPOTrainer": ".algorithms.dpo_trainer"}
 
 
 def __getattr__(name: str):

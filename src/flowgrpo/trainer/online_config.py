@@ -96,6 +96,13 @@ class OnlineRLConfig(TrainingArguments):
     eval_guidance_scale: float | None = field(
         default=None, metadata={"help": "Guidance scale for evaluation; defaults to guidance_scale."},
     )
+    eval_guidance_scales: list[float] | None = field(
+        default=None,
+        metadata={"help": "More guidance scales to evaluate at, besides eval_guidance_scale (e.g. [1.0, 3.0]): each "
+                          "evaluation samples the eval set once per scale, with the same seeds. The metrics at "
+                          "eval_guidance_scale keep their names (eval_reward, ...); those at another scale s are "
+                          "named eval_cfg<s>_... (eval_cfg3_reward, eval_cfg3_rewards/<name>/mean, ...)."},
+    )
     negative_prompt: str = field(
         default="", metadata={"help": "Negative prompt for classifier-free guidance (SD3 recipes use the empty prompt)."},
     )
@@ -268,6 +275,13 @@ class OnlineRLConfig(TrainingArguments):
         self.width = self.width or self.resolution
         if self.eval_guidance_scale is None:
             self.eval_guidance_scale = self.guidance_scale
+        if self.eval_guidance_scales is not None:
+            scales = [self.eval_guidance_scales] if isinstance(self.eval_guidance_scales, (int, float)) \
+                else list(self.eval_guidance_scales)
+            if not scales or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in scales):
+                raise ValueError(f"eval_guidance_scales={self.eval_guidance_scales!r} must be a list of guidance "
+                                 "scales >= 0, e.g. [1.0, 3.0].")
+            self.eval_guidance_scales = [float(v) for v in scales]
         if isinstance(self.reward_kwargs, str):
             import json
 
@@ -381,6 +395,12 @@ class OnlineRLConfig(TrainingArguments):
         if self.vae_decode_batch_size is not None and self.vae_decode_batch_size < 1:
             raise ValueError(f"vae_decode_batch_size={self.vae_decode_batch_size} must be >= 1 images per VAE decode, "
                              "or None to decode each micro-batch at once.")
+
+    @property
+    def evaluation_guidance_scales(self) -> list[float]:
+        """The guidance scales of an evaluation: ``eval_guidance_scale`` first, then the other
+        ``eval_guidance_scales``."""
+        return list(dict.fromkeys([float(self.eval_guidance_scale), *(self.eval_guidance_scales or [])]))
 
     @property
     def image_size(self) -> tuple[int, int]:

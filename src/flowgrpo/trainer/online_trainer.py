@@ -61,6 +61,7 @@ from .outputs.lora_export import EXPERT_LORA_WEIGHTS_NAMES, save_diffusers_lora
 from .outputs.media import encode_gif, is_video, tensorboard_video_summary, video_grid
 from .rollout.pipeline import RolloutPipeline, _seed_for
 from .run_state.ema import EMAWeights
+from .run_state.old_policy import OLD_POLICY_ADAPTER, OldPolicy, build_old_policy, old_adapter_left_out
 
 logger = logging.get_logger(__name__)
 
@@ -229,7 +230,7 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
                     p.data = p.data.float()
         else:
             transformer.requires_grad_(True)
-            if args.beta > 0:
+            if self._needs_reference(args):
                 self.ref_model = copy.deepcopy(transformer).requires_grad_(False).eval()
         self.is_peft = peft_config is not None
 
@@ -291,6 +292,10 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         # Embedding cache and text-encoder offload (prompt_cache.py): filled, then the encoders leave the device.
         self.prompt_cache = setup_prompt_cache(args, self.adapter, pipeline, device,
                                                (self.train_dataset, self.eval_dataset), self.accelerator.autocast)
+        # A second copy of the policy (DiffusionNFT's old policy, AWM's EMA adapter), saved in every checkpoint.
+        self.old_policy: OldPolicy | None = None
+        if self._uses_old_policy(args):
+            self.old_policy = build_old_policy(self.model, self.is_peft)
 
     def _set_signature_columns_if_needed(self):
         # Keep every column: the prompt column feeds generation, the others feed the rewards.
@@ -382,6 +387,17 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
     def _on_optimizer_step_end(self, step: int) -> None:
         """Called after each optimizer step ``step`` (1-based), before logging and checkpointing."""
 
+    def _needs_reference(self, args: OnlineRLConfig) -> bool:
+        """Whether the loss reads the reference policy (full fine-tuning then keeps a frozen copy; LoRA training
+        disables the adapter instead): with a KL term, ``beta > 0``."""
+        return args.beta > 0
+
+    def _uses_old_policy(self, args: OnlineRLConfig) -> bool:
+        """Whether the trainer keeps a second copy of the policy, ``self.old_policy`` (`run_state/old_policy.py`: a
+        second LoRA adapter, or a frozen copy for full fine-tuning), updated by ``_update_old_policy``, saved in every
+        checkpoint and left out of exports."""
+        return False
+
     def _card_setup_lines(self) -> list[str]:
         """The model card's "Training setup" lines (markdown list items) besides the step count."""
         return []
@@ -404,6 +420,21 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         loss = self._train_on_batch(model, batch, first_pass)
         self._metrics["train"]["timing/training"].append(time.perf_counter() - tic)
         return loss
+
+    def _update_old_policy(self, decay: float) -> None:
+        """theta_old <- decay theta_old + (1 - decay) theta, unless the step was skipped (a non-finite step changed no
+        weight). Under DeepSpeed ZeRO-3 the trained and old tensors are gathered while they are updated (every process
+        computes the same values; process 0's are kept)."""
+        if self.last_step_skipped:
+            return
+        gather = nullcontext()
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            import deepspeed
+
+            tensors = [p for pair in self.old_policy.pairs for p in pair if hasattr(p, "ds_id")]
+            gather = deepspeed.zero.GatheredParameters(tensors, modifier_rank=0)
+        with gather:
+            self.old_policy.update(decay)
 
     def _reference_velocity(self, model, x, t, embeds, height, width):
         """Velocity under the reference policy (LoRA disabled, or the frozen copy)."""
@@ -466,9 +497,22 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
     # ------------------------------------------------------------------------------------------------
     # saving and resuming
     # ------------------------------------------------------------------------------------------------
+    #: True while a checkpoint is written (the old policy goes into checkpoints, not into exports)
+    _in_checkpoint = False
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self._in_checkpoint = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._in_checkpoint = False
+
     def _save_trainer_files(self, output_dir: str, state_dict=None) -> None:
-        """``Trainer``'s own save of the trained model (peft adapter files, or the transformer's weights)."""
-        super()._save(output_dir, state_dict=state_dict)
+        """``Trainer``'s own save of the trained model (peft adapter files, or the transformer's weights); exports
+        leave the old-policy adapter out."""
+        export = self.old_policy is not None and self.is_peft and not self._in_checkpoint
+        with old_adapter_left_out(self.accelerator.unwrap_model(self.model)) if export else nullcontext():
+            super()._save(output_dir, state_dict=state_dict)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         output_dir = output_dir or self.args.output_dir
@@ -494,12 +538,21 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
                 unwrapped.save_pretrained(os.path.join(output_dir, "transformer"))
         if self.ema is not None:
             torch.save(self.ema.state_dict(), os.path.join(output_dir, EMA_STATE_NAME))
+        if self.old_policy is not None and self._in_checkpoint:
+            self.old_policy.save(output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self.old_policy is not None and self.is_peft and \
+                not os.path.isdir(os.path.join(resume_from_checkpoint, OLD_POLICY_ADAPTER)):
+            raise ValueError(f"{resume_from_checkpoint} holds no old-policy adapter ({OLD_POLICY_ADAPTER}/): it was "
+                             f"not written by {type(self).__name__} with the same settings, so the run cannot "
+                             f"continue exactly. Resume from a {self._name} checkpoint, or start a new run.")
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         path = os.path.join(resume_from_checkpoint, EMA_STATE_NAME)
         if self.ema is not None and os.path.exists(path):
             self.ema.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        if self.old_policy is not None:
+            self.old_policy.load(resume_from_checkpoint)
 
     def _card_extra_sections(self) -> str:
         lines = ["## Training setup", "", *self._card_setup_lines(), f"- optimizer steps: {self.state.global_step}"]

@@ -1,4 +1,5 @@
-"""The trainers a recipe can name (``trainer: flow_grpo | diffusion_nft``), each with its configuration class.
+"""The trainers a recipe can name (``trainer: flow_grpo | diffusion_nft | awm | diffusion_dpo``), each with its
+configuration class.
 
 Configurations import cheaply (for ``--help`` and recipe checks); trainer classes load on first use.
 """
@@ -13,6 +14,9 @@ TRAINERS: dict[str, tuple[str, str]] = {
                   "flowgrpo.trainer.algorithms.flow_grpo_trainer:FlowGRPOTrainer"),
     "diffusion_nft": ("flowgrpo.trainer.algorithms.nft_config:DiffusionNFTConfig",
                       "flowgrpo.trainer.algorithms.nft_trainer:DiffusionNFTTrainer"),
+    "awm": ("flowgrpo.trainer.algorithms.awm_config:AWMConfig", "flowgrpo.trainer.algorithms.awm_trainer:AWMTrainer"),
+    "diffusion_dpo": ("flowgrpo.trainer.algorithms.dpo_config:DiffusionDPOConfig",
+                      "flowgrpo.trainer.algorithms.dpo_trainer:DiffusionDPOTrainer"),
 }
 DEFAULT_TRAINER = "flow_grpo"
 

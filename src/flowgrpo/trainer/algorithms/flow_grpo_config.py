@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..online_config import DTYPES, QUANTIZATIONS, REWARD_AGGREGATIONS, SCALE_REWARDS, OnlineRLConfig, check_choice
 
-SDE_TYPES = ("sde", "cps")
+SDE_TYPES = ("sde", "cps", "dance")
 SDE_WINDOW_STRATEGIES = ("random", "progressive", "fixed")
 ODE_SOLVERS = ("euler", "dpmpp_2m")
 RATIO_NORMALIZATIONS = ("none", "grpo_guard")
@@ -39,8 +39,9 @@ class FlowGRPOConfig(OnlineRLConfig):
     )
     sde_type: str = field(
         default="sde",
-        metadata={"help": "Stochastic sampler: 'sde' (Flow-GRPO's marginal-preserving reverse SDE) or 'cps' "
-                          "(coefficients-preserving sampling, suited to few steps)."},
+        metadata={"help": "Stochastic sampler: 'sde' (Flow-GRPO's marginal-preserving reverse SDE), 'cps' "
+                          "(coefficients-preserving sampling, suited to few steps) or 'dance' (DanceGRPO's step: "
+                          "std = a*sqrt(sigma - sigma'), mean = x + dt*(v - a^2/2*score); recipes use a = 0.3)."},
     )
     sde_window_size: int = field(
         default=0,
@@ -97,6 +98,13 @@ class FlowGRPOConfig(OnlineRLConfig):
                           "or processes shares it."},
     )
 
+    timestep_fraction: float = field(
+        default=1.0,
+        metadata={"help": "In (0, 1]: each sample trains a random int(steps * timestep_fraction) of its recorded SDE "
+                          "steps (at least 1), drawn per sample from the seed and the micro-step (DanceGRPO: 0.6 of "
+                          "its 16 steps). 1.0 trains every recorded step in order."},
+    )
+
     # ---- the clipped objective -----------------------------------------------------------------------
     epsilon: float = field(
         default=1e-4,
@@ -148,6 +156,10 @@ class FlowGRPOConfig(OnlineRLConfig):
             raise ValueError(f"ode_compression_ratio={ratio} replaces the steps after the window by fewer "
                              f"DPM-Solver++ steps; it needs ode_solver='dpmpp_2m' (got ode_solver="
                              f"{self.ode_solver!r}). Set ode_solver: dpmpp_2m, or ode_compression_ratio: 1.0.")
+        fraction = self.timestep_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"timestep_fraction={fraction!r} must be in (0, 1] (1.0 trains every recorded step; "
+                             "DanceGRPO uses 0.6).")
         if self.noise_level < 0:
             raise ValueError(f"noise_level={self.noise_level} must be >= 0.")
         if self.epsilon <= 0:

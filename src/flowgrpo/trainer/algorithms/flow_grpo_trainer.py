@@ -23,7 +23,8 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
 Variants (``FlowGRPOConfig``): the window's start follows ``sde_window_strategy`` (random, MixGRPO's progressive
 schedule, fixed); the deterministic steps use ``ode_solver`` (Euler or DPM-Solver++ 2M, with the steps after the
 window compressed by ``ode_compression_ratio``); ``same_noise_per_group`` shares x_1 within a group;
-``reward_aggregation`` combines several rewards (``advantages.py``).
+``reward_aggregation`` combines several rewards (``advantages.py``). DanceGRPO is ``sde_type="dance"`` with
+``same_noise_per_group`` and ``timestep_fraction < 1`` (each sample trains a random subset of its steps).
 
 Everything but the rollout's recording and the loss (prompts, rewards, advantages, evaluation, logging, saving,
 LoRA export, model card, Hub push, crash safety) is `online_trainer.OnlineRLTrainer`'s, shared with
@@ -134,8 +135,33 @@ class FlowGRPOTrainer(OnlineRLTrainer):
             return sde_step_from_sigmas(v_ref, x, sigma, sigma_next, noise_level=self.args.noise_level,
                                         sde_type=self.args.sde_type).prev_sample_mean
 
-    def _train_on_batch(self, model, batch: dict, first_pass: bool) -> torch.Tensor:
+    #: the per-step tensors of a recorded micro-batch (``(batch, steps, ...)``), reindexed by `_trained_steps`
+    _STEP_KEYS = ("latents", "next_latents", "log_probs", "timesteps", "sigmas", "sigmas_next", "means")
+
+    def _trained_steps(self, batch: dict) -> dict:
+        """With ``timestep_fraction < 1`` (DanceGRPO), each sample keeps a random ``max(1, int(n * fraction))`` of
+        its ``n`` recorded steps, in random order (a permutation per sample, as in the official code); drawn from
+        the seed, the micro-step and the process, so that a resumed run draws the same."""
+        fraction = self.args.timestep_fraction
+        num_steps = batch["latents"].shape[1]
+        if fraction >= 1:
+            return batch
+        keep = max(1, int(num_steps * fraction))
+        size = batch["latents"].shape[0]
+        gen = torch.Generator().manual_seed(_seed_for(self.args.seed, 7331, self._micro_step,
+                                                      self.accelerator.process_index))
+        order = torch.stack([torch.randperm(num_steps, generator=gen)[:keep] for _ in range(size)])
+        rows = torch.arange(size)[:, None]
+        selected = dict(batch)
+        for key in self._STEP_KEYS:
+            if key in batch:
+                device = batch[key].device
+                selected[key] = batch[key][rows.to(device), order.to(device)]
+        return selected
+
+    def _train_on_batch(self, model, record: dict, first_pass: bool) -> torch.Tensor:
         args = self.args
+        batch = self._trained_steps(record)  # the record itself receives the advantages (_resolve_scoring)
         height, width = args.image_size
         num_steps = batch["latents"].shape[1]
         scale = 1.0 / (num_steps * self.current_gradient_accumulation_steps)
@@ -156,7 +182,7 @@ class FlowGRPOTrainer(OnlineRLTrainer):
                                            sde_type=args.sde_type, sigma_max_fallback=sigma_max_fallback)
                 if j == 0:  # the rewards of the last micro-batches were scored while this forward ran
                     tic = self._await_scoring(tic)
-                    adv = batch["advantages"]
+                    adv = record["advantages"]
                 if args.ratio_normalization == "grpo_guard":
                     log_ratio = grpo_guard_log_ratio(out.prev_sample_mean, batch["means"][:, j], x_next, out.std)
                 else:
@@ -218,7 +244,7 @@ class FlowGRPOTrainer(OnlineRLTrainer):
             f"- deterministic steps: ode_solver={args.ode_solver}, ode_compression_ratio={args.ode_compression_ratio:g}",
             f"- objective: ratio_normalization={args.ratio_normalization}, kl_estimator={args.kl_estimator}, "
             f"reward_aggregation={args.reward_aggregation}, scale_rewards={args.scale_rewards}, "
-            f"same_noise_per_group={args.same_noise_per_group}",
+            f"same_noise_per_group={args.same_noise_per_group}, timestep_fraction={args.timestep_fraction:g}",
         ]
 
 

@@ -68,8 +68,9 @@ class DiffusionNFTConfig(OnlineRLConfig):
     guidance_scale: float = field(
         default=1.0,
         metadata={"help": "Classifier-free guidance scale of rollouts and of the trained velocity. DiffusionNFT "
-                          "trains CFG-free (1.0: one transformer pass per step); > 1 guides both with the negative "
-                          "prompt."},
+                          "as published trains CFG-free (1.0: one transformer pass per step). > 1 guides both with "
+                          "the negative prompt: our extension, with no published counterpart (the official CFG>1 "
+                          "training path cannot run). Evaluate at several scales with eval_guidance_scales."},
     )
     timestep_fraction: float = field(
         default=0.99,

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .flow_matching import noised_sample, per_sample
+
 #: Smallest adaptive weight (w+ and w-), as published.
 MIN_ADAPTIVE_WEIGHT = 1e-5
 
@@ -48,23 +50,9 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-def _per_sample(sigma: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
-    """``sigma`` (a scalar or one value per sample) shaped to broadcast over ``like``'s non-batch dimensions."""
-    sigma = torch.as_tensor(sigma, dtype=like.dtype, device=like.device)
-    if sigma.dim() == 0:
-        sigma = sigma.expand(like.shape[0])
-    return sigma.reshape(-1, *([1] * (like.dim() - 1)))
-
-
 def reward_weight(advantages: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
     """r = clamp(A / adv_clip_max / 2 + 0.5, 0, 1): each sample's weight on the positive branch of the loss."""
     return (advantages / adv_clip_max / 2 + 0.5).clamp(0.0, 1.0)
-
-
-def noised_sample(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor | float) -> torch.Tensor:
-    """The forward-process point x_t = (1 - sigma) x0 + sigma eps (``sigma`` a scalar or one value per sample)."""
-    s = _per_sample(sigma, x0)
-    return (1 - s) * x0 + s * noise
 
 
 def implicit_policies(v_theta: torch.Tensor, v_old: torch.Tensor, nft_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +96,7 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, x_t: 
     v_theta = v_theta.to(dtype)
     v_old = v_old.detach().to(dtype)
     x0, x_t = x0.detach().to(dtype), x_t.detach().to(dtype)
-    s = _per_sample(sigma, x0).to(dtype)
+    s = per_sample(sigma, x0).to(dtype)
     r = reward_weights.detach().to(dtype).reshape(-1)
     dims = tuple(range(1, x0.dim()))
 

@@ -30,21 +30,13 @@ Logged besides Flow-GRPO's reward and timing keys: ``loss``, ``nft/policy_loss``
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
 from ...models import PromptEmbeds
 from ..online_trainer import OnlineRLTrainer, _seed_for
-from ..run_state.old_policy import (
-    OLD_POLICY_ADAPTER,
-    AdapterOldPolicy,
-    FrozenCopyOldPolicy,
-    OldPolicy,
-    old_policy_decay,
-)
+from ..run_state.old_policy import old_policy_decay
 from .nft_config import DiffusionNFTConfig
 from .nft_loss import nft_loss, noised_sample, reward_weight
 
@@ -83,26 +75,8 @@ class DiffusionNFTTrainer(OnlineRLTrainer):
     }
     _config_class = DiffusionNFTConfig
 
-    #: True while a checkpoint is written (the old policy goes into checkpoints, not into exports)
-    _in_checkpoint = False
-
-    def __init__(
-        self,
-        model: str | Any,
-        reward_funcs: Any,
-        args: DiffusionNFTConfig | None = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        peft_config: Any = None,
-        callbacks: list | None = None,
-        optimizers: tuple = (None, None),
-        pipeline_kwargs: dict | None = None,
-    ):
-        super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, peft_config=peft_config, callbacks=callbacks,
-                         optimizers=optimizers, pipeline_kwargs=pipeline_kwargs)
-        # Built once the trained model is on its device; a copy of the trained weights.
-        self.old_policy: OldPolicy = AdapterOldPolicy(self.model) if self.is_peft else FrozenCopyOldPolicy(self.model)
+    def _uses_old_policy(self, args: DiffusionNFTConfig) -> bool:
+        return True  # it samples the rollouts and gives v_old in the loss
 
     # ------------------------------------------------------------------------------------------------
     # rollouts: the old policy, a deterministic solver, the final latent only
@@ -113,14 +87,8 @@ class DiffusionNFTTrainer(OnlineRLTrainer):
     def _rollout(self, model, embeds: PromptEmbeds, plan: Any, generator: torch.Generator, progress,
                  group_ids: torch.Tensor, gen_index: int) -> tuple[torch.Tensor, dict]:
         """The old policy samples the micro-batch with ``sampler``; records x0 and the rollout's noise levels."""
-        args = self.args
         with self.old_policy.forward_model(model) as old:
-            final, _ = self._sample(old, embeds, args.num_inference_steps, args.guidance_scale, 0.0, (0, 0),
-                                    generator, record=False, progress=progress, ode_solver=args.sampler)
-        batch = final.shape[0]
-        sigmas = self.sde_scheduler.sigmas[:-1].to(device=final.device, dtype=torch.float32)
-        timesteps = self.sde_scheduler.timesteps.to(final.device)
-        return final, {"x0": final, "sigmas": sigmas.expand(batch, -1), "timesteps": timesteps.expand(batch, -1)}
+            return self._final_sample_rollout(old, embeds, generator, progress, self.args.sampler)
 
     # ------------------------------------------------------------------------------------------------
     # training: the negative-aware loss at random noise levels of each sample
@@ -177,67 +145,14 @@ class DiffusionNFTTrainer(OnlineRLTrainer):
         return total
 
     # ------------------------------------------------------------------------------------------------
-    # the old policy after each optimizer step, in checkpoints, on resume
+    # the old policy after each optimizer step (kept, saved and restored by OnlineRLTrainer)
     # ------------------------------------------------------------------------------------------------
     def _on_optimizer_step_end(self, step: int) -> None:
         args = self.args
         decay = old_policy_decay(step, args.old_policy_decay_start, args.old_policy_decay_rate,
                                  args.old_policy_decay_max)
-        if not self.last_step_skipped:  # a skipped (non-finite) step changed no weight, nor does the old policy
-            with self._gathered_for_update():
-                self.old_policy.update(decay)
+        self._update_old_policy(decay)
         self._metrics["train"]["nft/old_policy_decay"].append(decay)
-
-    @contextmanager
-    def _gathered_for_update(self):
-        """DeepSpeed ZeRO-3 keeps each process's shard of every tensor: gather the trained and old tensors while the
-        old ones are updated (every process computes the same values; process 0's are kept)."""
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            import deepspeed
-
-            tensors = [p for pair in self.old_policy.pairs for p in pair if hasattr(p, "ds_id")]
-            with deepspeed.zero.GatheredParameters(tensors, modifier_rank=0):
-                yield
-        else:
-            yield
-
-    def _save_checkpoint(self, model, trial) -> None:
-        self._in_checkpoint = True
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._in_checkpoint = False
-
-    @contextmanager
-    def _old_adapter_left_out(self):
-        """Exports (``save_model`` outside a checkpoint) write the trained adapter only: peft's own save writes every
-        adapter of ``peft_config``, so the old one is taken out of it for the duration of that save (and only that:
-        the diffusers export relies on it being there to leave its tensors out)."""
-        configs = self.accelerator.unwrap_model(self.model).peft_config if self.is_peft else {}
-        held = configs.pop(OLD_POLICY_ADAPTER, None)
-        try:
-            yield
-        finally:
-            if held is not None:
-                configs[OLD_POLICY_ADAPTER] = held
-
-    def _save_trainer_files(self, output_dir: str, state_dict=None) -> None:
-        with nullcontext() if self._in_checkpoint else self._old_adapter_left_out():
-            super()._save_trainer_files(output_dir, state_dict=state_dict)
-
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        output_dir = output_dir or self.args.output_dir
-        super()._save(output_dir, state_dict=state_dict)
-        if self._in_checkpoint and self.args.should_save:
-            self.old_policy.save(output_dir)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        if self.is_peft and not os.path.isdir(os.path.join(resume_from_checkpoint, OLD_POLICY_ADAPTER)):
-            raise ValueError(f"{resume_from_checkpoint} holds no old-policy adapter ({OLD_POLICY_ADAPTER}/): it was "
-                             "not written by DiffusionNFTTrainer, so the run cannot continue exactly. Resume from a "
-                             "DiffusionNFT checkpoint, or start a new run.")
-        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
-        self.old_policy.load(resume_from_checkpoint)
 
     # ------------------------------------------------------------------------------------------------
     # model card

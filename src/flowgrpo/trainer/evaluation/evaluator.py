@@ -27,22 +27,37 @@ class Evaluation:
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Deterministic sampling (``_eval_ode_solver``: Euler for Flow-GRPO, DiffusionNFT's ``sampler``) at the eval
-        step count and guidance with fixed seeds; rewards on the eval set.
+        step count with fixed seeds, once per guidance scale (``eval_guidance_scale``, then any other
+        ``eval_guidance_scales``); rewards on the eval set.
 
         Logs ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/<name>/{mean,std,count}`` (``count``: the images
         the reward scored, so that ``std / sqrt(count)`` is the standard error of the mean), the rewards' own metrics
         ``eval_rewards/<name>/<key>`` (e.g. GenEval's accuracy per task) and, from the second
         evaluation of the same prompts on, ``eval_rewards/<name>/{change,change_se}``: the change since the first
         evaluation and its standard error, paired image by image (same prompts and seeds; ``eval_change.py``);
-        writes a contact sheet of
-        prompts, images and scores to ``output_dir/eval_step_<N>.png``. With ``eval_images_per_prompt = k``,
-        sample ``i`` is image ``i % k`` of prompt ``i // k`` and is drawn from its own seed, so evaluations at
-        different steps compare the same noise; the metrics use every image, the sheet each prompt's first.
+        writes a contact sheet of prompts, images and scores to ``output_dir/eval_step_<N>.png``. With
+        ``eval_images_per_prompt = k``, sample ``i`` is image ``i % k`` of prompt ``i // k`` and is drawn from its own
+        seed, so evaluations at different steps compare the same noise; the metrics use every image, the sheet each
+        prompt's first. At another guidance scale s the same keys are prefixed ``eval_cfg<s>`` instead of ``eval``
+        (``eval_cfg3_reward``), and the sheet is ``eval_step_<N>_cfg<s>.png``.
         """
         dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset") if eval_dataset is not None else \
             self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (pass one to the trainer or to evaluate()).")
+        metrics: dict[str, float] = {}
+        for k, scale in enumerate(self.args.evaluation_guidance_scales):
+            suffix = "" if k == 0 else f"_cfg{scale:g}"
+            metrics.update(self._evaluate_at(dataset, scale, metric_key_prefix + suffix, suffix, primary=k == 0))
+        if self._last_eval is not None and self.is_world_process_zero():
+            self._last_eval["metrics"] = dict(metrics)  # the model card lists every scale's scores
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _evaluate_at(self, dataset, guidance_scale: float, metric_key_prefix: str, sheet_suffix: str,
+                     primary: bool) -> dict[str, float]:
+        """One evaluation of ``dataset`` at ``guidance_scale``: its metrics, named with ``metric_key_prefix``."""
         args = self.args
         height, width = args.image_size
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
@@ -59,10 +74,10 @@ class Evaluation:
                 if IMAGE_COLUMN in cols:
                     cols[IMAGE_COLUMN] = _load_images(cols[IMAGE_COLUMN])
                 embeds, row_map = self._encode_unique(prompts, self.accelerator.device, cols.get(IMAGE_COLUMN),
-                                                      args.eval_guidance_scale)
+                                                      guidance_scale)
                 embeds = embeds.index_select(row_map)
                 gens = [torch.Generator().manual_seed(_seed_for(args.seed, 7919, i)) for i in idx]
-                final, _ = self._sample(model, embeds, args.eval_num_inference_steps, args.eval_guidance_scale, 0.0,
+                final, _ = self._sample(model, embeds, args.eval_num_inference_steps, guidance_scale, 0.0,
                                         (0, 0), gens, record=False, ode_solver=self._eval_ode_solver())
                 pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
                                                args.vae_decode_batch_size))
@@ -99,12 +114,11 @@ class Evaluation:
             shown = [r for r in gathered if r[0] % per_prompt == 0]  # the sheet: each prompt's first image
             captions = [f"{r[1][:60]} | {r[3]:.3f}" if r[3] is not None else f"{r[1][:60]} | n/a" for r in shown]
             sheet = make_contact_sheet([r[2] for r in shown], captions)
-            path = Path(args.output_dir, f"eval_step_{self.state.global_step}.png")
+            path = Path(args.output_dir, f"eval_step_{self.state.global_step}{sheet_suffix}.png")
             sheet.save(path)
-            self._last_eval = {"metrics": metrics, "contact_sheet": str(path),
-                               "samples": [(r[1], r[2], r[3]) for r in shown[:8]]}
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+            if primary:
+                self._last_eval = {"metrics": metrics, "contact_sheet": str(path),
+                                   "samples": [(r[1], r[2], r[3]) for r in shown[:8]]}
         return metrics
 
 

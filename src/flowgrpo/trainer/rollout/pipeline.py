@@ -210,6 +210,19 @@ class RolloutPipeline:
         stacked = {k: torch.stack(v, dim=1) for k, v in traj.items()} if record else None
         return latents, stacked
 
+    def _final_sample_rollout(self, model, embeds: PromptEmbeds, generator: torch.Generator, progress,
+                              solver: str) -> tuple[torch.Tensor, dict]:
+        """A deterministic rollout with ``solver`` (``"euler"`` or ``"dpmpp_2m"``) at ``num_inference_steps`` and
+        ``guidance_scale`` that keeps only each image's final latent, with the rollout's noise levels:
+        ``{"x0": (B, ...), "sigmas": (B, steps), "timesteps": (B, steps)}`` (DiffusionNFT, AWM, online DPO)."""
+        args = self.args
+        final, _ = self._sample(model, embeds, args.num_inference_steps, args.guidance_scale, 0.0, (0, 0), generator,
+                                record=False, progress=progress, ode_solver=solver)
+        batch = final.shape[0]
+        sigmas = self.sde_scheduler.sigmas[:-1].to(device=final.device, dtype=torch.float32)
+        timesteps = self.sde_scheduler.timesteps.to(final.device)
+        return final, {"x0": final, "sigmas": sigmas.expand(batch, -1), "timesteps": timesteps.expand(batch, -1)}
+
     def _generation_index(self) -> int:
         return self._micro_step // (self.args.steps_per_generation * self.args.num_iterations)
 

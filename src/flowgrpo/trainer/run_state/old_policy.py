@@ -38,7 +38,7 @@ OLD_POLICY_ADAPTER = "old"
 OLD_POLICY_WEIGHTS_NAME = "old_policy.safetensors"
 
 __all__ = ["OLD_POLICY_ADAPTER", "OLD_POLICY_WEIGHTS_NAME", "AdapterOldPolicy", "FrozenCopyOldPolicy", "OldPolicy",
-           "old_policy_decay"]
+           "build_old_policy", "old_adapter_left_out", "old_policy_decay"]
 
 
 def old_policy_decay(step: int, start: int, rate: float, maximum: float) -> float:
@@ -169,6 +169,25 @@ class FrozenCopyOldPolicy(OldPolicy):
         path = os.path.join(folder, OLD_POLICY_WEIGHTS_NAME)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{folder} has no {OLD_POLICY_WEIGHTS_NAME}: it was not written by a "
-                                    "DiffusionNFT run that fine-tunes the whole transformer, so its old policy cannot "
-                                    "be restored.")
+                                    "run that fine-tunes the whole transformer with an old policy, so its old policy "
+                                    "cannot be restored.")
         self.module.load_state_dict(load_file(path, device="cpu"))
+
+
+def build_old_policy(model: torch.nn.Module, is_peft: bool) -> OldPolicy:
+    """A second adapter of a LoRA-trained model, or a frozen copy of a fully fine-tuned one."""
+    return AdapterOldPolicy(model) if is_peft else FrozenCopyOldPolicy(model)
+
+
+@contextmanager
+def old_adapter_left_out(peft_model: torch.nn.Module | None) -> Iterator[None]:
+    """Exports write the trained adapter only: peft's own save writes every adapter of ``peft_config``, so the old one
+    is taken out of it for the duration of that save (and only that: the diffusers export relies on it being there to
+    leave its tensors out). ``None`` (full fine-tuning): nothing to do."""
+    configs = getattr(peft_model, "peft_config", None) or {}
+    held = configs.pop(OLD_POLICY_ADAPTER, None)
+    try:
+        yield
+    finally:
+        if held is not None:
+            configs[OLD_POLICY_ADAPTER] = held

@@ -1,0 +1,169 @@
+"""AWMConfig: the settings of Advantage Weighted Matching, as a `transformers.TrainingArguments` subclass.
+
+The settings every online-RL trainer shares are those of `OnlineRLConfig`; this class adds AWM's own (official
+``scripts/train_sd3_awm.py``, configs ``config/dgx_awm.py``): the deterministic ``sampler`` of the rollouts, the noise
+levels trained on each clean rollout (``train_timesteps``, ``time_type``, ``time_shift``, ``timestep_fraction``), the
+log-likelihood surrogate's ``weighting``, the clipped ratio (``loss_type``, ``clip_range``, ``advantage_max``), the
+velocity KL to the reference (``beta``, ``kl_weight``) and the EMA adapter (``ema_beta``, ``kl_ema_weight``,
+``kl_ema_decay``, ``kl_ema_decay_type``, ``off_policy``). Defaults are the paper's GenEval settings on SD3.5-M
+(``geneval_sd3_no_cfg_1node``): CFG-free, 14 sampling steps, 6 trained levels by ``discrete_wo_init`` in the first
+90% of the steps, ``ghuber`` weighting with power 0.25, ``exp_first``, clip range 1, advantages scaled to 1, beta
+0.001 (``Uniform``), EMA-adapter KL 1 (``Uniform``, decay min(0.3, 0.001 k)), on-policy, global std, lr 3e-4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..online_config import OnlineRLConfig, check_choice
+
+AWM_SAMPLERS = ("dpmpp_2m", "euler")
+TIME_TYPES = ("discrete", "discrete_with_init", "discrete_wo_init", "uniform", "logit_normal")
+WEIGHTINGS = ("Uniform", "t", "t**2", "huber", "ghuber")
+LOSS_TYPES = ("sum_first", "exp_first")
+KL_WEIGHTS = ("Uniform", "ELBO")
+KL_EMA_DECAY_TYPES = ("linear", "constant")
+
+__all__ = ["AWM_SAMPLERS", "KL_EMA_DECAY_TYPES", "KL_WEIGHTS", "LOSS_TYPES", "TIME_TYPES", "WEIGHTINGS", "AWMConfig"]
+
+
+@dataclass
+class AWMConfig(OnlineRLConfig):
+    r"""Configuration for [`AWMTrainer`]: the shared settings of [`OnlineRLConfig`] plus AWM's rollouts, trained noise
+    levels, weighted flow-matching surrogate, clipped ratio and KL terms (the math: ``algorithms/awm_loss.py``)."""
+
+    # ---- rollouts ------------------------------------------------------------------------------------
+    sampler: str = field(
+        default="dpmpp_2m",
+        metadata={"help": "Deterministic solver of the rollouts: 'dpmpp_2m' or 'euler'. AWM only keeps each rollout's "
+                          "clean sample (the official code samples with SA-Solver; any solver works, since the loss "
+                          "never needs the trajectory). Evaluation samples with the same solver."},
+    )
+    num_inference_steps: int = field(default=14, metadata={"help": "Rollout steps (AWM: 14)."})
+    eval_num_inference_steps: int = field(default=40, metadata={"help": "Evaluation steps (AWM: 40)."})
+    guidance_scale: float = field(
+        default=1.0,
+        metadata={"help": "CFG scale of rollouts and of the trained velocity (AWM: 1.0, CFG-free)."},
+    )
+    scale_rewards: str = field(
+        default="batch",
+        metadata={"help": "Advantage std: 'batch' (AWM's global std with per-prompt means), 'group' or 'none'."},
+    )
+
+    # ---- the trained noise levels ----------------------------------------------------------------------
+    train_timesteps: int = field(
+        default=6,
+        metadata={"help": "Noise levels t trained per clean rollout, each with fresh noise, in one batched forward "
+                          "(AWM: 6)."},
+    )
+    time_type: str = field(
+        default="discrete_wo_init",
+        metadata={"help": "How the levels are drawn (shared by the micro-batch, as in the official code): "
+                          "'discrete_wo_init' (one rollout level uniformly inside each of train_timesteps bins of "
+                          "the steps 1 .. int(steps x timestep_fraction); AWM's default), 'discrete' (bins from step "
+                          "0), 'discrete_with_init' (step 0 plus train_timesteps - 1 bins from step 1), 'uniform' "
+                          "(stratified in [0.2, 1] per sample, shifted by time_shift) or 'logit_normal' (stratified "
+                          "logit-normal, shifted by time_shift, at least 0.01)."},
+    )
+    time_shift: float = field(
+        default=3.0, metadata={"help": "Shift s of the continuous time types: t <- s t / (1 + (s - 1) t) (AWM: 3)."},
+    )
+    timestep_fraction: float = field(
+        default=0.9,
+        metadata={"help": "The discrete time types draw from the first int(num_inference_steps x timestep_fraction) "
+                          "rollout steps (AWM: 0.9)."},
+    )
+
+    # ---- objective -----------------------------------------------------------------------------------
+    weighting: str = field(
+        default="ghuber",
+        metadata={"help": "The log-likelihood surrogate from e = mean((v_theta - (eps - x0))^2): 'Uniform' (-e), 't' "
+                          "(-e t), 't**2' (-e t^2), 'huber' (-(sqrt(e + 1e-10) - 1e-5) t) or 'ghuber' "
+                          "(-((e + 1e-10)^p - 1e-10^p) t / p, p = ghuber_power; AWM's default)."},
+    )
+    ghuber_power: float = field(default=0.25, metadata={"help": "p of the 'ghuber' weighting (AWM: 0.25)."})
+    loss_type: str = field(
+        default="exp_first",
+        metadata={"help": "'exp_first': a ratio exp(logp - logp_old) per (level, sample), each clipped (AWM's "
+                          "default); 'sum_first': one ratio per sample from the mean of its levels' log-probs."},
+    )
+    clip_range: float = field(default=1.0, metadata={"help": "PPO clip range of the ratio (AWM: 1.0)."})
+    advantage_max: float | None = field(
+        default=1.0,
+        metadata={"help": "Advantages, clipped to +-adv_clip_max, are rescaled to +-advantage_max (A <- A / "
+                          "adv_clip_max * advantage_max; AWM: 1). null keeps them as they are."},
+    )
+    beta: float = field(
+        default=0.001,
+        metadata={"help": "Weight of the velocity KL to the reference (LoRA disabled, or a frozen copy); AWM: 0.001 "
+                          "(GenEval), 0.003 (OCR). 0 skips the reference pass (and, as in the official code, the "
+                          "EMA-adapter KL)."},
+    )
+    kl_weight: str = field(
+        default="Uniform",
+        metadata={"help": "KL = mean((v_theta - v_ref)^2) ('Uniform', AWM's default) or that divided by 2 std^2 "
+                          "with std = 0.7 sqrt(t / (1 - min(t, 0.99))) ('ELBO')."},
+    )
+
+    # ---- the EMA adapter -------------------------------------------------------------------------------
+    ema_beta: float = field(
+        default=1.0,
+        metadata={"help": "Weight of the KL to the EMA adapter (a second copy of the policy; AWM: 1). 0 keeps no "
+                          "EMA adapter unless off_policy."},
+    )
+    kl_ema_weight: str = field(default="Uniform", metadata={"help": "'Uniform' or 'ELBO', as kl_weight."})
+    kl_ema_decay: float = field(
+        default=0.3,
+        metadata={"help": "After optimizer step k the EMA adapter moves: theta_ema <- d theta_ema + (1 - d) theta, "
+                          "with d = min(kl_ema_decay, 0.001 k) ('linear', AWM's default) or kl_ema_decay "
+                          "('constant'). AWM: 0.3."},
+    )
+    kl_ema_decay_type: str = field(default="linear", metadata={"help": "'linear' or 'constant' (see kl_ema_decay)."})
+    off_policy: bool = field(
+        default=False,
+        metadata={"help": "Sample the rollouts, and compute the old log-probs, with the EMA adapter (AWM's off-policy "
+                          "mode); false samples with the current policy (AWM's default)."},
+    )
+
+    _trainer_name = "AWMTrainer"
+
+    def _check_algorithm(self) -> None:
+        check_choice("sampler", self.sampler, AWM_SAMPLERS)
+        check_choice("time_type", self.time_type, TIME_TYPES)
+        check_choice("weighting", self.weighting, WEIGHTINGS)
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("kl_weight", self.kl_weight, KL_WEIGHTS)
+        check_choice("kl_ema_weight", self.kl_ema_weight, KL_WEIGHTS)
+        check_choice("kl_ema_decay_type", self.kl_ema_decay_type, KL_EMA_DECAY_TYPES)
+        count = self.train_timesteps
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"train_timesteps={count!r} must be an integer >= 1 (AWM: 6).")
+        fraction = self.timestep_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"timestep_fraction={fraction!r} must be in (0, 1] (AWM: 0.9).")
+        if self.time_type.startswith("discrete"):
+            last = int(self.num_inference_steps * fraction)
+            low = 0 if self.time_type == "discrete" else 1
+            if last < low:
+                raise ValueError(f"time_type={self.time_type!r} draws levels from rollout steps {low} .. {last} "
+                                 f"(int(num_inference_steps={self.num_inference_steps} x timestep_fraction="
+                                 f"{fraction})), an empty range; raise num_inference_steps or timestep_fraction.")
+        if self.clip_range <= 0:
+            raise ValueError(f"clip_range={self.clip_range} must be > 0 (AWM: 1.0).")
+        if self.advantage_max is not None and self.advantage_max <= 0:
+            raise ValueError(f"advantage_max={self.advantage_max} must be > 0, or null to keep the advantages.")
+        if self.ghuber_power <= 0:
+            raise ValueError(f"ghuber_power={self.ghuber_power} must be > 0 (AWM: 0.25).")
+        if self.time_shift <= 0:
+            raise ValueError(f"time_shift={self.time_shift} must be > 0 (AWM: 3.0).")
+        if self.ema_beta < 0:
+            raise ValueError(f"ema_beta={self.ema_beta} must be >= 0.")
+        if not 0 <= self.kl_ema_decay < 1:
+            raise ValueError(f"kl_ema_decay={self.kl_ema_decay} must be in [0, 1) (AWM: 0.3).")
+        if not isinstance(self.off_policy, bool):
+            raise ValueError(f"off_policy={self.off_policy!r} must be true or false.")
+
+    @property
+    def uses_ema_adapter(self) -> bool:
+        """Whether an EMA adapter is kept: it samples (off_policy) or enters the loss (beta > 0 and ema_beta > 0)."""
+        return self.off_policy or (self.beta > 0 and self.ema_beta > 0)
