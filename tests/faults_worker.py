@@ -3,7 +3,7 @@
     python tests/faults_worker.py save-loop OUTPUT_DIR LAST_STEP      # many atomic saves; killed at random moments
     python tests/faults_worker.py signals                             # preemption handler alone: first, second signal
 
-``save-loop`` and ``signals`` load ``flowgrpo/trainer/checkpointing.py`` and ``preemption.py`` from their files
+``save-loop`` and ``signals`` load ``flowgrpo/trainer/run_state/checkpointing.py`` and ``preemption.py`` from their files
 (standard library only) so that a process starts in a few tens of milliseconds: the package ``flowgrpo.trainer``
 imports torch and diffusers. ``brightness`` is the reward of the training runs (``faults_worker:brightness``); with
 ``FLOWGRPO_FAULT_GATE=DIR`` it writes ``DIR/waiting`` at its ``FLOWGRPO_FAULT_GATE_CALL``-th call (that is, while
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parents[1] / "src" / "flowgrpo" / "trainer"
+SOURCE = Path(__file__).resolve().parents[1] / "src" / "flowgrpo" / "trainer" / "run_state"
 PAYLOAD_BYTES = 1 << 20  # per file, three files per checkpoint: a save takes a few milliseconds
 
 

@@ -81,7 +81,7 @@ def main() -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from flowgrpo.trainer.lora_export import save_diffusers_lora
+    from flowgrpo.trainer.outputs.lora_export import save_diffusers_lora
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--output_dir", required=True)

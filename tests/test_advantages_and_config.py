@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from flowgrpo import FlowGRPOConfig
-from flowgrpo.trainer.advantages import STD_EPS, compute_group_advantages
-from flowgrpo.trainer.sampler import RepeatSampler
+from flowgrpo.trainer.data.sampler import RepeatSampler
+from flowgrpo.trainer.rollout.advantages import STD_EPS, compute_group_advantages
 
 
 def reference_advantages(rewards, groups, scale, clip):

@@ -29,8 +29,8 @@ from flowgrpo.schedulers import (
     solve_flow_ode,
     valid_window_starts,
 )
-from flowgrpo.trainer.advantages import compute_group_advantages, compute_reward_advantages
-from flowgrpo.trainer.flow_grpo_trainer import _seed_for
+from flowgrpo.trainer.algorithms.flow_grpo_trainer import _seed_for
+from flowgrpo.trainer.rollout.advantages import compute_group_advantages, compute_reward_advantages
 
 # ---------------------------------------------------------------------------------------------------------------------
 # DPM-Solver++ 2M on a Gaussian problem with the exact velocity

@@ -121,7 +121,7 @@ def test_fsdp2_fully_shard_step_and_lora_export(tmp_path):
     from safetensors.torch import load_file
 
     from flowgrpo.testing import build_tiny_pipeline
-    from flowgrpo.trainer.lora_export import peft_lora_state_dict
+    from flowgrpo.trainer.outputs.lora_export import peft_lora_state_dict
 
     ref_pipe, ref_model = fsdp2_worker.reference_step(world_size=2)
     expected = {f"transformer.{k}": v for k, v in peft_lora_state_dict(ref_model).items()}

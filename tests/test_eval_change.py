@@ -1,11 +1,11 @@
-"""The paired before/after change of an evaluation (flowgrpo.trainer.eval_change) and the run summary's noise."""
+"""The paired before/after change of an evaluation (flowgrpo.trainer.evaluation.eval_change) and the run summary's noise."""
 
 import json
 import math
 
 import pytest
 
-from flowgrpo.trainer.eval_change import EvaluationBaseline, paired_change
+from flowgrpo.trainer.evaluation.eval_change import EvaluationBaseline, paired_change
 
 
 def test_paired_change_is_the_mean_difference_over_images_scored_twice():

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from flowgrpo.trainer.checkpointing import (
+from flowgrpo.trainer.run_state.checkpointing import (
     CheckpointSaveError,
     checkpoint_problem,
     checkpoint_step,
@@ -187,7 +187,7 @@ def test_sigkill_at_random_moments_during_saves_leaves_only_complete_checkpoints
 
 
 def test_completeness_rotation_and_stale_staging(tmp_path, caplog):
-    from flowgrpo.trainer.crash_safety import resolve_resume_checkpoint
+    from flowgrpo.trainer.run_state.crash_safety import resolve_resume_checkpoint
 
     out = tmp_path / "out"
 
@@ -324,7 +324,7 @@ def test_nan_loss_skips_the_update_and_resume_is_exact(recipe, tmp_path):
 
 
 def test_consecutive_non_finite_steps_stop_the_run_and_save_nothing_new(recipe, tmp_path):
-    from flowgrpo.trainer.step_guard import TooManySkippedStepsError
+    from flowgrpo.trainer.run_state.step_guard import TooManySkippedStepsError
 
     out = tmp_path / "out"
     trainer = build_trainer(recipe, out, max_consecutive_skipped_steps=2)

@@ -11,9 +11,9 @@ from PIL import Image
 
 from flowgrpo.rewards import resolve_reward_funcs
 from flowgrpo.rewards.composition import accepts_video
-from flowgrpo.trainer.condition_images import image_key, load_condition_image
-from flowgrpo.trainer.contact_sheet import make_contact_sheet
-from flowgrpo.trainer.media import encode_gif, key_frames, video_grid
+from flowgrpo.trainer.data.condition_images import image_key, load_condition_image
+from flowgrpo.trainer.outputs.contact_sheet import make_contact_sheet
+from flowgrpo.trainer.outputs.media import encode_gif, key_frames, video_grid
 
 
 def frame(value: int, size: int = 8) -> Image.Image:
@@ -110,8 +110,8 @@ def test_synthetic_ocr_edit_set_loads_with_resolved_image_paths(tmp_path, monkey
 
 def test_cards_and_rank_logs_take_videos(tmp_path):
     from flowgrpo.cli.rank_log import _sample_digest
-    from flowgrpo.trainer.hub import write_card_images
-    from flowgrpo.trainer.model_card import render_model_card
+    from flowgrpo.trainer.outputs.hub import write_card_images
+    from flowgrpo.trainer.outputs.model_card import render_model_card
 
     video = [frame(v) for v in (0, 100, 200)]
     samples, _ = write_card_images(tmp_path, {"samples": [("a cat walking", video, 0.5), ("a dog", frame(9), 0.1)]})

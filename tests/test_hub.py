@@ -20,14 +20,14 @@ from huggingface_hub import ModelCard
 from peft import LoraConfig
 from PIL import Image
 
-from flowgrpo.trainer.hub import (
+from flowgrpo.trainer.outputs.hub import (
     copy_checkpoint_exports,
     describe_upload,
     files_for_upload,
     write_card_images,
 )
-from flowgrpo.trainer.lora_export import LORA_WEIGHTS_NAME
-from flowgrpo.trainer.model_card import CardSample, card_tag, is_hub_id, render_model_card
+from flowgrpo.trainer.outputs.lora_export import LORA_WEIGHTS_NAME
+from flowgrpo.trainer.outputs.model_card import CardSample, card_tag, is_hub_id, render_model_card
 
 
 def brightness(prompts, images, **columns):

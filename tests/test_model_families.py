@@ -30,7 +30,7 @@ from PIL import Image
 from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
 from flowgrpo.models import WanAdapter
 from flowgrpo.models.wan import WAN_LORA_TARGET_MODULES
-from flowgrpo.trainer.lora_export import EXPERT_LORA_WEIGHTS_NAMES, LORA_WEIGHTS_NAME
+from flowgrpo.trainer.outputs.lora_export import EXPERT_LORA_WEIGHTS_NAMES, LORA_WEIGHTS_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 CASE_BY_NAME = {c.name: c for c in CASES}

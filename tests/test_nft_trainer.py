@@ -18,7 +18,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from flowgrpo import DiffusionNFTConfig, DiffusionNFTTrainer, FlowGRPOTrainer
-from flowgrpo.trainer.old_policy import OLD_POLICY_ADAPTER, OLD_POLICY_WEIGHTS_NAME, old_policy_decay
+from flowgrpo.trainer.run_state.old_policy import OLD_POLICY_ADAPTER, OLD_POLICY_WEIGHTS_NAME, old_policy_decay
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle", "a cat"]
 #: the old policy's decay after step k: 0 at step 1, then 0.3, 0.5, 0.5 (it moves slower than the policy)

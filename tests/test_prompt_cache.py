@@ -17,8 +17,8 @@ from peft import LoraConfig
 
 from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
 from flowgrpo.models import PromptEmbeds
-from flowgrpo.trainer.prompt_cache import PromptEmbeddingCache, prompt_cache_key
-from flowgrpo.trainer.sliced_decode import decode_in_slices
+from flowgrpo.trainer.data.prompt_cache import PromptEmbeddingCache, prompt_cache_key
+from flowgrpo.trainer.rollout.sliced_decode import decode_in_slices
 
 TRAIN = ["a red circle", "two blue squares", 'a sign that says "hi"', "a green triangle"]
 EVAL = ["a red circle", "a purple star"]

@@ -49,7 +49,7 @@ def _other_trainer_epilog(trainer: str) -> str:
     """What the other trainer's configuration adds or refuses (the end of ``--help``)."""
     import dataclasses
 
-    from ..trainer.nft_config import FLOW_GRPO_ONLY_SETTINGS, DiffusionNFTConfig
+    from ..trainer.algorithms.nft_config import FLOW_GRPO_ONLY_SETTINGS, DiffusionNFTConfig
     from ..trainer.online_config import OnlineRLConfig
 
     if trainer == "diffusion_nft":
@@ -164,7 +164,7 @@ def _other_trainer_setting(name: str, trainer: str) -> str | None:
     """Why ``name`` is not a setting of ``trainer`` when it is one of the other trainer's, else None."""
     import dataclasses
 
-    from ..trainer.nft_config import FLOW_GRPO_ONLY_SETTINGS, DiffusionNFTConfig
+    from ..trainer.algorithms.nft_config import FLOW_GRPO_ONLY_SETTINGS, DiffusionNFTConfig
     from ..trainer.online_config import OnlineRLConfig
 
     if trainer == "diffusion_nft" and name in FLOW_GRPO_ONLY_SETTINGS:

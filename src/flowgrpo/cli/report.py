@@ -94,7 +94,7 @@ def before_after_sheet(output_dir: str | os.PathLike, path: str | os.PathLike | 
     """Put the first and last evaluation sheets side by side; ``None`` when there are fewer than two."""
     from PIL import Image
 
-    from ..trainer.contact_sheet import side_by_side
+    from ..trainer.outputs.contact_sheet import side_by_side
 
     sheets = eval_sheets(output_dir)
     if len(sheets) < 2:

@@ -35,9 +35,10 @@ __all__ = ["RLSettings", "TOY_TRAINERS", "run_toy_rl", "plot_accuracy_curve", "b
 #: use. The trainer is built as ``Trainer(model=..., reward_funcs=..., args=Config(...), train_dataset=...,
 #: peft_config=...)``; ``RLSettings.config_kwargs()`` gives the config's fields.
 TOY_TRAINERS: dict[str, tuple[str, str]] = {
-    "flow_grpo": ("flowgrpo.trainer.config:FlowGRPOConfig", "flowgrpo.trainer.flow_grpo_trainer:FlowGRPOTrainer"),
-    "diffusion_nft": ("flowgrpo.trainer.nft_config:DiffusionNFTConfig",
-                      "flowgrpo.trainer.nft_trainer:DiffusionNFTTrainer"),
+    "flow_grpo": ("flowgrpo.trainer.algorithms.flow_grpo_config:FlowGRPOConfig",
+                  "flowgrpo.trainer.algorithms.flow_grpo_trainer:FlowGRPOTrainer"),
+    "diffusion_nft": ("flowgrpo.trainer.algorithms.nft_config:DiffusionNFTConfig",
+                      "flowgrpo.trainer.algorithms.nft_trainer:DiffusionNFTTrainer"),
 }
 
 #: RLSettings fields that configure Flow-GRPO's sampler and objective: passed only to the ``flow_grpo`` trainer.
@@ -311,7 +312,7 @@ def before_after_sheet(prompts: list[str], before: list[Any], after: list[Any], 
                        path: str | os.PathLike[str], max_prompts: int = 12, attribute: str = "all") -> Path:
     """Side-by-side contact sheets, before and after, of the first image of ``max_prompts`` prompts spread evenly
     over ``prompts`` (so several colours and shapes show), each captioned with its check of ``attribute``."""
-    from flowgrpo.trainer.contact_sheet import make_contact_sheet, side_by_side
+    from flowgrpo.trainer.outputs.contact_sheet import make_contact_sheet, side_by_side
 
     from .rewards import score_images
 

@@ -3,17 +3,17 @@ so that parsing a recipe or printing ``--help`` only imports the configurations.
 
 from typing import TYPE_CHECKING
 
-from .config import FlowGRPOConfig
-from .nft_config import DiffusionNFTConfig
+from .algorithms.flow_grpo_config import FlowGRPOConfig
+from .algorithms.nft_config import DiffusionNFTConfig
 from .online_config import OnlineRLConfig
 
 __all__ = ["DiffusionNFTConfig", "DiffusionNFTTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "OnlineRLConfig"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .flow_grpo_trainer import FlowGRPOTrainer
-    from .nft_trainer import DiffusionNFTTrainer
+    from .algorithms.flow_grpo_trainer import FlowGRPOTrainer
+    from .algorithms.nft_trainer import DiffusionNFTTrainer
 
-_LAZY = {"FlowGRPOTrainer": ".flow_grpo_trainer", "DiffusionNFTTrainer": ".nft_trainer"}
+_LAZY = {"FlowGRPOTrainer": ".algorithms.flow_grpo_trainer", "DiffusionNFTTrainer": ".algorithms.nft_trainer"}
 
 
 def __getattr__(name: str):

@@ -16,7 +16,7 @@ from pathlib import Path
 from transformers import Trainer
 from transformers.trainer_utils import HubStrategy
 
-from .crash_safety import CrashSafeTrainerMixin
+from .run_state.crash_safety import CrashSafeTrainerMixin
 
 
 class FlowBaseTrainer(CrashSafeTrainerMixin, Trainer):
@@ -47,8 +47,8 @@ class FlowBaseTrainer(CrashSafeTrainerMixin, Trainer):
         samples. ``model_name`` and other keyword arguments of ``Trainer.create_model_card`` are accepted."""
         if not self.is_world_process_zero():
             return
-        from .hub import write_card_images
-        from .model_card import card_tag, render_model_card
+        from .outputs.hub import write_card_images
+        from .outputs.model_card import card_tag, render_model_card
 
         output_dir = self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
@@ -75,7 +75,7 @@ class FlowBaseTrainer(CrashSafeTrainerMixin, Trainer):
         in_progress = getattr(self, "push_in_progress", None)
         if not self.args.hub_always_push and in_progress is not None and not in_progress.is_done():
             return  # Trainer skips this push too; do not touch files an upload may be reading
-        from .hub import copy_checkpoint_exports
+        from .outputs.hub import copy_checkpoint_exports
 
         copy_checkpoint_exports(checkpoint_folder, self.args.output_dir)
         self.create_model_card()

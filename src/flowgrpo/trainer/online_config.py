@@ -310,7 +310,7 @@ class OnlineRLConfig(TrainingArguments):
 
     def _check_crash_safety(self) -> None:
         from ..rewards.failures import normalize_on_failure
-        from .preemption import resolve_signal
+        from .run_state.preemption import resolve_signal
 
         policy = "raise" if self.reward_on_failure is None else self.reward_on_failure
         if isinstance(policy, str) and policy.strip().startswith("{"):

@@ -9,14 +9,15 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
 2. *Reward.* Each micro-batch is decoded once, in a background thread, and scored by the reward pool while the
    next micro-batch is sampled. The last micro-batch's rewards are still being scored while the first training
    forward runs; then rewards are gathered from all processes and turned into group advantages as in
-   ``advantages.py`` (stored in each micro-batch's record as ``"advantages"``).
+   ``rollout/advantages.py`` (stored in each micro-batch's record as ``"advantages"``).
 3. *Training.* The algorithm's ``_train_on_batch`` computes its loss on one recorded micro-batch and runs the
    backward passes; it calls ``_resolve_scoring()`` once its first forward has run.
 
-Shared besides: loading the pipeline and its family adapter, LoRA or full fine-tuning with a reference policy,
-the prompt cache, EMA, evaluation (deterministic sampling with fixed seeds), logging (metrics, sample images and
-videos), saving (the diffusers LoRA, EMA state), the model card and the Hub push (`base.FlowBaseTrainer`), crash
-safety (`crash_safety.CrashSafeTrainerMixin`).
+Composed from: ``rollout/pipeline.py`` (`RolloutPipeline`: steps 1 and 2 and the sampling loop ``_sample``),
+``evaluation/evaluator.py`` (`Evaluation`: ``evaluate``), ``model_loading.py`` (`PipelineLoading`), ``base.py``
+(`FlowBaseTrainer`: the model card and the Hub push) and ``run_state/crash_safety.py`` (`CrashSafeTrainerMixin`).
+This class holds the set-up (family adapter, LoRA or full fine-tuning with a reference policy, the prompt cache,
+EMA), the training step, logging (metrics, sample images and videos) and saving (the diffusers LoRA, EMA state).
 
 What a subclass provides: ``_config_class``, ``_name`` / ``_tag_names`` / ``_paper`` (model card), ``_rollout`` (and
 optionally ``_rollout_plan``), ``_train_on_batch``, ``_card_setup_lines``; optional hooks: ``_scheduler_options``,
@@ -29,12 +30,9 @@ import copy
 import math
 import os
 import time
-import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,93 +42,31 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import set_seed
 from transformers.utils import logging
 
-from ..cpu_threads import apply_cpu_thread_plan, limit_worker_threads, plan_cpu_threads
-from ..models import PromptEmbeds, family_adapter_class, get_family_adapter
+from ..cpu_threads import apply_cpu_thread_plan, plan_cpu_threads
+from ..models import PromptEmbeds, get_family_adapter
 from ..rewards import RewardSet, resolve_reward_funcs
-from ..schedulers import FlowMatchSDEScheduler, FlowODESolver, rollout_steps, sde_step_from_sigmas
-from .advantages import compute_reward_advantages
+from ..schedulers import FlowMatchSDEScheduler
 from .base import FlowBaseTrainer
-from .condition_images import IMAGE_COLUMN, image_key, load_condition_image
-from .contact_sheet import make_contact_sheet
-from .datasets import INDEX_COLUMN, IndexedPromptDataset
-from .ema import EMAWeights
-from .eval_change import EvaluationBaseline
-from .lora_export import EXPERT_LORA_WEIGHTS_NAMES, save_diffusers_lora
-from .media import encode_gif, is_video, tensorboard_video_summary, video_grid
+from .data.datasets import INDEX_COLUMN, IndexedPromptDataset
+from .data.prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
+from .data.sampler import RepeatSampler
+from .evaluation.eval_change import EvaluationBaseline
+from .evaluation.evaluator import Evaluation
+from .model_loading import _TWO_EXPERTS_FULL_FINETUNE, PipelineLoading, _import_own_components, _torch_dtype
 from .online_config import OnlineRLConfig
-from .prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
-from .sampler import RepeatSampler
-from .sliced_decode import decode_in_slices
+from .outputs.contact_sheet import make_contact_sheet
+from .outputs.lora_export import EXPERT_LORA_WEIGHTS_NAMES, save_diffusers_lora
+from .outputs.media import encode_gif, is_video, tensorboard_video_summary, video_grid
+from .rollout.pipeline import RolloutPipeline, _seed_for
+from .run_state.ema import EMAWeights
 
 logger = logging.get_logger(__name__)
 
 EMA_STATE_NAME = "ema_state.pt"
 
-_TWO_EXPERTS_FULL_FINETUNE = (
-    "This Wan 2.2 pipeline has two experts (transformer and transformer_2); training it is supported with LoRA (one "
-    "adapter on each expert, each used on its own steps), not as full fine-tuning. Pass a peft_config (a "
-    "peft.LoraConfig, e.g. LoraConfig(r=32, lora_alpha=64)) or use_peft: true in a recipe."
-)
-
 
 def _identity_collator(features: list[dict]) -> list[dict]:
     return features
-
-
-def _to_pil(images: torch.Tensor) -> list:
-    """Decoded pixels in [0, 1] as PIL: ``(B, 3, H, W)`` -> B images, ``(B, F, 3, H, W)`` -> B lists of F frames."""
-    from PIL import Image
-
-    if images.dim() == 5:
-        return [_to_pil(video) for video in images]
-    arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-    return [Image.fromarray(a) for a in arr]
-
-
-def _import_own_components(index: dict | None) -> None:
-    """Import the flowgrpo modules that ``model_index.json`` names for components (the tiny Qwen-Image-Edit pipeline's
-    processor): diffusers loads a component of a custom class only once its module has been imported."""
-    import importlib
-
-    for value in (index or {}).values():
-        if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str) \
-                and value[0].startswith("flowgrpo."):
-            importlib.import_module(value[0])
-
-
-def _load_images(values: list) -> list:
-    """The ``image`` column's values as RGB PIL images (each distinct path read once)."""
-    loaded: dict[str, Any] = {}
-    out = []
-    for value in values:
-        if isinstance(value, (str, os.PathLike)):
-            key = os.fspath(value)
-            if key not in loaded:
-                loaded[key] = load_condition_image(value)
-            out.append(loaded[key])
-        else:
-            out.append(load_condition_image(value))
-    return out
-
-
-def _done_future(value: Any) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def _seed_for(*parts: int) -> int:
-    """A 63-bit seed that depends on every part (deterministic, no Python hash randomisation)."""
-    value = 0x9E3779B97F4A7C15
-    for p in parts:
-        value = (value ^ (int(p) + 0x9E3779B97F4A7C15 + (value << 6) + (value >> 2))) & ((1 << 63) - 1)
-    return value
 
 
 class _JsonConfig(dict):
@@ -194,7 +130,7 @@ class _StepHooks(TrainerCallback):
 
 
 
-class OnlineRLTrainer(FlowBaseTrainer):
+class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrainer):
     """The machinery every online-RL trainer shares (see the module docstring); subclasses add the algorithm.
 
     Args:
@@ -347,88 +283,6 @@ class OnlineRLTrainer(FlowBaseTrainer):
         self.prompt_cache = setup_prompt_cache(args, self.adapter, pipeline, device,
                                                (self.train_dataset, self.eval_dataset), self.accelerator.autocast)
 
-    # ------------------------------------------------------------------------------------------------
-    # set-up helpers
-    # ------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _pipeline_index(model: Any, pipeline_kwargs: dict) -> dict | None:
-        """The pipeline's ``model_index.json`` (class name and components) without loading it; ``None`` if unknown."""
-        from diffusers import DiffusionPipeline
-
-        if isinstance(model, DiffusionPipeline):
-            return {**dict(model.config), "_class_name": type(model).__name__}
-        if not isinstance(model, (str, os.PathLike)):
-            return None
-        try:
-            return dict(DiffusionPipeline.load_config(str(model), **{k: v for k, v in pipeline_kwargs.items()
-                                                                      if k in ("revision", "cache_dir", "token")}))
-        except Exception:  # unreadable here (e.g. offline): the same checks run right after loading
-            return None
-
-    @staticmethod
-    def _check_family_settings(index: dict | None, args: OnlineRLConfig, peft_config: Any, datasets: tuple) -> None:
-        """Family-specific settings, checked from the pipeline's class name (``index``: its model_index.json) before
-        anything is loaded: the frame count, the source-image column of editing families, and what Wan 2.2's two
-        experts support."""
-        if not index or "_class_name" not in index:
-            return
-        adapter_cls = family_adapter_class(index["_class_name"])
-        adapter_cls.check_num_frames(args.num_frames)
-        if adapter_cls.accepts_images:
-            for name, dataset in zip(("train_dataset", "eval_dataset"), datasets):
-                if dataset is None:
-                    continue
-                first = dataset[0]
-                if IMAGE_COLUMN not in first:
-                    raise ValueError(
-                        f"{index['_class_name']} edits a source image, but {name} has no '{IMAGE_COLUMN}' column "
-                        f"(columns: {[k for k in first if not k.startswith('_')]}); add one holding each prompt's "
-                        "source image (a path, a PIL image or a datasets.Image feature).")
-                load_condition_image(first[IMAGE_COLUMN])
-            if args.cache_prompt_embeddings and args.precompute_prompt_embeddings:
-                raise ValueError(f"precompute_prompt_embeddings encodes the datasets' prompts alone, but "
-                                 f"{index['_class_name']} encodes each (prompt, source image) pair; set "
-                                 "precompute_prompt_embeddings: false (the cache then keeps each pair on first use).")
-        second = index.get("transformer_2")
-        if isinstance(second, (list, tuple)) and second and second[0] is not None and index.get("boundary_ratio"):
-            if peft_config is None:
-                raise ValueError(_TWO_EXPERTS_FULL_FINETUNE)
-            if args.quantization:
-                raise ValueError("quantization loads one quantized transformer, but this Wan 2.2 pipeline has two "
-                                 "experts; train its LoRAs without quantization.")
-
-    def _load_pipeline(self, model: Any, args: OnlineRLConfig, pipeline_kwargs: dict):
-        from diffusers import DiffusionPipeline
-
-        if isinstance(model, DiffusionPipeline):
-            if args.quantization:
-                raise ValueError("quantization applies when loading from a hub id or folder; pass the model id, or "
-                                 "quantize the pipeline's transformer yourself.")
-            return model
-        if not isinstance(model, (str, os.PathLike)):
-            raise TypeError(f"model must be a hub id, a local folder or a DiffusionPipeline, got {type(model)}")
-        kwargs = dict(pipeline_kwargs)
-        if "torch_dtype" not in kwargs:  # diffusers' older name, still accepted when a caller passes it
-            kwargs.setdefault("dtype", self.model_dtype)
-        if args.quantization:
-            kwargs["transformer"] = self._load_quantized_transformer(str(model), args, pipeline_kwargs)
-        return DiffusionPipeline.from_pretrained(str(model), **kwargs)
-
-    def _load_quantized_transformer(self, model: str, args: OnlineRLConfig, pipeline_kwargs: dict):
-        from diffusers import DiffusionPipeline
-
-        from .quantization import build_quantization_config
-
-        config = DiffusionPipeline.load_config(model, **{k: v for k, v in pipeline_kwargs.items()
-                                                          if k in ("revision", "cache_dir", "token")})
-        library, class_name = config["transformer"]
-        import diffusers
-
-        cls = getattr(diffusers, class_name)
-        return cls.from_pretrained(model, subfolder="transformer", dtype=self.model_dtype,
-                                   quantization_config=build_quantization_config(args.quantization, self.model_dtype),
-                                   **pipeline_kwargs)
-
     def _set_signature_columns_if_needed(self):
         # Keep every column: the prompt column feeds generation, the others feed the rewards.
         if self._signature_columns is None:
@@ -452,23 +306,6 @@ class OnlineRLTrainer(FlowBaseTrainer):
         finally:
             self._train_batch_size = original
 
-    # Overlaps (on by default; switchable for measuring what each buys, see docs/benchmarks.md): decode each
-    # rollout micro-batch in a background thread, and let the first training forward run while the last rewards
-    # are being scored (advantages are only needed by the loss).
-    _overlap_decode = True
-    _overlap_reward_with_training = True
-    _postprocess_pool: ThreadPoolExecutor | None = None
-    _pending_scoring: tuple | None = None
-
-    # Set by the benchmark harness on a GPU: synchronise before reading the clock, so that the phase timings are
-    # those of the kernels and not of their launches. Off by default (a synchronisation stalls the pipeline).
-    _timing_sync = False
-
-    def _clock(self) -> float:
-        if self._timing_sync and self.accelerator.device.type == "cuda":
-            torch.cuda.synchronize(self.accelerator.device)
-        return time.perf_counter()
-
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.accelerator.unwrap_model(self.model).parameters() if p.requires_grad]
 
@@ -489,39 +326,6 @@ class OnlineRLTrainer(FlowBaseTrainer):
         finally:
             model.train(was_training)
 
-    # ------------------------------------------------------------------------------------------------
-    # rollouts
-    # ------------------------------------------------------------------------------------------------
-    def _encode_unique(self, prompts: list[str], device, images: list | None = None,
-                       guidance_scale: float | None = None) -> tuple[PromptEmbeds, torch.Tensor]:
-        """Encode each distinct prompt (editing families: each distinct (prompt, source image) pair) once; returns the
-        embeddings and, per sample, its row. With CFG and a negative embedding that depends on the source image,
-        the negative prompt is encoded once per pair too (``PromptEmbeds.negative``)."""
-        args = self.args
-        if images is None or not self.adapter.accepts_images:
-            images = None
-        guidance = args.guidance_scale if guidance_scale is None else guidance_scale
-        per_image_negative = (images is not None and self.adapter.negative_depends_on_image
-                              and self.adapter.uses_cfg(guidance))
-        if self.prompt_cache is not None and not per_image_negative:
-            return self.prompt_cache.encode_unique(prompts, device, conditions=images)
-        keys = list(prompts) if images is None else [(p, image_key(im)) for p, im in zip(prompts, images)]
-        unique: dict[Any, int] = {}
-        rows = [unique.setdefault(k, len(unique)) for k in keys]
-        first = {}
-        for i, k in enumerate(keys):
-            first.setdefault(k, i)
-        unique_prompts = [prompts[first[k]] for k in unique]
-        unique_images = [images[first[k]] for k in unique] if images is not None else None
-        height, width = args.image_size
-        embeds = self.adapter.encode_prompts(unique_prompts, args.max_sequence_length, device, images=unique_images,
-                                             height=height, width=width)
-        if per_image_negative:
-            embeds.negative = self.adapter.encode_prompts([args.negative_prompt] * len(unique_prompts),
-                                                          args.max_sequence_length, device, images=unique_images,
-                                                          height=height, width=width)
-        return embeds, torch.tensor(rows, dtype=torch.long)
-
     # --- pieces of a trainer's _train_on_batch ------------------------------------------------------------------
     def _backward_kwargs(self) -> dict:
         """Extra ``accelerator.backward`` arguments: the losses are already divided by the accumulation steps, so
@@ -535,81 +339,6 @@ class OnlineRLTrainer(FlowBaseTrainer):
         """A batch trained in ``parts`` backward passes: under DDP only the last one all-reduces the gradients."""
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         return model.no_sync() if ddp and part < parts - 1 else nullcontext()
-
-    def _await_scoring(self, tic: float) -> float:
-        """Wait for the rollout's rewards (scored while the first training forward ran) and return ``tic`` moved
-        by the wait, so that the wait is logged as ``timing/reward``, not as forward time."""
-        wait = self._clock()
-        self._resolve_scoring()
-        return tic + self._clock() - wait
-
-    def _velocity(self, model, latents, timestep, embeds, guidance_scale, height, width):
-        neg = None
-        if self.adapter.uses_cfg(guidance_scale):
-            neg = embeds.negative if embeds.negative is not None else (
-                self._negative_embeds.expand_to(latents.shape[0]) if self._negative_embeds is not None else None)
-        v = self.adapter.predict_velocity(model, latents.to(self.model_dtype), timestep, embeds, guidance_scale, neg,
-                                          height, width)
-        return v.float()
-
-    def _sample(self, model, embeds: PromptEmbeds, num_steps: int, guidance_scale: float, noise_level: float,
-                window: tuple[int, int], generator: torch.Generator, record: bool, progress=None, *,
-                ode_solver: str = "euler", ode_compression_ratio: float = 1.0,
-                initial_latents: torch.Tensor | None = None, record_means: bool = False):
-        """Sample one micro-batch. Returns the final latents and (if ``record``) the window's trajectory.
-
-        Steps inside ``window`` are SDE steps (noise from ``generator``); the others are deterministic, solved by
-        ``ode_solver`` (``"euler"`` or ``"dpmpp_2m"``; the DPM-Solver history restarts after the window), and with
-        ``ode_compression_ratio < 1`` the steps after the window are fewer solver steps over the same noise range
-        (`rollout_steps`). ``window=(0, 0)`` samples a whole deterministic trajectory. ``initial_latents`` replaces
-        the initial noise drawn from ``generator``; ``record_means`` also stores each window step's transition
-        mean (``"means"``, for GRPO-Guard).
-        """
-        args = self.args
-        height, width = args.image_size
-        device = self.accelerator.device
-        batch = len(embeds)
-        self.adapter.set_timesteps(self.sde_scheduler, num_steps, height, width, device)
-        sigmas = self.sde_scheduler.sigmas.to(device=device, dtype=torch.float32)
-        timesteps = self.sde_scheduler.timesteps.to(device)
-        if initial_latents is None:
-            latents = self.adapter.prepare_latents(batch, height, width, generator, device, torch.float32)
-        else:
-            latents = initial_latents.to(device=device, dtype=torch.float32)
-        traj = {"latents": [], "next_latents": [], "log_probs": [], "timesteps": [], "sigmas": [], "sigmas_next": []}
-        if record_means:
-            traj["means"] = []
-        solver = FlowODESolver(ode_solver) if ode_solver != "euler" else None
-        plan = rollout_steps(sigmas, timesteps, window, ode_compression_ratio,
-                             self.sde_scheduler.config.num_train_timesteps)
-        for step in plan:
-            t = step.timestep.expand(batch)
-            v = self._velocity(model, latents, t, embeds, guidance_scale, height, width)
-            if step.stochastic or solver is None:
-                out = sde_step_from_sigmas(
-                    v, latents, step.sigma, step.sigma_next, noise_level=noise_level if step.stochastic else 0.0,
-                    sde_type=self._sde_type(), generator=generator, sigma_max_fallback=float(sigmas[1]),
-                )
-                if solver is not None:
-                    solver.reset()  # a deterministic stretch after the window starts a new history
-                if record and step.stochastic:
-                    traj["latents"].append(latents)
-                    traj["next_latents"].append(out.prev_sample)
-                    traj["log_probs"].append(out.log_prob)
-                    traj["timesteps"].append(t)
-                    traj["sigmas"].append(step.sigma.expand(batch))
-                    traj["sigmas_next"].append(step.sigma_next.expand(batch))
-                    if record_means:
-                        traj["means"].append(out.prev_sample_mean)
-                latents = out.prev_sample
-            else:
-                latents = solver.step(latents, v, step.sigma, step.sigma_next, final=step.final)
-            if progress is not None:
-                progress.update(1)
-        if progress is not None and len(plan) < num_steps:
-            progress.update(num_steps - len(plan))
-        stacked = {k: torch.stack(v, dim=1) for k, v in traj.items()} if record else None
-        return latents, stacked
 
     # ---- the algorithm's hooks ------------------------------------------------------------------------
     def _scheduler_options(self, args: OnlineRLConfig) -> dict[str, Any]:
@@ -647,149 +376,6 @@ class OnlineRLTrainer(FlowBaseTrainer):
     def _card_setup_lines(self) -> list[str]:
         """The model card's "Training setup" lines (markdown list items) besides the step count."""
         return []
-
-    def _generation_index(self) -> int:
-        return self._micro_step // (self.args.steps_per_generation * self.args.num_iterations)
-
-    def _generate_and_score(self, inputs: list[dict]) -> list[dict]:
-        """Rollout + rewards + advantages for this process's share of a generation batch, split in micro-batches.
-
-        Returns one record per micro-batch: what the algorithm's ``_rollout`` recorded, plus ``"embeds"`` and (once
-        the rewards are in, `_resolve_scoring`) ``"advantages"``.
-        """
-        args = self.args
-        device = self.accelerator.device
-        height, width = args.image_size
-        gen_index = self._generation_index()
-        prompts = [row["prompt"] for row in inputs]
-        group_ids = torch.tensor([row[INDEX_COLUMN] for row in inputs], dtype=torch.long)
-        columns = {k: [row[k] for row in inputs] for k in inputs[0] if k not in ("prompt", INDEX_COLUMN)}
-        if IMAGE_COLUMN in columns:  # source images: conditioning (editing families) and a column for the rewards
-            columns[IMAGE_COLUMN] = _load_images(columns[IMAGE_COLUMN])
-
-        plan = self._rollout_plan(gen_index)
-        noise_gen = torch.Generator().manual_seed(_seed_for(args.seed, gen_index, self.accelerator.process_index))
-        micro = args.per_device_train_batch_size
-        chunks = [slice(s, s + micro) for s in range(0, len(prompts), micro)]
-
-        t0 = self._clock()
-        timing = defaultdict(float)
-        jobs, samples = [], []
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=len(chunks) * args.num_inference_steps, desc="rollout", leave=False,
-                        disable=args.disable_tqdm or not self.is_local_process_zero())
-        overlap_decode = self._overlap_decode
-        with self._generation_context() as model:
-            tic = self._clock()
-            unique_embeds, rows = self._encode_unique(prompts, device, columns.get(IMAGE_COLUMN), args.guidance_scale)
-            embeds_all = unique_embeds.index_select(rows)
-            timing["text_encoding"] += self._clock() - tic
-            for sl in chunks:
-                embeds = embeds_all[sl]
-                tic = self._clock()
-                final, record = self._rollout(model, embeds, plan, noise_gen, progress, group_ids[sl], gen_index)
-                timing["rollout"] += self._clock() - tic
-                chunk_columns = {k: v[sl] for k, v in columns.items()}
-                if overlap_decode:
-                    # Decode and score in the background while the next micro-batch is sampled.
-                    jobs.append(self._postprocess_executor().submit(self._decode_and_submit, final, prompts[sl],
-                                                                    chunk_columns))
-                else:
-                    jobs.append(_done_future(self._decode_and_submit(final, prompts[sl], chunk_columns)))
-                record["embeds"] = embeds
-                samples.append(record)
-        progress.close()
-        timing["sampling_total"] = self._clock() - t0
-        self._pending_scoring = (jobs, samples, chunks, prompts, group_ids, timing)
-        if not self._overlap_reward_with_training:
-            self._resolve_scoring()
-        return samples
-
-    def _postprocess_executor(self) -> ThreadPoolExecutor:
-        if self._postprocess_pool is None:
-            self._postprocess_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowgrpo-decode",
-                                                        initializer=limit_worker_threads)
-            weakref.finalize(self, self._postprocess_pool.shutdown, wait=False)
-        return self._postprocess_pool
-
-    def _decode_and_submit(self, final: torch.Tensor, prompts: list[str], columns: dict):
-        """Decode one micro-batch (once) and hand it to the reward pool; returns (images, reward future, seconds)."""
-        height, width = self.args.image_size
-        tic = self._clock()
-        # Grad mode and autocast are thread-local: set them here too (this may run in the decode thread).
-        with torch.no_grad(), self.accelerator.autocast():
-            pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
-                                           self.args.vae_decode_batch_size))
-        seconds = self._clock() - tic
-        return pil, self.reward_set.submit(prompts, pil, **columns), seconds
-
-    def _resolve_scoring(self) -> None:
-        """Wait for the pending rollout's rewards; gather them, compute advantages into its buffers, log metrics."""
-        if self._pending_scoring is None:
-            return
-        jobs, samples, chunks, prompts, group_ids, timing = self._pending_scoring
-        self._pending_scoring = None
-        args = self.args
-        device = self.accelerator.device
-        tic = self._clock()
-        decoded, results, reward_error = [], [], None
-        for job in jobs:
-            pil, reward_future, decode_seconds = job.result()
-            decoded.append(pil)
-            timing["vae_decode"] += decode_seconds
-            try:
-                results.append(reward_future.result())
-            except Exception as err:  # on_failure="raise": stop every process, after saving the last step
-                reward_error = reward_error or err
-        timing["reward_wait"] = self._clock() - tic
-        self._raise_if_reward_failed(reward_error)
-
-        # ---- gather rewards, advantages --------------------------------------------------------------
-        def as_tensor(values):
-            return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32,
-                                device=device)
-
-        totals = as_tensor([v for r in results for v in r.total])
-        per_reward = {name: as_tensor([v for r in results for v in r.per_reward[name]])
-                      for name in self.reward_set.names}
-        g_totals = self.accelerator.gather(totals).cpu()
-        g_groups = self.accelerator.gather(group_ids.to(device)).cpu()
-        g_per_reward = {n: self.accelerator.gather(t).cpu() for n, t in per_reward.items()}
-        advantages, stats = compute_reward_advantages(
-            g_totals, g_per_reward, dict(zip(self.reward_set.names, self.reward_set.weights)), g_groups,
-            args.scale_rewards, args.adv_clip_max, args.reward_aggregation,
-        )
-        n_local = len(prompts)
-        rank = self.accelerator.process_index
-        local_adv = advantages[rank * n_local:(rank + 1) * n_local].to(device)
-
-        m = self._metrics["train"]
-        m["reward"].append(stats.reward_mean)
-        m["reward_std"].append(stats.reward_std)
-        m["frac_reward_zero_std"].append(stats.frac_reward_zero_std)
-        failed = torch.tensor([sum(r.failed.get(n, 0) for r in results) for n in self.reward_set.names],
-                              dtype=torch.float32, device=device)
-        g_failed = self.accelerator.gather(failed).cpu().view(-1, len(self.reward_set.names)).sum(0)
-        for k, (name, vals) in enumerate(g_per_reward.items()):
-            valid = vals[~torch.isnan(vals)]
-            m[f"rewards/{name}/mean"].append(float(valid.mean()) if valid.numel() else math.nan)
-            m[f"rewards/{name}/std"].append(float(valid.std(unbiased=False)) if valid.numel() else math.nan)
-            m[f"rewards/{name}/failed"].append(float(g_failed[k]))  # samples scored None by on_failure="skip"
-        # sampling: the rollout phase (text encoding, sampling, decoding unless it runs in the background);
-        # reward: the time spent waiting for decoding and rewards that did not overlap anything.
-        m["timing/sampling"].append(timing["sampling_total"])
-        m["timing/reward"].append(timing["reward_wait"])
-        for key in ("text_encoding", "rollout", "vae_decode"):
-            m[f"timing/{key}"].append(timing[key])
-        self._last_timing = dict(timing)
-
-        flat_images = [im for chunk in decoded for im in chunk]
-        totals_list = totals.cpu().tolist()
-        self._last_samples = (flat_images[: args.num_log_images], prompts[: args.num_log_images],
-                              totals_list[: args.num_log_images])
-        for sl, traj in zip(chunks, samples):
-            traj["advantages"] = local_adv[sl]
 
     # ------------------------------------------------------------------------------------------------
     # training
@@ -866,87 +452,6 @@ class OnlineRLTrainer(FlowBaseTrainer):
                 wandb.log({"samples": media, "train/global_step": step})
 
     # ------------------------------------------------------------------------------------------------
-    # evaluation
-    # ------------------------------------------------------------------------------------------------
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Deterministic sampling (``_eval_ode_solver``: Euler for Flow-GRPO, DiffusionNFT's ``sampler``) at the eval
-        step count and guidance with fixed seeds; rewards on the eval set.
-
-        Logs ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/<name>/{mean,std,count}`` (``count``: the images
-        the reward scored, so that ``std / sqrt(count)`` is the standard error of the mean) and, from the second
-        evaluation of the same prompts on, ``eval_rewards/<name>/{change,change_se}``: the change since the first
-        evaluation and its standard error, paired image by image (same prompts and seeds; ``eval_change.py``);
-        writes a contact sheet of
-        prompts, images and scores to ``output_dir/eval_step_<N>.png``. With ``eval_images_per_prompt = k``,
-        sample ``i`` is image ``i % k`` of prompt ``i // k`` and is drawn from its own seed, so evaluations at
-        different steps compare the same noise; the metrics use every image, the sheet each prompt's first.
-        """
-        dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset") if eval_dataset is not None else \
-            self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs an eval_dataset (pass one to the trainer or to evaluate()).")
-        args = self.args
-        height, width = args.image_size
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        per_prompt = args.eval_images_per_prompt
-        indices = list(range(len(dataset) * per_prompt))[rank::world]
-        ema_ctx = self.ema.swapped_in(self._trainable_parameters()) if self.ema is not None else nullcontext()
-        records = []
-        with ema_ctx, self._generation_context() as model:
-            for start in range(0, len(indices), args.per_device_eval_batch_size):
-                idx = indices[start:start + args.per_device_eval_batch_size]
-                rows = [dataset[i // per_prompt] for i in idx]
-                prompts = [r["prompt"] for r in rows]
-                cols = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", INDEX_COLUMN)}
-                if IMAGE_COLUMN in cols:
-                    cols[IMAGE_COLUMN] = _load_images(cols[IMAGE_COLUMN])
-                embeds, row_map = self._encode_unique(prompts, self.accelerator.device, cols.get(IMAGE_COLUMN),
-                                                      args.eval_guidance_scale)
-                embeds = embeds.index_select(row_map)
-                gens = [torch.Generator().manual_seed(_seed_for(args.seed, 7919, i)) for i in idx]
-                final, _ = self._sample(model, embeds, args.eval_num_inference_steps, args.eval_guidance_scale, 0.0,
-                                        (0, 0), gens, record=False, ode_solver=self._eval_ode_solver())
-                pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
-                                               args.vae_decode_batch_size))
-                result = self.reward_set(prompts, pil, **cols)
-                for j, i in enumerate(idx):
-                    records.append((i, prompts[j], pil[j], result.total[j],
-                                    {n: result.per_reward[n][j] for n in self.reward_set.names}))
-        gathered = self.accelerator.gather_for_metrics(records, use_gather_object=True) if world > 1 else records
-        gathered = sorted(gathered, key=lambda r: r[0])
-
-        def stat(values):
-            vals = [v for v in values if v is not None and not math.isnan(v)]
-            return (float(np.mean(vals)), float(np.std(vals)), len(vals)) if vals else (math.nan, math.nan, 0)
-
-        metrics = {}
-        metrics[f"{metric_key_prefix}_reward"], metrics[f"{metric_key_prefix}_reward_std"], _ = stat(
-            [r[3] for r in gathered])
-        for name in self.reward_set.names:
-            mean, std, count = stat([r[4][name] for r in gathered])
-            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = mean
-            metrics[f"{metric_key_prefix}_rewards/{name}/std"] = std
-            metrics[f"{metric_key_prefix}_rewards/{name}/count"] = float(count)
-        # Paired with the first evaluation of the same prompts and seeds (eval_change.py).
-        changes = self._eval_baseline.compare(metric_key_prefix, [r[1] for r in gathered],
-                                              {name: [r[4][name] for r in gathered] for name in self.reward_set.names})
-        for name, (change, change_se, _) in changes.items():
-            metrics[f"{metric_key_prefix}_rewards/{name}/change"] = change
-            metrics[f"{metric_key_prefix}_rewards/{name}/change_se"] = change_se
-        if self.is_world_process_zero():
-            os.makedirs(args.output_dir, exist_ok=True)
-            shown = [r for r in gathered if r[0] % per_prompt == 0]  # the sheet: each prompt's first image
-            captions = [f"{r[1][:60]} | {r[3]:.3f}" if r[3] is not None else f"{r[1][:60]} | n/a" for r in shown]
-            sheet = make_contact_sheet([r[2] for r in shown], captions)
-            path = Path(args.output_dir, f"eval_step_{self.state.global_step}.png")
-            sheet.save(path)
-            self._last_eval = {"metrics": metrics, "contact_sheet": str(path),
-                               "samples": [(r[1], r[2], r[3]) for r in shown[:8]]}
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
-
-    # ------------------------------------------------------------------------------------------------
     # saving and resuming
     # ------------------------------------------------------------------------------------------------
     def _save_trainer_files(self, output_dir: str, state_dict=None) -> None:
@@ -992,4 +497,4 @@ class OnlineRLTrainer(FlowBaseTrainer):
         return "\n".join(lines)
 
 
-__all__ = ["EMA_STATE_NAME", "OnlineRLTrainer"]
+__all__ = ["EMA_STATE_NAME", "OnlineRLTrainer", "_seed_for"]

@@ -9,9 +9,10 @@ import importlib
 
 #: name -> (configuration class, trainer class), as "module:attribute" paths
 TRAINERS: dict[str, tuple[str, str]] = {
-    "flow_grpo": ("flowgrpo.trainer.config:FlowGRPOConfig", "flowgrpo.trainer.flow_grpo_trainer:FlowGRPOTrainer"),
-    "diffusion_nft": ("flowgrpo.trainer.nft_config:DiffusionNFTConfig",
-                      "flowgrpo.trainer.nft_trainer:DiffusionNFTTrainer"),
+    "flow_grpo": ("flowgrpo.trainer.algorithms.flow_grpo_config:FlowGRPOConfig",
+                  "flowgrpo.trainer.algorithms.flow_grpo_trainer:FlowGRPOTrainer"),
+    "diffusion_nft": ("flowgrpo.trainer.algorithms.nft_config:DiffusionNFTConfig",
+                      "flowgrpo.trainer.algorithms.nft_trainer:DiffusionNFTTrainer"),
 }
 DEFAULT_TRAINER = "flow_grpo"
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from .online_config import OnlineRLConfig, check_choice
+from ..online_config import OnlineRLConfig, check_choice
 
 NFT_SAMPLERS = ("dpmpp_2m", "euler")
 
@@ -54,8 +54,8 @@ def flow_grpo_only_error(names: list[str]) -> str:
 @dataclass
 class DiffusionNFTConfig(OnlineRLConfig):
     r"""Configuration for [`DiffusionNFTTrainer`]: the shared settings of [`OnlineRLConfig`] plus DiffusionNFT's
-    deterministic rollouts, negative-aware loss and old policy (the math: ``flowgrpo.trainer.nft_loss`` and
-    ``flowgrpo.trainer.old_policy``)."""
+    deterministic rollouts, negative-aware loss and old policy (the math: ``flowgrpo.trainer.algorithms.nft_loss`` and
+    ``flowgrpo.trainer.run_state.old_policy``)."""
 
     # ---- rollouts ------------------------------------------------------------------------------------
     sampler: str = field(

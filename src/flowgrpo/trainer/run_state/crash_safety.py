@@ -46,7 +46,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 from transformers.utils import logging
 
-from ..rewards.failures import RewardFailedError
+from ...rewards.failures import RewardFailedError
 from .checkpointing import (
     TRAINER_STATE_NAME,
     CheckpointSaveError,

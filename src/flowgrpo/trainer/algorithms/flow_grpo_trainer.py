@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from ..models import PromptEmbeds
-from ..schedulers import grpo_guard_log_ratio, kl_estimate, scheduled_sde_window, sde_step_from_sigmas
-from .config import FlowGRPOConfig
-from .lora_export import LORA_WEIGHTS_NAME
-from .online_trainer import OnlineRLTrainer, _seed_for
+from ...models import PromptEmbeds
+from ...schedulers import grpo_guard_log_ratio, kl_estimate, scheduled_sde_window, sde_step_from_sigmas
+from ..online_trainer import OnlineRLTrainer, _seed_for
+from ..outputs.lora_export import LORA_WEIGHTS_NAME
+from .flow_grpo_config import FlowGRPOConfig
 
 
 class FlowGRPOTrainer(OnlineRLTrainer):

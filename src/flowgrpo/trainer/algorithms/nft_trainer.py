@@ -36,17 +36,17 @@ from typing import Any
 
 import torch
 
-from ..models import PromptEmbeds
-from .nft_config import DiffusionNFTConfig
-from .nft_loss import nft_loss, noised_sample, reward_weight
-from .old_policy import (
+from ...models import PromptEmbeds
+from ..online_trainer import OnlineRLTrainer, _seed_for
+from ..run_state.old_policy import (
     OLD_POLICY_ADAPTER,
     AdapterOldPolicy,
     FrozenCopyOldPolicy,
     OldPolicy,
     old_policy_decay,
 )
-from .online_trainer import OnlineRLTrainer, _seed_for
+from .nft_config import DiffusionNFTConfig
+from .nft_loss import nft_loss, noised_sample, reward_weight
 
 __all__ = ["DiffusionNFTTrainer"]
 

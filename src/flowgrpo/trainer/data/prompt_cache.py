@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..models import PromptEmbeds
+from ...models import PromptEmbeds
 from .datasets import PROMPT_COLUMN, IndexedPromptDataset
 
 __all__ = [

@@ -1,0 +1,122 @@
+"""Loading the pipeline a trainer trains, with the family checks that can run before anything is loaded
+(composed into `OnlineRLTrainer`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..models import family_adapter_class
+from .data.condition_images import IMAGE_COLUMN, load_condition_image
+from .online_config import OnlineRLConfig
+
+_TWO_EXPERTS_FULL_FINETUNE = (
+    "This Wan 2.2 pipeline has two experts (transformer and transformer_2); training it is supported with LoRA (one "
+    "adapter on each expert, each used on its own steps), not as full fine-tuning. Pass a peft_config (a "
+    "peft.LoraConfig, e.g. LoraConfig(r=32, lora_alpha=64)) or use_peft: true in a recipe."
+)
+
+
+def _import_own_components(index: dict | None) -> None:
+    """Import the flowgrpo modules that ``model_index.json`` names for components (the tiny Qwen-Image-Edit pipeline's
+    processor): diffusers loads a component of a custom class only once its module has been imported."""
+    import importlib
+
+    for value in (index or {}).values():
+        if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str) \
+                and value[0].startswith("flowgrpo."):
+            importlib.import_module(value[0])
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class PipelineLoading:
+    """Reads ``model_index.json``, checks the family's settings, loads the pipeline (and a quantized transformer)."""
+
+    @staticmethod
+    def _pipeline_index(model: Any, pipeline_kwargs: dict) -> dict | None:
+        """The pipeline's ``model_index.json`` (class name and components) without loading it; ``None`` if unknown."""
+        from diffusers import DiffusionPipeline
+
+        if isinstance(model, DiffusionPipeline):
+            return {**dict(model.config), "_class_name": type(model).__name__}
+        if not isinstance(model, (str, os.PathLike)):
+            return None
+        try:
+            return dict(DiffusionPipeline.load_config(str(model), **{k: v for k, v in pipeline_kwargs.items()
+                                                                      if k in ("revision", "cache_dir", "token")}))
+        except Exception:  # unreadable here (e.g. offline): the same checks run right after loading
+            return None
+
+    @staticmethod
+    def _check_family_settings(index: dict | None, args: OnlineRLConfig, peft_config: Any, datasets: tuple) -> None:
+        """Family-specific settings, checked from the pipeline's class name (``index``: its model_index.json) before
+        anything is loaded: the frame count, the source-image column of editing families, and what Wan 2.2's two
+        experts support."""
+        if not index or "_class_name" not in index:
+            return
+        adapter_cls = family_adapter_class(index["_class_name"])
+        adapter_cls.check_num_frames(args.num_frames)
+        if adapter_cls.accepts_images:
+            for name, dataset in zip(("train_dataset", "eval_dataset"), datasets):
+                if dataset is None:
+                    continue
+                first = dataset[0]
+                if IMAGE_COLUMN not in first:
+                    raise ValueError(
+                        f"{index['_class_name']} edits a source image, but {name} has no '{IMAGE_COLUMN}' column "
+                        f"(columns: {[k for k in first if not k.startswith('_')]}); add one holding each prompt's "
+                        "source image (a path, a PIL image or a datasets.Image feature).")
+                load_condition_image(first[IMAGE_COLUMN])
+            if args.cache_prompt_embeddings and args.precompute_prompt_embeddings:
+                raise ValueError(f"precompute_prompt_embeddings encodes the datasets' prompts alone, but "
+                                 f"{index['_class_name']} encodes each (prompt, source image) pair; set "
+                                 "precompute_prompt_embeddings: false (the cache then keeps each pair on first use).")
+        second = index.get("transformer_2")
+        if isinstance(second, (list, tuple)) and second and second[0] is not None and index.get("boundary_ratio"):
+            if peft_config is None:
+                raise ValueError(_TWO_EXPERTS_FULL_FINETUNE)
+            if args.quantization:
+                raise ValueError("quantization loads one quantized transformer, but this Wan 2.2 pipeline has two "
+                                 "experts; train its LoRAs without quantization.")
+
+    def _load_pipeline(self, model: Any, args: OnlineRLConfig, pipeline_kwargs: dict):
+        from diffusers import DiffusionPipeline
+
+        if isinstance(model, DiffusionPipeline):
+            if args.quantization:
+                raise ValueError("quantization applies when loading from a hub id or folder; pass the model id, or "
+                                 "quantize the pipeline's transformer yourself.")
+            return model
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a hub id, a local folder or a DiffusionPipeline, got {type(model)}")
+        kwargs = dict(pipeline_kwargs)
+        if "torch_dtype" not in kwargs:  # diffusers' older name, still accepted when a caller passes it
+            kwargs.setdefault("dtype", self.model_dtype)
+        if args.quantization:
+            kwargs["transformer"] = self._load_quantized_transformer(str(model), args, pipeline_kwargs)
+        return DiffusionPipeline.from_pretrained(str(model), **kwargs)
+
+    def _load_quantized_transformer(self, model: str, args: OnlineRLConfig, pipeline_kwargs: dict):
+        from diffusers import DiffusionPipeline
+
+        from .quantization import build_quantization_config
+
+        config = DiffusionPipeline.load_config(model, **{k: v for k, v in pipeline_kwargs.items()
+                                                          if k in ("revision", "cache_dir", "token")})
+        library, class_name = config["transformer"]
+        import diffusers
+
+        cls = getattr(diffusers, class_name)
+        return cls.from_pretrained(model, subfolder="transformer", dtype=self.model_dtype,
+                                   quantization_config=build_quantization_config(args.quantization, self.model_dtype),
+                                   **pipeline_kwargs)
+
+
+__all__ = ["PipelineLoading"]

@@ -1,0 +1,1 @@
+"""The rollout and scoring pipeline: sampling, decoding, rewards and group advantages."""

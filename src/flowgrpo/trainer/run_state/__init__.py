@@ -1,0 +1,2 @@
+"""Run state: atomic checkpoints and resume, crash safety, preemption, the non-finite step guard, EMA weights and
+the old (sampling) policy."""
