@@ -52,6 +52,7 @@ from .data.prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
 from .data.sampler import RepeatSampler
 from .evaluation.eval_change import EvaluationBaseline
 from .evaluation.evaluator import Evaluation
+from .health.guards import HealthGuards, needs_reference_copy, resolve_gold_rewards
 from .model_loading import _TWO_EXPERTS_FULL_FINETUNE, PipelineLoading, _import_own_components, _torch_dtype
 from .online_config import OnlineRLConfig
 from .outputs.contact_sheet import make_contact_sheet
@@ -125,12 +126,13 @@ class _StepHooks(TrainerCallback):
         if t.ema is not None and not t.last_step_skipped:  # a skipped (non-finite) step changed no weight
             t.ema.update(t._trainable_parameters(), state.global_step)
         t._on_optimizer_step_end(state.global_step)
+        t._health_step_end(state.global_step)
         if args.log_images_steps and state.global_step % args.log_images_steps == 0 and t._last_samples:
             t._log_images(*t._last_samples, step=state.global_step)
 
 
 
-class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrainer):
+class OnlineRLTrainer(HealthGuards, RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrainer):
     """The machinery every online-RL trainer shares (see the module docstring); subclasses add the algorithm.
 
     Args:
@@ -177,6 +179,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         self.reward_set: RewardSet = resolve_reward_funcs(reward_funcs, args.reward_weights, args.reward_kwargs,
                                                           num_workers=args.reward_num_workers,
                                                           on_failure=args.reward_on_failure)
+        self.gold_reward_set: RewardSet | None = resolve_gold_rewards(args, self.reward_set)
+        self._check_health_setup(args)
         train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
         eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
         check_prompt_cache_capacity(args, train_dataset, eval_dataset)
@@ -223,7 +227,7 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
                     p.data = p.data.float()
         else:
             transformer.requires_grad_(True)
-            if args.beta > 0:
+            if needs_reference_copy(args):  # beta > 0, the KL diagnostic, reference refreshes, GARDO, the tail
                 self.ref_model = copy.deepcopy(transformer).requires_grad_(False).eval()
         self.is_peft = peft_config is not None
 
@@ -273,6 +277,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         self.ema = None
         if args.use_ema:
             self.ema = EMAWeights(self._trainable_parameters(), args.ema_decay, args.ema_update_interval)
+        # Diagnostics, alarms and guards (health/guards.py): the reference policy, early stopping, reference refresh.
+        self._setup_health()
         # The negative prompt's embedding; per source image instead (see _encode_unique) when it depends on it.
         self._negative_embeds = None
         if not self.adapter.negative_depends_on_image:
@@ -396,15 +402,6 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         self._metrics["train"]["timing/training"].append(time.perf_counter() - tic)
         return loss
 
-    def _reference_velocity(self, model, x, t, embeds, height, width):
-        """Velocity under the reference policy (LoRA disabled, or the frozen copy)."""
-        with torch.no_grad():
-            if self.is_peft:
-                peft_model = self.accelerator.unwrap_model(model)
-                with peft_model.disable_adapter():
-                    return self._velocity(model, x, t, embeds, self.args.guidance_scale, height, width)
-            return self._velocity(self.ref_model, x, t, embeds, self.args.guidance_scale, height, width)
-
     # ------------------------------------------------------------------------------------------------
     # logging
     # ------------------------------------------------------------------------------------------------
@@ -456,7 +453,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
     # ------------------------------------------------------------------------------------------------
     def _save_trainer_files(self, output_dir: str, state_dict=None) -> None:
         """``Trainer``'s own save of the trained model (peft adapter files, or the transformer's weights)."""
-        super()._save(output_dir, state_dict=state_dict)
+        with self._reference_adapter_left_out():
+            super()._save(output_dir, state_dict=state_dict)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         output_dir = output_dir or self.args.output_dir
@@ -482,18 +480,21 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
                 unwrapped.save_pretrained(os.path.join(output_dir, "transformer"))
         if self.ema is not None:
             torch.save(self.ema.state_dict(), os.path.join(output_dir, EMA_STATE_NAME))
+        self._save_health_state(output_dir)  # checkpoints: health_state.json and the refreshed reference
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         path = os.path.join(resume_from_checkpoint, EMA_STATE_NAME)
         if self.ema is not None and os.path.exists(path):
             self.ema.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        self._load_health_state(resume_from_checkpoint)
 
     def _card_extra_sections(self) -> str:
         lines = ["## Training setup", "", *self._card_setup_lines(), f"- optimizer steps: {self.state.global_step}"]
         if self._last_eval:
             lines += ["", "## Evaluation (last run)", ""]
             lines += [f"- {k}: {v:.4f}" for k, v in self._last_eval["metrics"].items()]
+        lines += self._card_best_lines()
         return "\n".join(lines)
 
 

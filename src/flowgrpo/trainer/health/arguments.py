@@ -175,6 +175,9 @@ def check_health_arguments(args) -> None:
         if str(getattr(args.eval_strategy, "value", args.eval_strategy)) == "no":
             raise ValueError("early_stopping_patience needs evaluations: set eval_strategy (e.g. 'steps' with "
                              "eval_steps) and an eval dataset.")
+    if getattr(args, "load_best_model_at_end", False) and args.metric_for_best_model in (None, "loss", "eval_loss"):
+        raise ValueError("load_best_model_at_end needs metric_for_best_model: an evaluation metric these trainers log, "
+                         "e.g. eval_rewards/<gold reward>/mean or eval_gold_reward (there is no eval_loss).")
     if args.regularizer == "gardo":
         if args.beta <= 0:
             raise ValueError(f"regularizer='gardo' gates the KL penalty, which beta={args.beta} turns off; set beta "
