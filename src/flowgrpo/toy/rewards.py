@@ -28,10 +28,6 @@ mention the attribute:
   best match, this score rises with every step towards it, so samples of one group are ranked finely
 * ``toy_geneval``   the mean of the four checks (``mode="mean"``, default), or 1.0 only when all pass
   (``mode="all"``; ``get_reward("toy_geneval", mode="all")``); checks the prompt does not mention are skipped
-* ``toy_area``      **deliberately hackable** (for demonstrating reward hacking, docs/learning_health.md): the
-  fraction of the canvas that is foreground (brightest channel >= :data:`FOREGROUND_THRESHOLD`), "bigger objects
-  are better". The policy maximises it by growing blobs that fill the canvas, which ruins shape (and count)
-  while the score keeps rising; ``toy_shape`` / ``toy_color`` as gold evaluation rewards see the damage
 """
 
 from __future__ import annotations
@@ -59,7 +55,6 @@ __all__ = [
     "toy_count",
     "toy_geneval",
     "toy_shape_score",
-    "toy_area",
 ]
 
 FOREGROUND_THRESHOLD = 100
@@ -303,11 +298,3 @@ def toy_shape_score(prompts: list[str], images: list[Image.Image], **columns: An
             weights.append(float(np.exp(logits[target]) / np.exp(logits).sum()))
         scores.append(float(np.mean(weights)))
     return scores
-
-
-@register_reward("toy_area")
-def toy_area(prompts: list[str], images: list[Image.Image], **columns: Any) -> list[float | None]:
-    """Deliberately hackable: the foreground fraction of the canvas (0..1), whatever the prompt asks for."""
-    if len(prompts) != len(images):
-        raise ValueError(f"got {len(prompts)} prompts but {len(images)} images")
-    return [float((_to_array(image).max(axis=2) >= FOREGROUND_THRESHOLD).mean()) for image in images]
