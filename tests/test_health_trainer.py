@@ -15,6 +15,7 @@ from transformers import TrainerCallback
 
 from flowgrpo import DiffusionNFTConfig, DiffusionNFTTrainer, FlowGRPOTrainer
 from flowgrpo.rewards import register_reward
+from flowgrpo.trainer.data.datasets import INDEX_COLUMN
 
 
 class Scripted:
@@ -148,11 +149,14 @@ def test_gardo_reference_refresh_and_tail_flow_grpo(tiny_sd3_path, tmp_path):
     ckpt = os.path.join(trainer.args.output_dir, "checkpoint-2")
     assert os.path.exists(os.path.join(ckpt, "reference_policy.safetensors"))
     assert not os.path.exists(os.path.join(ckpt, "ref"))  # not saved as a peft adapter folder
-    with pytest.raises(ValueError, match="base_model_tail_steps"):
-        bad = FlowGRPOTrainer(model=str(tiny_sd3_path), reward_funcs=rising(),
-                              args=make_args(tmp_path, base_model_tail_steps=2, sde_window_size=0),
-                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=lora_config())
-        bad.train()
+    # A rollout whose tail would reach a recorded SDE step stops with the same advice; a bad setting, before loading.
+    trainer.args.base_model_tail_steps = 3
+    with pytest.raises(ValueError, match="base_model_tail_steps=3 reaches a trained"):
+        trainer._generate_and_score([{"prompt": p, INDEX_COLUMN: i} for i, p in enumerate(PROMPTS[:4])])
+    with pytest.raises(ValueError, match="base_model_tail_steps=2 reaches the trained SDE window"):
+        FlowGRPOTrainer(model=str(tiny_sd3_path), reward_funcs=rising(),
+                        args=make_args(tmp_path, base_model_tail_steps=2, sde_window_size=0),
+                        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=lora_config())
 
 
 def test_gardo_and_early_stopping_with_diffusion_nft(tiny_sd3_path, tmp_path):

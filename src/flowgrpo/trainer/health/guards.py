@@ -94,6 +94,16 @@ class HealthGuards:
             if missing:
                 raise ValueError(f"gardo_auxiliary_rewards {missing} are not among reward_funcs "
                                  f"{self.reward_set.names}; add them there with weight 0.")
+        tail = args.base_model_tail_steps
+        size = getattr(args, "sde_window_size", None)
+        if tail and size is not None and getattr(args, "ode_compression_ratio", 1.0) == 1.0:
+            steps = args.num_inference_steps
+            last_trained = steps - 2 if size == 0 else args.sde_window_range[1] + size - 2
+            if tail > steps - 1 - last_trained:
+                raise ValueError(f"base_model_tail_steps={tail} reaches the trained SDE window (its last step can be "
+                                 f"step {last_trained} of {steps}: sde_window_size={size}, sde_window_range="
+                                 f"{args.sde_window_range}); use at most {steps - 1 - last_trained} or move the "
+                                 "window earlier.")
         if args.filter_zero_std_groups:
             share = args.per_device_train_batch_size * args.steps_per_generation
             if share % args.num_generations:
@@ -186,11 +196,13 @@ class HealthGuards:
         args = self.args
         pending = self._pending_scoring
         jobs, _, chunks, prompts, group_ids, timing = pending
+        failed = False
         try:
             images, results, seconds = self._local_results(pending)
-        except Exception:  # a reward failure: the normal path raises it on every process
-            self._resolve_scoring()
-            raise
+        except Exception:  # a reward failure: the normal path raises it on every process, after saving
+            failed = True
+        if self._any_process(failed):
+            self._resolve_scoring()  # raises RewardFailedError everywhere
         result = RewardResult.concatenate(results)
         flat_images = [im for chunk in images for im in chunk]
         totals = torch.tensor([math.nan if v is None else float(v) for v in result.total])
@@ -217,7 +229,13 @@ class HealthGuards:
             rows = [dataset[i] for i in picks for _ in range(args.num_generations)]
             new_samples = super()._generate_and_score(rows)
             new_pending = self._pending_scoring
-            new_images, new_results, new_seconds = self._local_results(new_pending)
+            try:
+                new_images, new_results, new_seconds = self._local_results(new_pending)
+                failed = False
+            except Exception:
+                failed = True
+            if self._any_process(failed):
+                self._resolve_scoring()
             timing["vae_decode"] += sum(new_seconds)
             new_result = RewardResult.concatenate(new_results)
             new_ids = torch.tensor([replacement_group_id(rank, found + k // args.num_generations)
