@@ -105,8 +105,13 @@ def plot(by_variant: dict[str, list[dict]], path: Path) -> None:
     import numpy as np
 
     n = len(by_variant)
-    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3.2), dpi=100, sharey=True, squeeze=False)
-    for ax, (variant, runs) in zip(axes[0], by_variant.items()):
+    cols = min(4, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 3.0 * rows), dpi=100, sharey=True, squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[n:]:
+        ax.axis("off")
+    for ax, (variant, runs) in zip(flat, by_variant.items()):
         steps = sorted({t["step"] for r in runs for t in r["train"]})
         reward = [np.nanmean([next((t["reward"] for t in r["train"] if t["step"] == s), np.nan) for r in runs])
                   for s in steps]
@@ -119,11 +124,12 @@ def plot(by_variant: dict[str, list[dict]], path: Path) -> None:
         for r in runs:
             for s in r["alarm_steps"]:
                 ax.axvline(s, color="tab:red", alpha=0.3, lw=1)
-        ax.set_title(variant, fontsize=9)
+        ax.set_title(f"{variant} ({len(runs)} seed{'s' if len(runs) > 1 else ''})", fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("reward / accuracy (mean over seeds)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    for row in axes:
+        row[0].set_ylabel("reward / accuracy")
+    flat[0].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -315,6 +315,7 @@ def test_health_arguments_errors():
         ({"early_stopping_patience": 2, "metric_for_best_model": "eval_reward"}, "eval_strategy"),
         ({"regularizer": "gardo"}, "beta"), ({"regularizer": "gardo", "beta": 0.04}, "gardo_auxiliary_rewards"),
         ({"eval_reward_weights": [1.0]}, "eval_reward_weights"),
+        ({"load_best_model_at_end": True, "metric_for_best_model": "loss"}, "metric_for_best_model"),
     ]:
         with pytest.raises(ValueError, match=match):
             check(**kwargs)

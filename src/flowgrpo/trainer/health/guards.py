@@ -259,6 +259,11 @@ class HealthGuards:
         m["health/zero_std_groups_kept"].append(float(len(dropped) - len(replacements)))
         m["health/resample_rounds"].append(float(rounds))
         self.health.dropped_groups_total += len(replacements)
+        if dropped:
+            first_prompt = {g: prompts[group_ids.tolist().index(g)] for g in dropped}
+            logger.info(f"Dynamic sampling, step {self.state.global_step + 1}: {len(dropped)} group(s) without signal "
+                        f"({', '.join(repr(first_prompt[g][:40]) for g in dropped)}); {len(replacements)} replaced "
+                        f"by fresh prompts in {rounds} round(s), {len(dropped) - len(replacements)} kept.")
 
         # The batch: every original position, a dropped group's rows taken from its replacement.
         all_groups = torch.cat(part_groups)
