@@ -192,6 +192,12 @@ def run(script_args: ScriptArguments, model_args: ModelArguments, training_args:
         trainer.save_model(training_args.output_dir)
         trainer.create_model_card(dataset_name=dataset_name)
     if trainer.is_world_process_zero():
+        if getattr(trainer, "stopped_by_hacking_alarm", False):
+            state = trainer.state
+            print(f"[flowgrpo] stopped by the hacking alarm (on_hacking: stop) at step {state.global_step}: the "
+                  "training reward rose while a gold evaluation reward fell; best evaluation: step "
+                  f"{state.best_global_step} ({training_args.metric_for_best_model}={state.best_metric}), "
+                  f"checkpoint {state.best_model_checkpoint}.", flush=True)
         print(f"[flowgrpo] done: {trainer.state.global_step} steps; outputs in {training_args.output_dir}", flush=True)
     return trainer
 

@@ -47,3 +47,5 @@ del _module
 # with the world in flowgrpo.toy (numpy + PIL only) and register here too, so `get_reward("toy_shape")` needs no
 # extra import.
 importlib.import_module("flowgrpo.toy.rewards")
+# The deliberately hackable toy_area (for the reward-hacking demonstration, docs/learning_health.md).
+importlib.import_module("flowgrpo.toy.hackable")

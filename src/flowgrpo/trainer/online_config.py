@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .health.arguments import HealthArguments, check_health_arguments
+
 SCALE_REWARDS = ("batch", "group", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("4bit", "8bit")
@@ -27,7 +29,7 @@ def check_choice(name: str, value, choices) -> None:
 
 
 @dataclass
-class OnlineRLConfig(TrainingArguments):
+class OnlineRLConfig(HealthArguments, TrainingArguments):
     r"""The settings shared by [`FlowGRPOConfig`] and [`DiffusionNFTConfig`].
 
     Batch vocabulary (as in TRL's GRPO): a *micro-batch* is ``per_device_train_batch_size`` images on one
@@ -299,6 +301,7 @@ class OnlineRLConfig(TrainingArguments):
                              "remove_unused_columns=False.")
         if self.ema_decay < 0 or self.ema_decay >= 1:
             raise ValueError(f"ema_decay={self.ema_decay} must be in [0, 1).")
+        check_health_arguments(self)  # gold rewards, best model, alarms and guards (health/arguments.py)
 
     #: the trainer this configuration is for (in error messages)
     _trainer_name = "the trainer"

@@ -54,6 +54,7 @@ from .data.prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
 from .data.sampler import RepeatSampler
 from .evaluation.eval_change import EvaluationBaseline
 from .evaluation.evaluator import Evaluation
+from .health.guards import HealthGuards, needs_reference_copy, resolve_gold_rewards
 from .model_loading import _TWO_EXPERTS_FULL_FINETUNE, PipelineLoading, _import_own_components, _torch_dtype
 from .online_config import OnlineRLConfig
 from .outputs.contact_sheet import make_contact_sheet
@@ -128,12 +129,13 @@ class _StepHooks(TrainerCallback):
         if t.ema is not None and not t.last_step_skipped:  # a skipped (non-finite) step changed no weight
             t.ema.update(t._trainable_parameters(), state.global_step)
         t._on_optimizer_step_end(state.global_step)
+        t._health_step_end(state.global_step)
         if args.log_images_steps and state.global_step % args.log_images_steps == 0 and t._last_samples:
             t._log_images(*t._last_samples, step=state.global_step, notes=t._last_sample_notes)
 
 
 
-class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrainer):
+class OnlineRLTrainer(HealthGuards, RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrainer):
     """The machinery every online-RL trainer shares (see the module docstring); subclasses add the algorithm.
 
     Args:
@@ -181,6 +183,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
                                                           num_workers=args.reward_num_workers,
                                                           on_failure=args.reward_on_failure,
                                                           offload=args.reward_offload)
+        self.gold_reward_set: RewardSet | None = resolve_gold_rewards(args, self.reward_set)
+        self._check_health_setup(args)
         train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
         eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
         check_prompt_cache_capacity(args, train_dataset, eval_dataset)
@@ -230,7 +234,7 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
                     p.data = p.data.float()
         else:
             transformer.requires_grad_(True)
-            if self._needs_reference(args):
+            if self._needs_reference(args) or needs_reference_copy(args):  # the loss, or the health guards
                 self.ref_model = copy.deepcopy(transformer).requires_grad_(False).eval()
         self.is_peft = peft_config is not None
 
@@ -283,6 +287,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         self.ema = None
         if args.use_ema:
             self.ema = EMAWeights(self._trainable_parameters(), args.ema_decay, args.ema_update_interval)
+        # Diagnostics, alarms and guards (health/guards.py): the reference policy, early stopping, reference refresh.
+        self._setup_health()
         # The negative prompt's embedding; per source image instead (see _encode_unique) when it depends on it.
         self._negative_embeds = None
         if not self.adapter.negative_depends_on_image:
@@ -436,15 +442,6 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         with gather:
             self.old_policy.update(decay)
 
-    def _reference_velocity(self, model, x, t, embeds, height, width):
-        """Velocity under the reference policy (LoRA disabled, or the frozen copy)."""
-        with torch.no_grad():
-            if self.is_peft:
-                peft_model = self.accelerator.unwrap_model(model)
-                with peft_model.disable_adapter():
-                    return self._velocity(model, x, t, embeds, self.args.guidance_scale, height, width)
-            return self._velocity(self.ref_model, x, t, embeds, self.args.guidance_scale, height, width)
-
     # ------------------------------------------------------------------------------------------------
     # logging
     # ------------------------------------------------------------------------------------------------
@@ -497,21 +494,14 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
     # ------------------------------------------------------------------------------------------------
     # saving and resuming
     # ------------------------------------------------------------------------------------------------
-    #: True while a checkpoint is written (the old policy goes into checkpoints, not into exports)
-    _in_checkpoint = False
-
-    def _save_checkpoint(self, model, trial) -> None:
-        self._in_checkpoint = True
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._in_checkpoint = False
-
+    # (HealthGuards._save_checkpoint sets _in_checkpoint while a checkpoint is written: the old policy and the
+    # health state go into checkpoints, not into exports)
     def _save_trainer_files(self, output_dir: str, state_dict=None) -> None:
         """``Trainer``'s own save of the trained model (peft adapter files, or the transformer's weights); exports
-        leave the old-policy adapter out."""
+        leave the old-policy adapter out, and every save the reference adapter (saved by `ReferencePolicy.save`)."""
         export = self.old_policy is not None and self.is_peft and not self._in_checkpoint
-        with old_adapter_left_out(self.accelerator.unwrap_model(self.model)) if export else nullcontext():
+        with old_adapter_left_out(self.accelerator.unwrap_model(self.model)) if export else nullcontext(), \
+                self._reference_adapter_left_out():
             super()._save(output_dir, state_dict=state_dict)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
@@ -540,6 +530,7 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
             torch.save(self.ema.state_dict(), os.path.join(output_dir, EMA_STATE_NAME))
         if self.old_policy is not None and self._in_checkpoint:
             self.old_policy.save(output_dir)
+        self._save_health_state(output_dir)  # checkpoints: health_state.json and the refreshed reference
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if self.old_policy is not None and self.is_peft and \
@@ -553,12 +544,14 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
             self.ema.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         if self.old_policy is not None:
             self.old_policy.load(resume_from_checkpoint)
+        self._load_health_state(resume_from_checkpoint)
 
     def _card_extra_sections(self) -> str:
         lines = ["## Training setup", "", *self._card_setup_lines(), f"- optimizer steps: {self.state.global_step}"]
         if self._last_eval:
             lines += ["", "## Evaluation (last run)", ""]
             lines += [f"- {k}: {v:.4f}" for k, v in self._last_eval["metrics"].items()]
+        lines += self._card_best_lines()
         return "\n".join(lines)
 
 

@@ -40,6 +40,7 @@ import torch
 
 from ...models import PromptEmbeds
 from ...schedulers import grpo_guard_log_ratio, kl_estimate, scheduled_sde_window, sde_step_from_sigmas
+from ..health.gardo import gated_mean
 from ..online_trainer import OnlineRLTrainer, _seed_for
 from ..outputs.lora_export import LORA_WEIGHTS_NAME
 from .flow_grpo_config import FlowGRPOConfig
@@ -199,8 +200,9 @@ class FlowGRPOTrainer(OnlineRLTrainer):
                     if args.kl_estimator != "velocity":
                         ref_mean = self._reference_mean(model, x, t, embeds, sigma, sigma_next, height, width,
                                                         v_ref=v_ref)
-                    kl = kl_estimate(args.kl_estimator, out.prev_sample_mean, ref_mean, out.std, prev_sample=x_next,
-                                     velocity=v, ref_velocity=v_ref).mean()
+                    kl = gated_mean(kl_estimate(args.kl_estimator, out.prev_sample_mean, ref_mean, out.std,
+                                                prev_sample=x_next, velocity=v, ref_velocity=v_ref),
+                                    batch.get("kl_gate"))  # GARDO: the gated samples only
                     loss = loss + args.beta * kl
                     m["kl"].append(float(kl.detach()))
                 tac = self._clock()

@@ -75,6 +75,7 @@ class NFTLoss:
 def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor,
              sigma: torch.Tensor | float, reward_weights: torch.Tensor, nft_beta: float, *,
              adv_clip_max: float = 5.0, v_ref: torch.Tensor | None = None, beta: float = 0.0,
+             kl_gate: torch.Tensor | None = None,
              min_weight: float = MIN_ADAPTIVE_WEIGHT) -> NFTLoss:
     """DiffusionNFT's loss for one trained noise level of a micro-batch (the formulas are the module docstring's).
 
@@ -87,6 +88,7 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, x_t: 
         nft_beta: DiffusionNFT's beta (> 0).
         adv_clip_max: the advantage clip C, which also scales the policy loss (5 as published).
         v_ref: the reference policy's velocity for the penalty (``beta > 0``), or None.
+        kl_gate: GARDO's gate, (B,) booleans: the penalty is the mean over the gated samples only (0 when none is).
         beta: the penalty's weight.
         min_weight: floor of the adaptive weights.
     """
@@ -112,6 +114,8 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, x_t: 
     kl = None
     loss = policy
     if v_ref is not None:
-        kl = (v_theta - v_ref.detach().to(dtype)).square().mean(dim=dims).mean()
+        from ..health.gardo import gated_mean
+
+        kl = gated_mean((v_theta - v_ref.detach().to(dtype)).square().mean(dim=dims), kl_gate)
         loss = policy + beta * kl
     return NFTLoss(loss=loss, policy_loss=policy, positive_loss=positive, negative_loss=negative, kl=kl)

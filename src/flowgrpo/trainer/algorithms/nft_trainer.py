@@ -128,7 +128,7 @@ class DiffusionNFTTrainer(OnlineRLTrainer):
                     with self.accelerator.autocast():
                         v_ref = self._reference_velocity(model, x_t, t, embeds, height, width)
                 out = nft_loss(v, v_old, x0, x_t, sigma, weights, args.nft_beta, adv_clip_max=args.adv_clip_max,
-                               v_ref=v_ref, beta=args.beta)
+                               v_ref=v_ref, beta=args.beta, kl_gate=batch.get("kl_gate"))
                 tac = self._clock()
                 self.accelerator.backward(out.loss * scale, **backward_kwargs)
                 toc = self._clock()

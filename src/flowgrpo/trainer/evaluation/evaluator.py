@@ -25,6 +25,9 @@ from ..rollout.sliced_decode import decode_in_slices
 class Evaluation:
     """``Trainer.evaluate`` for flow-matching pipelines."""
 
+    #: the gold evaluation rewards (``eval_reward_funcs``), or None
+    gold_reward_set = None
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Deterministic sampling (``_eval_ode_solver``: Euler for Flow-GRPO, DiffusionNFT's ``sampler``) at the eval
         step count with fixed seeds, once per guidance scale (``eval_guidance_scale``, then any other
@@ -39,7 +42,9 @@ class Evaluation:
         ``eval_images_per_prompt = k``, sample ``i`` is image ``i % k`` of prompt ``i // k`` and is drawn from its own
         seed, so evaluations at different steps compare the same noise; the metrics use every image, the sheet each
         prompt's first. At another guidance scale s the same keys are prefixed ``eval_cfg<s>`` instead of ``eval``
-        (``eval_cfg3_reward``), and the sheet is ``eval_step_<N>_cfg<s>.png``.
+        (``eval_cfg3_reward``), and the sheet is ``eval_step_<N>_cfg<s>.png``. Gold rewards (``eval_reward_funcs``,
+        never trained on) are logged under the same keys, their weighted sum as ``eval_gold_reward``, and shown on the
+        sheet; after the evaluation the hacking alarm compares them with their best (``health/hacking_alarm``).
         """
         dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset") if eval_dataset is not None else \
             self.eval_dataset
@@ -51,6 +56,7 @@ class Evaluation:
             metrics.update(self._evaluate_at(dataset, scale, metric_key_prefix + suffix, suffix, primary=k == 0))
         if self._last_eval is not None and self.is_world_process_zero():
             self._last_eval["metrics"] = dict(metrics)  # the model card lists every scale's scores
+        self._health_after_evaluate(metrics, metric_key_prefix)  # the hacking alarm: health/hacking_alarm
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -82,9 +88,11 @@ class Evaluation:
                 pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
                                                args.vae_decode_batch_size))
                 result = self.reward_set(prompts, pil, **cols)
+                gold = self._gold_scores(prompts, pil, cols)  # eval_reward_funcs: scored here only, never trained on
                 for j, i in enumerate(idx):
                     records.append((i, prompts[j], pil[j], result.total[j],
-                                    {n: result.per_reward[n][j] for n in self.reward_set.names},
+                                    {**{n: result.per_reward[n][j] for n in self.reward_set.names},
+                                     **{n: v[j] for n, v in gold.items()}},
                                     {k: v[j] for k, v in result.metrics.items()}))
         gathered = self.accelerator.gather_for_metrics(records, use_gather_object=True) if world > 1 else records
         gathered = sorted(gathered, key=lambda r: r[0])
@@ -96,7 +104,11 @@ class Evaluation:
         metrics = {}
         metrics[f"{metric_key_prefix}_reward"], metrics[f"{metric_key_prefix}_reward_std"], _ = stat(
             [r[3] for r in gathered])
-        for name in self.reward_set.names:
+        names = list(self.reward_set.names) + (list(self.gold_reward_set.names) if self.gold_reward_set else [])
+        if self.gold_reward_set is not None:  # the gold rewards' weighted sum
+            metrics[f"{metric_key_prefix}_gold_reward"], metrics[f"{metric_key_prefix}_gold_reward_std"], _ = stat(
+                [r[4][None] for r in gathered])
+        for name in names:
             mean, std, count = stat([r[4][name] for r in gathered])
             metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = mean
             metrics[f"{metric_key_prefix}_rewards/{name}/std"] = std
@@ -105,7 +117,7 @@ class Evaluation:
             metrics[f"{metric_key_prefix}_rewards/{key}"] = stat([r[5].get(key) for r in gathered])[0]
         # Paired with the first evaluation of the same prompts and seeds (eval_change.py).
         changes = self._eval_baseline.compare(metric_key_prefix, [r[1] for r in gathered],
-                                              {name: [r[4][name] for r in gathered] for name in self.reward_set.names})
+                                              {name: [r[4][name] for r in gathered] for name in names})
         for name, (change, change_se, _) in changes.items():
             metrics[f"{metric_key_prefix}_rewards/{name}/change"] = change
             metrics[f"{metric_key_prefix}_rewards/{name}/change_se"] = change_se
@@ -113,6 +125,9 @@ class Evaluation:
             os.makedirs(args.output_dir, exist_ok=True)
             shown = [r for r in gathered if r[0] % per_prompt == 0]  # the sheet: each prompt's first image
             captions = [f"{r[1][:60]} | {r[3]:.3f}" if r[3] is not None else f"{r[1][:60]} | n/a" for r in shown]
+            if self.gold_reward_set is not None:  # gold rewards on the sheet too
+                captions = [c + " | gold " + ", ".join(_short(n, r[4][n]) for n in self.gold_reward_set.names)
+                            for c, r in zip(captions, shown)]
             sheet = make_contact_sheet([r[2] for r in shown], captions)
             path = Path(args.output_dir, f"eval_step_{self.state.global_step}{sheet_suffix}.png")
             sheet.save(path)
@@ -120,6 +135,17 @@ class Evaluation:
                 self._last_eval = {"metrics": metrics, "contact_sheet": str(path),
                                    "samples": [(r[1], r[2], r[3]) for r in shown[:8]]}
         return metrics
+
+    def _gold_scores(self, prompts: list[str], images: list, columns: dict) -> dict:
+        """Gold evaluation rewards per name (and their weighted total under ``None``); {} without any."""
+        return {}
+
+    def _health_after_evaluate(self, metrics: dict[str, float], prefix: str) -> None:
+        """Act on an evaluation's metrics (`HealthGuards`: the hacking alarm)."""
+
+
+def _short(name: str, value) -> str:
+    return f"{name}=n/a" if value is None or value != value else f"{name}={value:.2f}"
 
 
 __all__ = ["Evaluation"]

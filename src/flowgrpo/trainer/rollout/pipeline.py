@@ -181,9 +181,13 @@ class RolloutPipeline:
         solver = FlowODESolver(ode_solver) if ode_solver != "euler" else None
         plan = rollout_steps(sigmas, timesteps, window, ode_compression_ratio,
                              self.sde_scheduler.config.num_train_timesteps)
-        for step in plan:
+        for index, step in enumerate(plan):
             t = step.timestep.expand(batch)
-            v = self._velocity(model, latents, t, embeds, guidance_scale, height, width)
+            # The last base_model_tail_steps steps of a training rollout: the reference's velocity (health/guards.py).
+            v = self._tail_velocity(model, index, len(plan), record and step.stochastic, latents, t, embeds,
+                                    guidance_scale, height, width)
+            if v is None:
+                v = self._velocity(model, latents, t, embeds, guidance_scale, height, width)
             if step.stochastic or solver is None:
                 out = sde_step_from_sigmas(
                     v, latents, step.sigma, step.sigma_next, noise_level=noise_level if step.stochastic else 0.0,
@@ -222,6 +226,17 @@ class RolloutPipeline:
         sigmas = self.sde_scheduler.sigmas[:-1].to(device=final.device, dtype=torch.float32)
         timesteps = self.sde_scheduler.timesteps.to(final.device)
         return final, {"x0": final, "sigmas": sigmas.expand(batch, -1), "timesteps": timesteps.expand(batch, -1)}
+
+    def _tail_velocity(self, model, step_index: int, plan_length: int, stochastic_recorded: bool, latents, t, embeds,
+                       guidance_scale, height, width):
+        """A velocity replacing the policy's at one rollout step, or None (`HealthGuards`: base_model_tail_steps)."""
+        return None
+
+    def _health_on_scores(self, advantages: torch.Tensor, g_totals: torch.Tensor, g_per_reward: dict,
+                          g_groups: torch.Tensor, local_images: list, reward_mean: float):
+        """Diagnostics of a scored rollout and a chance to reshape its gathered advantages; returns (advantages, a
+        gathered per-sample KL gate or None) (`HealthGuards`)."""
+        return advantages, None
 
     def _generation_index(self) -> int:
         return self._micro_step // (self.args.steps_per_generation * self.args.num_iterations)
@@ -340,9 +355,13 @@ class RolloutPipeline:
             g_totals, g_per_reward, dict(zip(self.reward_set.names, self.reward_set.weights)), g_groups,
             args.scale_rewards, args.adv_clip_max, args.reward_aggregation,
         )
+        flat_images = [im for chunk in decoded for im in chunk]
+        advantages, kl_gate = self._health_on_scores(advantages, g_totals, g_per_reward, g_groups, flat_images,
+                                                     stats.reward_mean)
         n_local = len(prompts)
         rank = self.accelerator.process_index
         local_adv = advantages[rank * n_local:(rank + 1) * n_local].to(device)
+        local_gate = kl_gate[rank * n_local:(rank + 1) * n_local].to(device) if kl_gate is not None else None
 
         m = self._metrics["train"]
         m["reward"].append(stats.reward_mean)
@@ -369,13 +388,14 @@ class RolloutPipeline:
             m[f"timing/{key}"].append(timing[key])
         self._last_timing = dict(timing)
 
-        flat_images = [im for chunk in decoded for im in chunk]
         totals_list = totals.cpu().tolist()
         self._last_samples = (flat_images[: args.num_log_images], prompts[: args.num_log_images],
                               totals_list[: args.num_log_images])
         self._last_sample_notes = [note for r in results for note in r.image_notes()][: args.num_log_images]
         for sl, traj in zip(chunks, samples):
             traj["advantages"] = local_adv[sl]
+            if local_gate is not None:  # GARDO: the samples whose KL penalty counts
+                traj["kl_gate"] = local_gate[sl]
 
 
 __all__ = ["RolloutPipeline"]
