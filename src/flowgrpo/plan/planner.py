@@ -276,7 +276,7 @@ def _deepspeed_states(par: Parallelism, total_params: float, largest_layer: floa
         else:
             from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-            _, gpu = estimate_zero3_model_states_mem_needs(int(total_params), int(largest_layer),
+            _, gpu, *_ = estimate_zero3_model_states_mem_needs(int(total_params), int(largest_layer),
                                                            num_gpus_per_node=n, cpu_offload=False)
     return {"deepspeed_model_states_gb": gpu / GB}
 

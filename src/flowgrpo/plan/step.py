@@ -199,7 +199,7 @@ def _counting(count_memory: bool):
 
 
 def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[str, Any] | None = None, *,
-             fake: bool = True, real_modules: tuple | None = None) -> StepMeasure:
+             fake: bool = True, real_modules: tuple | None = None, rollout_only: bool = False) -> StepMeasure:
     """Run one micro-batch's rollout, decode and training on the transformer of ``transformer_config`` (default:
     the full one) and return its measured bytes and FLOPs. ``fake=False`` runs the same step on real tensors
     (``real_modules``: the (transformer, vae) to use), for the fidelity checks."""
@@ -270,6 +270,8 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
             del images
         measure.decode_bytes, measure.decode_flops = live.peak, flops.get_total_flops()
 
+        if rollout_only:
+            return measure
         # ---- training: one trained step's forward and backward (one backward per step: each step alike) -----------
         live, flops = _counting(True)
         with live, flops:
