@@ -60,29 +60,62 @@ def test_per_gpu_states_are_numel_times_bytes_over_shards():
     assert plan.breakdown["gradients"] * 1e9 == pytest.approx(numel * 4 / 4 + block_max * 4, rel=1e-12)
 
 
-def test_fake_rollout_matches_the_real_rollout():
-    """The same sampling step on real tensors of the tiny SD3 transformer, tracked the same way: peak within 10%,
-    FLOPs within 2%. (The training half of this comparison is not in place yet: on real tensors its loss does not
-    reach the LoRA weights in the planner's step; see docs/planning.md.)"""
-    from flowgrpo.cli.parser import parse_recipe
-    from flowgrpo.plan.cli import _spec_for
-    from flowgrpo.plan.planner import settings_from_args
-    from flowgrpo.plan.step import build_on_meta, run_step
+def _preset_case(name: str):
+    """(spec, settings) of a CPU benchmark preset: its transformer, the tiny SD3 VAE and encoders, its run."""
+    import dataclasses
 
-    script, model_args, args = parse_recipe([TINY])
-    spec = _spec_for(model_args)
-    settings = settings_from_args(args, model_args, script.trainer)
-    fake = run_step(spec, settings)
-    torch.manual_seed(0)
+    from flowgrpo.benchmarking.presets import PRESETS, SMALL_CPU_TRANSFORMER
+    from flowgrpo.plan.cli import toy_world_spec
+    from flowgrpo.plan.model_specs import load_model_spec
+    from flowgrpo.plan.step import StepSettings
+    from flowgrpo.testing import cached_tiny_pipeline_path
+
+    preset = PRESETS[name]
+    if name == "toy":
+        spec = toy_world_spec()
+    else:
+        spec = load_model_spec(str(cached_tiny_pipeline_path("sd3", seed=0)))
+        if name == "small-cpu":
+            spec = dataclasses.replace(spec, transformer_config=dict(SMALL_CPU_TRANSFORMER))
+    targets = preset.lora_targets if isinstance(preset.lora_targets, str) else tuple(preset.lora_targets)
+    settings = StepSettings(
+        height=preset.resolution, width=preset.resolution, num_frames=1, micro_batch=preset.per_device_train_batch_size,
+        num_inference_steps=preset.num_inference_steps, trained_steps=preset.sde_window_size,
+        guidance_scale=preset.guidance_scale, text_tokens=preset.max_sequence_length, dtype=torch.float32,
+        use_lora=True, lora_r=preset.lora_rank, lora_alpha=2 * preset.lora_rank, lora_targets=targets,
+        checkpointing=False, beta=preset.beta, trainer="flow_grpo", noise_level=0.7, sde_type="sde",
+        decode_batch=preset.per_device_train_batch_size)
+    return spec, settings
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small-cpu", "toy"])
+def test_fake_step_matches_real_step_and_analytic_flops(preset):
+    """The planned step against the same step on real tensors, counted the same way (peaks within 10%), and its
+    FLOPs against the analytic counter of flowgrpo.benchmarking.flops (within 2%)."""
     import diffusers
 
+    from flowgrpo.benchmarking.flops import step_flops, transformer_forward_flops
+    from flowgrpo.plan.step import run_step
+
+    spec, settings = _preset_case(preset)
+    fake = run_step(spec, settings)
+    torch.manual_seed(0)
     transformer = getattr(diffusers, spec.transformer_class).from_config(spec.transformer_config)
     vae = getattr(diffusers, spec.vae_class).from_config(spec.vae_config)
-    real = run_step(spec, settings, fake=False, real_modules=(transformer, vae), rollout_only=True)
-    del build_on_meta
-    assert fake.rollout_bytes == pytest.approx(real.rollout_bytes, rel=0.10)
-    assert fake.rollout_flops == pytest.approx(real.rollout_flops, rel=0.02)
-    assert fake.decode_bytes == pytest.approx(real.decode_bytes, rel=0.10)
+    real = run_step(spec, settings, fake=False, real_modules=(transformer, vae))
+    for key in ("training_bytes", "rollout_bytes", "decode_bytes"):
+        assert getattr(fake, key) == pytest.approx(getattr(real, key), rel=0.10), key
+    config = spec.transformer_config
+    latent = settings.height // 8 if preset != "toy" else settings.height // 2 ** (len(spec.vae_config[
+        "block_out_channels"]) - 1)
+    image_tokens = (latent // config["patch_size"]) ** 2
+    forward = transformer_forward_flops("sd3", config, image_tokens, 77 + settings.text_tokens,
+                                        lora_rank=settings.lora_r, lora_targets=settings.lora_targets)
+    analytic = step_flops(forward, micro_batches=1, micro_batch_size=settings.micro_batch,
+                          num_inference_steps=settings.num_inference_steps, trained_steps=settings.trained_steps,
+                          cfg=settings.guidance_scale > 1, beta=settings.beta)
+    assert fake.rollout_flops == pytest.approx(analytic.rollout, rel=0.02)
+    assert fake.training_flops == pytest.approx(analytic.training + analytic.reference, rel=0.02)
 
 
 def test_physical_invariants():

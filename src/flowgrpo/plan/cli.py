@@ -84,14 +84,36 @@ def _spec_for(model_args):
     family = model_args.build_tiny_pipeline_if_missing
     if family and not (path / "model_index.json").is_file():
         if family == "toy":
-            from ..toy.build import cached_toy_world
-
-            path = Path(cached_toy_world("full", seed=model_args.tiny_pipeline_seed))
+            return toy_world_spec()
         else:
             from ..testing import cached_tiny_pipeline_path
 
             path = Path(cached_tiny_pipeline_path(family, seed=model_args.tiny_pipeline_seed))
     return load_model_spec(str(path) if (path / "model_index.json").is_file() else str(model_args.model_name_or_path))
+
+
+def toy_world_spec():
+    """The toy world's sizes (``flowgrpo.toy``'s "full" preset) without training it: its transformer and VAE built on
+    the meta device from the preset, the tiny SD3 pipeline's text encoders, and the preset's schedule shift."""
+    import dataclasses
+
+    import torch
+
+    from ..testing import cached_tiny_pipeline_path
+    from ..toy.build import PRESETS, _make_transformer, _make_vae
+    from .model_specs import load_model_spec
+
+    tiny = load_model_spec(str(cached_tiny_pipeline_path("sd3", seed=0)))
+    preset = PRESETS["full"]
+    with torch.device("meta"):
+        transformer = _make_transformer(preset, tiny.transformer_config["joint_attention_dim"],
+                                        tiny.transformer_config["pooled_projection_dim"])
+        vae = _make_vae(preset)
+    strip = lambda config: {k: v for k, v in dict(config).items() if not k.startswith("_")}  # noqa: E731
+    return dataclasses.replace(tiny, name="toy world (full preset)", transformer_config=strip(transformer.config),
+                               vae_config=strip(vae.config),
+                               scheduler_config=dict(tiny.scheduler_config, shift=preset.scheduler_shift),
+                               origin="flowgrpo.toy preset 'full' (architecture only)")
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -88,11 +88,17 @@ def _(q, k, v, scale):
 @torch.library.custom_op("flowgrpo_plan::flash_attention_backward", mutates_args=())
 def _flash_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with torch.enable_grad():
-        qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
-        out = _ORIGINAL_SDPA(qq, kk, vv, scale=scale)
-        dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad)
-    return dq, dk, dv
+    # attention's gradients written out (autograd does not run inside an operator's implementation):
+    # P = softmax(s Q K^T), dV = P^T G, dP = G V^T, dS = P * (dP - rowsum(dP * P)), dQ = s dS K, dK = s dS^T Q
+    compute = torch.float32
+    qf, kf, vf, gf = (x.to(compute) for x in (q, k, v, grad))
+    probs = torch.softmax(qf @ kf.transpose(-2, -1) * scale, dim=-1)
+    dv = probs.transpose(-2, -1) @ gf
+    dprobs = gf @ vf.transpose(-2, -1)
+    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
+    dq = dscores @ kf * scale
+    dk = dscores.transpose(-2, -1) @ qf * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @_flash_attention_backward.register_fake
@@ -138,3 +144,23 @@ def flash_attention_patched() -> Iterator[None]:
 
 
 __all__ = ["LiveBytes", "flash_attention", "flash_attention_patched"]
+
+
+def _register_flop_formulas() -> None:
+    """FLOPs of the attention operator for ``FlopCounterMode``: 4 B H Lq Lk D forward (Q K^T and P V, a multiply-add
+    as 2), twice that backward (dP = G V^T, dV = P^T G, dQ = dS K, dK = dS^T Q), as torch counts its SDPA kernels."""
+    from torch.utils.flop_counter import register_flop_formula
+
+    def forward_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+        b, h, lq, d = q_shape
+        lk, dv = k_shape[-2], v_shape[-1]
+        return 2 * b * h * lq * lk * d + 2 * b * h * lq * lk * dv
+
+    def backward_flops(grad_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+        return 2 * forward_flops(q_shape, k_shape, v_shape)
+
+    register_flop_formula(torch.ops.flowgrpo_plan.flash_attention)(forward_flops)
+    register_flop_formula(torch.ops.flowgrpo_plan.flash_attention_backward)(backward_flops)
+
+
+_register_flop_formulas()
