@@ -16,9 +16,9 @@ gradients              trained parameters x their bytes; DDP keeps a second copy
                        16-bit gradients before reduction.
 optimizer_states       AdamW: 2 states in the parameter's dtype (torch keeps them so), 8-bit AdamW (``adamw_bnb_8bit``):
                        2 bytes + block scales; ZeRO: float32 master + 2 float32 states (12 bytes) /N.
-activations            measured: the transient peak of one trained step's forward + backward on fake tensors, minus the
-                       unsharded gradients it allocates; with gradient checkpointing, the smallest copy's peak plus one
-                       block input (image + text hidden states) per further block. Rollout: one sampling step's peak.
+activations            measured: the transient peak of one trained step's forward + backward on fake tensors (torch's
+                       gradient checkpointing run as the trainer runs it), minus the unsharded gradients it allocates.
+                       Rollout: one sampling step's peak; decode: one slice's.
 copies                 EMA (float32 copy of the trained parameters), DiffusionNFT's old policy (LoRA: a second adapter;
                        full FT: a frozen copy), the KL reference of full fine-tuning (a frozen copy, not sharded: it
                        lives outside FSDP), and the stored rollout trajectories of a generation batch.
@@ -199,10 +199,7 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
     reward = sum(REWARD_MODEL_PARAMS[r][0] * REWARD_MODEL_PARAMS[r][1] for r in set(inputs.rewards)
                  if r in REWARD_MODEL_PARAMS)
     # ---- activations ---------------------------------------------------------------------------------------------
-    if s.checkpointing and blocks > 1:
-        train_transient = smallest.training_bytes + (blocks - 1) * measure.block_io_bytes
-    else:
-        train_transient = measure.training_bytes
+    train_transient = measure.training_bytes
     activations = max(0.0, train_transient - grad_bytes_full)
     rollout_transient = max(measure.rollout_bytes, measure.decode_bytes)
     dynamic = max(activations, rollout_transient)
@@ -217,9 +214,8 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
 
     # ---- FLOPs and time -------------------------------------------------------------------------------------------
     ga = inputs.gradient_accumulation_steps
-    recompute = (measure.rollout_flops / max(1, s.num_inference_steps)) * s.trained_steps if s.checkpointing else 0.0
     decode = measure.decode_flops * math.ceil(s.micro_batch / max(1, s.decode_batch))
-    step_flops = ga * (measure.rollout_flops + decode + measure.training_flops + recompute)
+    step_flops = ga * (measure.rollout_flops + decode + measure.training_flops)  # recomputation counted as run
     from .calibration import MFU
 
     compute_s = step_flops / (MFU * inputs.gpu.bf16_tflops * 1e12)
@@ -295,8 +291,7 @@ def plan_inputs(script_args: Any, model_args: Any, training_args: Any, parallel:
 
 
 def make_plan(inputs: PlanInputs) -> Plan:
-    measure, smallest, blocks = measure_full_depth(inputs.spec, dataclasses.replace(inputs.settings,
-                                                                                     checkpointing=False))
+    measure, smallest, blocks = measure_full_depth(inputs.spec, inputs.settings)
     return compose(inputs, measure, smallest, blocks)
 
 

@@ -15,8 +15,9 @@ each block-index list (SD3's ``dual_attention_layers``) holding block 0, and com
 
     total = R(base) + sum_k (N_k - 1) (R(k at 2) - R(base)) + sum_L |L| (R(L = [0]) - R(base)).
 
-This is exact for parameter counts and FLOPs and, for peak bytes, exact when the peak is reached at the same place
-in every copy (the last block's backward, which is where it is with one backward per trained step); models under
+This is exact for parameter counts and FLOPs and, for the training peak, exact when the peak is reached at the same
+place in every copy (the start of the backward, when every block's saved activations are alive). The rollout runs
+without gradients, so nothing accumulates over blocks: its peak is the largest of the copies' peaks. Models under
 ``FULL_DEPTH_PARAMS`` are measured at full depth instead.
 """
 
@@ -161,7 +162,7 @@ def conditioning(spec: ModelSpec, config: dict[str, Any], batch: int, text_token
 
 def _prepare_transformer(transformer, settings: StepSettings, adapter_targets: tuple[str, ...]):
     transformer.requires_grad_(False)
-    transformer.to(settings.dtype)
+    transformer.to(settings.dtype)  # gradient checkpointing (below) runs for real, as torch's checkpoint
     if settings.use_lora:
         from peft import LoraConfig, get_peft_model
 
@@ -175,7 +176,14 @@ def _prepare_transformer(transformer, settings: StepSettings, adapter_targets: t
         transformer.requires_grad_(True)
         model = transformer
     if settings.checkpointing:
-        transformer.enable_gradient_checkpointing()
+        import functools
+
+        from torch.utils.checkpoint import checkpoint
+
+        # torch's checkpoint as the trainer enables it (non-reentrant); no RNG state is saved: it changes no memory
+        # (the blocks have no dropout) and forking the RNG state dominates its cost under fake tensors
+        transformer.enable_gradient_checkpointing(
+            gradient_checkpointing_func=functools.partial(checkpoint, use_reentrant=False, preserve_rng_state=False))
     return model
 
 
@@ -190,16 +198,15 @@ def _param_counts(transformer, model) -> dict[str, float]:
             "block_max": float(block_max), "linear": float(linear)}
 
 
-def _counting(count_memory: bool):
-    from torch.utils.flop_counter import FlopCounterMode
-
-    live = LiveBytes() if count_memory else None
-    flops = FlopCounterMode(display=False)
-    return live, flops
+def _counting(count_memory: bool = True):
+    """One mode counting live bytes and FLOPs (``LiveBytes``), and a no-op stand-in entered beside it."""
+    live = LiveBytes()
+    return live, contextlib.nullcontext(live)
 
 
 def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[str, Any] | None = None, *,
-             fake: bool = True, real_modules: tuple | None = None, rollout_only: bool = False) -> StepMeasure:
+             fake: bool = True, real_modules: tuple | None = None, rollout_only: bool = False,
+             decode: bool = True) -> StepMeasure:
     """Run one micro-batch's rollout, decode and training on the transformer of ``transformer_config`` (default:
     the full one) and return its measured bytes and FLOPs. ``fake=False`` runs the same step on real tensors
     (``real_modules``: the (transformer, vae) to use), for the fidelity checks."""
@@ -234,7 +241,8 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
     with flash_attention_patched(), mode:
         if fake:
             model.to_empty(device="cpu")
-            vae.to_empty(device="cpu")
+            if decode:
+                vae.to_empty(device="cpu")
         latents = adapter.prepare_latents(batch, height, width, generator if not fake else None,
                                           torch.device("cpu"), torch.float32)
         embeds = conditioning(spec, config, batch, settings.text_tokens, latents, settings.dtype)
@@ -261,14 +269,15 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
             x_next, old_log_prob = out.prev_sample, out.log_prob
             del v, out
         measure.rollout_bytes = live.peak
-        measure.rollout_flops = flops.get_total_flops() * settings.num_inference_steps
+        measure.rollout_flops = live.get_total_flops() * settings.num_inference_steps
 
         # ---- decode: one slice of the micro-batch ------------------------------------------------------------------
-        live, flops = _counting(True)
-        with torch.no_grad(), live, flops:
-            images = adapter.decode(x_next[: settings.decode_batch].to(settings.dtype), height, width)
-            del images
-        measure.decode_bytes, measure.decode_flops = live.peak, flops.get_total_flops()
+        if decode:  # the VAE does not change with the transformer's depth: measured once
+            live, flops = _counting(True)
+            with torch.no_grad(), live, flops:
+                images = adapter.decode(x_next[: settings.decode_batch].to(settings.dtype), height, width)
+                del images
+            measure.decode_bytes, measure.decode_flops = live.peak, live.get_total_flops()
 
         if rollout_only:
             return measure
@@ -299,7 +308,7 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
             loss.backward()
             del loss, v
         measure.training_bytes = live.peak
-        measure.training_flops = flops.get_total_flops() * settings.trained_steps
+        measure.training_flops = live.get_total_flops() * settings.trained_steps
     return measure
 
 
@@ -351,8 +360,14 @@ def measure_full_depth(spec: ModelSpec, settings: StepSettings, *, full_depth: b
         plan = reduced_configs(spec)
         base = run_step(spec, settings, plan[0][0])
         total = copy.deepcopy(base)
+        rollout_peaks = [base.rollout_bytes]
         for config, weight in plan[1:]:
-            total = total.combine(run_step(spec, settings, config).minus(base), weight)
+            copy_step = run_step(spec, settings, config, decode=False)
+            copy_step.decode_bytes, copy_step.decode_flops = base.decode_bytes, base.decode_flops
+            rollout_peaks.append(copy_step.rollout_bytes)
+            total = total.combine(copy_step.minus(base), weight)
+        # without gradients nothing accumulates over blocks: the rollout's peak is the largest block's, not a sum
+        total.rollout_bytes = max(rollout_peaks)
         result = (total, base, blocks)
     _CACHE[key] = result
     return result

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry as _FLOP_FORMULAS
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 
@@ -33,13 +34,17 @@ _ORIGINAL_SDPA = F.scaled_dot_product_attention
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of storages allocated while active that are still alive; ``peak`` is the largest count.
 
-    ``mark(name)`` records the current and the peak-so-far under a name (phase boundaries).
+    ``mark(name)`` records the current and the peak-so-far under a name (phase boundaries). ``flops`` sums
+    ``torch.utils.flop_counter``'s formulas over the same operators (what ``FlopCounterMode`` counts): one mode for
+    both, and no module tracking, whose backward hooks keep gradient checkpointing's recomputed activations alive
+    (with ``FlopCounterMode`` active, a checkpointed step measured 3x its own peak).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.flops = 0
         self._seen: dict[int, int] = {}
         self.marks: dict[str, tuple[int, int]] = {}
 
@@ -48,6 +53,16 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        formula = _FLOP_FORMULAS.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+        inputs = set()  # storages the op read: an output sharing one is a view or an in-place result, not new memory
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                try:
+                    inputs.add(id(t.untyped_storage()))
+                except (NotImplementedError, RuntimeError):
+                    pass
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
@@ -56,7 +71,7 @@ class LiveBytes(TorchDispatchMode):
             except (NotImplementedError, RuntimeError):
                 continue
             key = id(storage)
-            if key in self._seen:
+            if key in self._seen or key in inputs:
                 continue
             size = storage.nbytes()
             self._seen[key] = size
@@ -64,6 +79,9 @@ class LiveBytes(TorchDispatchMode):
             weakref.finalize(storage, self._release, key)
         self.peak = max(self.peak, self.live)
         return out
+
+    def get_total_flops(self) -> int:
+        return self.flops
 
     def reset_peak(self) -> None:
         self.peak = self.live
