@@ -135,3 +135,36 @@ def test_physical_invariants():
     small = _plan("--per_device_train_batch_size", "2")
     large = _plan("--per_device_train_batch_size", "8")
     assert large["breakdown_gb"]["activations"] > small["breakdown_gb"]["activations"]
+
+
+GPU_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.yaml")
+                     if "--config_file accelerate_configs/" in p.read_text() and "cpu" not in p.name)
+
+
+def test_every_shipped_gpu_recipe_plans_with_its_accelerate_config():
+    """Each GPU recipe at full size on its intended config (the header's --config_file), on an H100: planned, with
+    positive terms, and the two published outcomes that the recipes promise."""
+    results = {}
+    for recipe in GPU_RECIPES:
+        result = plan_recipe(str(REPO / "recipes" / recipe), [], gpu="h100-80gb", with_suggestions=False)
+        assert result["peak_memory_gb"] > 0 and result["step_flops"] > 0, recipe
+        assert all(v >= 0 for v in result["breakdown_gb"].values()), recipe
+        results[recipe] = result
+    assert results["ocr.yaml"]["world_size"] == 8 and results["ocr.yaml"]["fits"]
+    small = plan_recipe(str(REPO / "recipes" / "sd35m_24gb.yaml"), [], gpu="rtx4090-24gb", with_suggestions=False)
+    assert small["peak_memory_gb"] < 24 and small["fits"]
+
+
+def test_plan_vs_measured_check_compares_allocated_peaks(tmp_path, tiny_sd3_path):
+    """The gpu-check's comparison on this machine: a recorded memory result and the tiny SD3 folder as the model."""
+    from flowgrpo.gpu_check.plan_vs_measured import main as check_main
+
+    measured = tmp_path / "memory"
+    measured.mkdir()
+    (measured / "result.json").write_text(json.dumps({"passed": True, "metrics": {"max_memory_allocated_mib": 1.0}}))
+    out = tmp_path / "out"
+    out.mkdir()
+    code = check_main(["--measured", str(measured), "--model-dir", str(tiny_sd3_path), "--output", str(out)])
+    result = json.loads((out / "result.json").read_text())
+    assert code == 1 and not result["passed"]  # 1 MiB measured: far from any plan
+    assert result["metrics"]["planned_allocated_gib"] > 0 and result["metrics"]["ratio"] > 1

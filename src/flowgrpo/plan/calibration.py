@@ -11,8 +11,13 @@ settings assumed for each and the fit's error):
 
 from __future__ import annotations
 
-#: fitted model-FLOP utilisation (docs/planning.md, "Step time")
-MFU = 0.35
-CALIBRATION_SOURCE = ("fitted to verl-omni Qwen-Image Flow-GRPO (420 s/step LoRA on 4x H800, 250 s/step full on "
-                      "4x H200) and MM-GRPO SD3.5-M Fast (58 s on 1x H800); settings assumed in docs/planning.md")
-CALIBRATION_ERROR = "not yet fitted: MFU 0.35 is the assumed prior (typical of diffusion-transformer training)"
+#: fitted model-FLOP utilisation: the geometric mean of the three points' (scripts/calibrate_plan.py, 2026-11-24)
+MFU = 0.29
+CALIBRATION_SOURCE = ("scripts/calibrate_plan.py: verl-omni Qwen-Image Flow-GRPO (420 s/step LoRA on 4x H800, 250 s/step "
+                      "full on 4x H200; verl-omni.readthedocs.io performance page) and MM-GRPO SD3.5-M Fast (58 s on "
+                      "1x H800); unpublished settings assumed as in docs/planning.md")
+#: each point's predicted / published - 1 at the fitted MFU
+CALIBRATION_ERRORS = {"verl-omni Qwen-Image LoRA 4x H800": 1.43, "verl-omni Qwen-Image full 4x H200": 1.00,
+                      "MM-GRPO SD3.5-M Fast 1x H800": -0.82}
+CALIBRATION_ERROR = ("+143% / +100% / -82% on the three points: step times are good to a factor of about 2.5 until "
+                     "the published runs' sampling and training settings are known")
