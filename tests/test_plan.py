@@ -168,3 +168,12 @@ def test_plan_vs_measured_check_compares_allocated_peaks(tmp_path, tiny_sd3_path
     result = json.loads((out / "result.json").read_text())
     assert code == 1 and not result["passed"]  # 1 MiB measured: far from any plan
     assert result["metrics"]["planned_allocated_gib"] > 0 and result["metrics"]["ratio"] > 1
+
+
+def test_fsdp_wrap_classes_that_the_model_lacks_are_refused_before_any_step(capsys):
+    """A FLUX recipe on the SD3 FSDP config: accelerate would fail after loading 24 GB of weights; the plan says so
+    at once, naming the model's block classes."""
+    code = main([str(REPO / "recipes" / "flux_ocr.yaml"), "--config_file",
+                 str(REPO / "accelerate_configs" / "fsdp8.yaml"), "--no_suggestions"])
+    err = capsys.readouterr().err
+    assert code == 2 and "JointTransformerBlock" in err and "FluxTransformerBlock" in err

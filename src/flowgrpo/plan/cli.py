@@ -37,7 +37,7 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str 
     from ..cli.parser import parse_recipe
     from .accelerate_config import intended_config, load_parallelism
     from .calibration import CALIBRATION_ERROR, CALIBRATION_SOURCE, MFU
-    from .planner import make_plan, plan_inputs, suggestions
+    from .planner import check_wrap_classes, make_plan, plan_inputs, suggestions
 
     gpu_spec = get_gpu(gpu)
     if num_processes is not None and num_processes < 1:
@@ -51,6 +51,7 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str 
         config_file = None
     parallel = load_parallelism(config_file, num_processes)
     spec = _spec_for(model_args)
+    check_wrap_classes(spec, parallel)
     inputs = plan_inputs(script_args, model_args, training_args, parallel, gpu_spec, spec)
     plan = make_plan(inputs)
     peak = plan.peak_gb

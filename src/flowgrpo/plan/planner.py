@@ -290,6 +290,24 @@ def plan_inputs(script_args: Any, model_args: Any, training_args: Any, parallel:
                       rewards=tuple(script_args.reward_funcs or ()), trained_steps=settings.trained_steps)
 
 
+def check_wrap_classes(spec: ModelSpec, parallel: Parallelism) -> None:
+    """FSDP's ``fsdp_transformer_layer_cls_to_wrap`` must name classes of the model (accelerate refuses the run
+    otherwise, after the weights are loaded): checked here on the model built on the meta device."""
+    if parallel.kind != "fsdp" or not parallel.wrap_classes:
+        return
+    from .step import build_on_meta
+
+    transformer, _ = build_on_meta(spec)
+    present = {type(m).__name__ for m in transformer.modules()}
+    missing = [c for c in parallel.wrap_classes if c not in present]
+    if missing:
+        blocks = sorted(c for c in present if c.endswith(("Block", "Model")) and "Embed" not in c)
+        raise ValueError(f"{parallel.source}: fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which "
+                         f"{spec.name} ({spec.transformer_class}) does not have; accelerate would refuse to wrap it. "
+                         f"Its block classes: {', '.join(blocks)}. Use the family's config (accelerate_configs/"
+                         "fsdp8_flux.yaml, fsdp8_qwenimage.yaml, fsdp8_wan.yaml) or list those classes.")
+
+
 def make_plan(inputs: PlanInputs) -> Plan:
     measure, smallest, blocks = measure_full_depth(inputs.spec, inputs.settings)
     return compose(inputs, measure, smallest, blocks)
@@ -344,5 +362,5 @@ def suggestions(plan: Plan) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["Plan", "PlanInputs", "REWARD_MODEL_PARAMS", "compose", "make_plan", "plan_inputs", "settings_from_args",
+__all__ = ["Plan", "PlanInputs", "REWARD_MODEL_PARAMS", "check_wrap_classes", "compose", "make_plan", "plan_inputs", "settings_from_args",
            "suggestions"]
