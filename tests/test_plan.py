@@ -141,6 +141,7 @@ GPU_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.yaml")
                      if "--config_file accelerate_configs/" in p.read_text() and "cpu" not in p.name)
 
 
+@pytest.mark.run_first  # the longest test of the file (a full-size plan of each recipe): it starts first, on its own worker
 def test_every_shipped_gpu_recipe_plans_with_its_accelerate_config():
     """Each GPU recipe at full size on its intended config (the header's --config_file), on an H100: planned, with
     positive terms, and the two published outcomes that the recipes promise."""

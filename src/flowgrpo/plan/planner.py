@@ -17,7 +17,8 @@ gradients              trained parameters x their bytes; DDP keeps a second copy
 optimizer_states       AdamW: 2 states in the parameter's dtype (torch keeps them so), 8-bit AdamW (``adamw_bnb_8bit``):
                        2 bytes + block scales; ZeRO: float32 master + 2 float32 states (12 bytes) /N.
 activations            measured: the transient peak of one trained step's forward + backward on fake tensors (torch's
-                       gradient checkpointing run as the trainer runs it), minus the unsharded gradients it allocates.
+                       gradient checkpointing run as the trainer runs it), the parameters' gradients set aside as they
+                       appear (they are the gradients term, sharded as the configuration shards them).
                        Rollout: one sampling step's peak; decode: one slice's.
 copies                 EMA (float32 copy of the trained parameters), DiffusionNFT's old policy (LoRA: a second adapter;
                        full FT: a frozen copy), the KL reference of full fine-tuning (a frozen copy, not sharded: it
@@ -153,7 +154,6 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
     vae_params = _vae_params(spec)
     other_weights += vae_params * b
     opt_per_param = _opt_bytes_per_param(inputs.optimizer, train_bytes)
-    grad_bytes_full = trainable * train_bytes  # what the fake step allocates
 
     gather = 0.0
     if par.kind in ("single", "ddp"):
@@ -199,8 +199,7 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
     reward = sum(REWARD_MODEL_PARAMS[r][0] * REWARD_MODEL_PARAMS[r][1] for r in set(inputs.rewards)
                  if r in REWARD_MODEL_PARAMS)
     # ---- activations ---------------------------------------------------------------------------------------------
-    train_transient = measure.training_bytes
-    activations = max(0.0, train_transient - grad_bytes_full)
+    activations = measure.training_bytes  # measured without the gradients, which are counted (sharded) above
     rollout_transient = max(measure.rollout_bytes, measure.decode_bytes)
     dynamic = max(activations, rollout_transient)
     overhead = CUDA_CONTEXT_GB * GB + (NCCL_BUFFERS_GB * GB if n > 1 else 0.0) + FRAGMENTATION * dynamic

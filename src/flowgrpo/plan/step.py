@@ -70,7 +70,7 @@ class StepMeasure:
     """Bytes and FLOPs of one micro-batch's step on one GPU (before sharding), and parameter counts."""
 
     rollout_bytes: float = 0.0       # transient peak of one sampling trajectory (no gradients)
-    training_bytes: float = 0.0      # transient peak of one trained step's forward + backward (gradients included)
+    training_bytes: float = 0.0      # transient peak of one trained step's forward + backward, gradients excluded
     decode_bytes: float = 0.0        # transient peak of decoding one slice of the micro-batch
     rollout_flops: float = 0.0       # FLOPs of the whole trajectory of one micro-batch
     training_flops: float = 0.0      # FLOPs of all trained steps of one micro-batch (forward, recompute, backward)
@@ -88,6 +88,9 @@ class StepMeasure:
 
     def minus(self, other: StepMeasure) -> StepMeasure:
         return self.combine(other, -1.0)
+
+
+_DECODE_CACHE: dict[tuple, tuple[float, float]] = {}
 
 
 def _fake_mode():
@@ -238,6 +241,13 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
     adapter.set_timesteps(scheduler, settings.num_inference_steps, height, width, torch.device("cpu"))
     sigmas = [float(s) for s in scheduler.sigmas]   # plain numbers: no data-dependent op under fake mode
     timesteps = [float(t) for t in scheduler.timesteps]
+    import json
+
+    decode_key = (spec.vae_class, json.dumps(spec.vae_config, sort_keys=True), height, width, settings.num_frames,
+                  settings.decode_batch, str(settings.dtype), spec.family)
+    if fake and decode and decode_key in _DECODE_CACHE:  # the same VAE decoding the same slice: measured before
+        measure.decode_bytes, measure.decode_flops = _DECODE_CACHE[decode_key]
+        decode = False
     with flash_attention_patched(), mode:
         if fake:
             model.to_empty(device="cpu")
@@ -278,11 +288,15 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
                 images = adapter.decode(x_next[: settings.decode_batch].to(settings.dtype), height, width)
                 del images
             measure.decode_bytes, measure.decode_flops = live.peak, live.get_total_flops()
+            if fake:
+                _DECODE_CACHE[decode_key] = (measure.decode_bytes, measure.decode_flops)
 
         if rollout_only:
             return measure
         # ---- training: one trained step's forward and backward (one backward per step: each step alike) -----------
         live, flops = _counting(True)
+        hooks = [p.register_post_accumulate_grad_hook(lambda param: live.exclude(param.grad))
+                 for p in model.parameters() if p.requires_grad]
         with live, flops:
             if settings.trainer == "flow_grpo":
                 v = velocity(model, latents, timesteps[0])
@@ -307,7 +321,9 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
                     loss = loss + settings.beta * ((v - v_ref) ** 2).mean()
             loss.backward()
             del loss, v
-        measure.training_bytes = live.peak
+        for hook in hooks:
+            hook.remove()
+        measure.training_bytes = live.peak_excluding  # gradients are a term of their own (sharded by FSDP / ZeRO)
         measure.training_flops = live.get_total_flops() * settings.trained_steps
     return measure
 

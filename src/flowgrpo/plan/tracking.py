@@ -45,11 +45,18 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.flops = 0
+        self.excluded = 0            # bytes of live storages set aside (the gradients of parameters)
+        self.peak_excluding = 0      # the largest ``live - excluded``: activations and temporaries only
+        self._excluded_ids: set[int] = set()
         self._seen: dict[int, int] = {}
         self.marks: dict[str, tuple[int, int]] = {}
 
     def _release(self, key: int) -> None:
-        self.live -= self._seen.pop(key, 0)
+        size = self._seen.pop(key, 0)
+        self.live -= size
+        if key in self._excluded_ids:
+            self._excluded_ids.discard(key)
+            self.excluded -= size
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -78,7 +85,15 @@ class LiveBytes(TorchDispatchMode):
             self.live += size
             weakref.finalize(storage, self._release, key)
         self.peak = max(self.peak, self.live)
+        self.peak_excluding = max(self.peak_excluding, self.live - self.excluded)
         return out
+
+    def exclude(self, tensor: torch.Tensor) -> None:
+        """Set ``tensor``'s storage aside from ``peak_excluding`` from now on (a parameter's new gradient)."""
+        key = id(tensor.untyped_storage())
+        if key in self._seen and key not in self._excluded_ids:
+            self._excluded_ids.add(key)
+            self.excluded += self._seen[key]
 
     def get_total_flops(self) -> int:
         return self.flops
