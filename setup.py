@@ -55,11 +55,13 @@ setup(
     python_requires=">=3.10",
     package_dir={"": "src"},
     packages=find_packages("src"),
+    package_data={"flowgrpo.plan": ["model_configs/*.json"]},  # the planner's model sizes
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": [
             "flowgrpo-reward-server=flowgrpo.rewards.server:main",
+            "flowgrpo-plan=flowgrpo.plan:main",
         ]
     },
     classifiers=[
