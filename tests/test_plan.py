@@ -178,3 +178,13 @@ def test_fsdp_wrap_classes_that_the_model_lacks_are_refused_before_any_step(caps
                  str(REPO / "accelerate_configs" / "fsdp8.yaml"), "--no_suggestions"])
     err = capsys.readouterr().err
     assert code == 2 and "JointTransformerBlock" in err and "FluxTransformerBlock" in err
+
+
+def test_suggestions_are_replanned_changes():
+    result = plan_recipe(TINY, ["--per_device_train_batch_size", "8"], gpu="rtx4090-24gb")
+    changes = {s["change"]: s["peak_memory_gb"] for s in result["suggestions"]}
+    assert "activation_checkpointing: true" in changes and "optim: adamw_bnb_8bit" in changes
+    assert all(isinstance(v, float) for v in changes.values()), changes
+    halved = next(v for k, v in changes.items() if k.startswith("per_device_train_batch_size: 4"))
+    assert halved < result["peak_memory_gb"]
+    assert changes["optim: adamw_bnb_8bit"] <= result["peak_memory_gb"]
