@@ -181,7 +181,7 @@ def test_fsdp_wrap_classes_that_the_model_lacks_are_refused_before_any_step(caps
 
 
 def test_suggestions_are_replanned_changes():
-    result = plan_recipe(TINY, ["--per_device_train_batch_size", "8"], gpu="rtx4090-24gb")
+    result = plan_recipe(TINY, ["--per_device_train_batch_size", "8", "--resolution", "512"], gpu="rtx4090-24gb")
     changes = {s["change"]: s["peak_memory_gb"] for s in result["suggestions"]}
     assert "activation_checkpointing: true" in changes and "optim: adamw_bnb_8bit" in changes
     assert all(isinstance(v, float) for v in changes.values()), changes
