@@ -188,3 +188,23 @@ def test_suggestions_are_replanned_changes():
     halved = next(v for k, v in changes.items() if k.startswith("per_device_train_batch_size: 4"))
     assert halved < result["peak_memory_gb"]
     assert changes["optim: adamw_bnb_8bit"] <= result["peak_memory_gb"]
+
+
+@pytest.mark.parametrize("preset", ["small-cpu", "toy"])
+def test_depth_scaled_copies_reproduce_the_full_depth_step(preset):
+    """Large models are planned from copies of 2-3 blocks combined linearly: against the full-depth step (small-cpu:
+    6 blocks, 3 with dual attention; toy: 4 blocks), parameters and FLOPs are exact and the checkpointed training
+    peak is within 15%."""
+    import dataclasses
+
+    from flowgrpo.plan.step import measure_full_depth, run_step
+
+    spec, settings = _preset_case(preset)
+    settings = dataclasses.replace(settings, checkpointing=True)
+    full = run_step(spec, settings)
+    scaled, _, _ = measure_full_depth(spec, settings, full_depth=False)
+    assert scaled.params["total"] == full.params["total"] and scaled.params["trainable"] == full.params["trainable"]
+    assert scaled.training_flops == pytest.approx(full.training_flops, rel=1e-9)
+    assert scaled.rollout_flops == pytest.approx(full.rollout_flops, rel=1e-9)
+    assert scaled.training_bytes == pytest.approx(full.training_bytes, rel=0.15)
+    assert scaled.rollout_bytes == pytest.approx(full.rollout_bytes, rel=0.10)

@@ -10,10 +10,12 @@ SDE step with its log-probability (``sde_step_from_sigmas``), the reference forw
 old-policy forward, and the VAE's decode.
 
 Depth scaling. A full-size step is linear in the number of blocks of each kind, so the planner measures small
-copies with the real widths: every depth key (``num_layers``, ``num_single_layers``) at 1, then each key at 2, then
-each block-index list (SD3's ``dual_attention_layers``) holding block 0, and combines them:
+copies with the real widths: the base copy has every depth key (``num_layers``, ``num_single_layers``) at 2 (so
+that the largest block's transient, e.g. its recomputation under gradient checkpointing, is already in it, and SD3's
+last, context-only block is not the one repeated) and block 0 in each block-index list (SD3's
+``dual_attention_layers``); then each key at 3; then each list holding blocks 0 and 1. With b_k = min(2, N_k):
 
-    total = R(base) + sum_k (N_k - 1) (R(k at 2) - R(base)) + sum_L |L| (R(L = [0]) - R(base)).
+    total = R(base) + sum_k (N_k - b_k) (R(k at b_k + 1) - R(base)) + sum_L (|L| - 1) (R(L = [0, 1]) - R(base)).
 
 This is exact for parameter counts and FLOPs and, for the training peak, exact when the peak is reached at the same
 place in every copy (the start of the backward, when every block's saved activations are alive). The rollout runs
@@ -336,17 +338,19 @@ def _reference_velocity(model, velocity, x, t_value, settings: StepSettings):
 
 
 def reduced_configs(spec: ModelSpec) -> list[tuple[dict[str, Any], float]]:
-    """The small copies to measure and the weight of each in the full-depth total (see the module docstring)."""
+    """The small copies to measure and the weight of each one's difference from the first (module docstring)."""
     full = spec.transformer_config
-    keys = [k for k in DEPTH_KEYS if int(full.get(k, 0) or 0) > 0]
+    counts = {k: int(full.get(k, 0) or 0) for k in DEPTH_KEYS if int(full.get(k, 0) or 0) > 0}
     lists = [k for k in INDEX_LIST_KEYS if full.get(k)]
-    base = dict(full, **{k: 1 for k in keys}, **{k: [] for k in lists})
+    base_depth = {k: min(2, n) for k, n in counts.items()}
+    base = dict(full, **base_depth, **{k: [0] for k in lists})
     plan: list[tuple[dict[str, Any], float]] = [(base, 1.0)]
-    for k in keys:
-        if int(full[k]) > 1:
-            plan.append((dict(base, **{k: 2}), float(int(full[k]) - 1)))
+    for k, n in counts.items():
+        if n > base_depth[k]:
+            plan.append((dict(base, **{k: base_depth[k] + 1}), float(n - base_depth[k])))
     for k in lists:
-        plan.append((dict(base, **{k: [0]}), float(len(full[k]))))
+        if len(full[k]) > 1 and base_depth.get("num_layers", 0) >= 2:
+            plan.append((dict(base, **{k: [0, 1]}), float(len(full[k]) - 1)))
     return plan
 
 
