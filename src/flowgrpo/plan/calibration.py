@@ -17,7 +17,7 @@ CALIBRATION_SOURCE = ("scripts/calibrate_plan.py: verl-omni Qwen-Image Flow-GRPO
                       "full on 4x H200; verl-omni.readthedocs.io performance page) and MM-GRPO SD3.5-M Fast (58 s on "
                       "1x H800); unpublished settings assumed as in docs/planning.md")
 #: each point's predicted / published - 1 at the fitted MFU
-CALIBRATION_ERRORS = {"verl-omni Qwen-Image LoRA 4x H800": 1.43, "verl-omni Qwen-Image full 4x H200": 1.00,
+CALIBRATION_ERRORS = {"verl-omni Qwen-Image LoRA 4x H800": 1.42, "verl-omni Qwen-Image full 4x H200": 0.99,
                       "MM-GRPO SD3.5-M Fast 1x H800": -0.82}
-CALIBRATION_ERROR = ("+143% / +100% / -82% on the three points: step times are good to a factor of about 2.5 until "
+CALIBRATION_ERROR = ("+142% / +99% / -82% on the three points: step times are good to a factor of about 2.5 until "
                      "the published runs' sampling and training settings are known")
