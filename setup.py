@@ -60,14 +60,18 @@ setup(
     python_requires=">=3.10",
     package_dir={"": "src"},
     packages=find_packages("src"),
-    # The toy world of the recipes and the demo (4.4 MB, made by scripts/make_toy_world.py --ship).
-    package_data={"flowgrpo.toy": ["shipped_world/*", "shipped_world/*/*"]},
+    package_data={
+        # The toy world of the recipes and the demo (4.4 MB, made by scripts/make_toy_world.py --ship).
+        "flowgrpo.toy": ["shipped_world/*", "shipped_world/*/*"],
+        "flowgrpo.plan": ["model_configs/*.json"],  # the planner's model sizes
+    },
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": [
             "flowgrpo=flowgrpo.cli.command:main",
             "flowgrpo-reward-server=flowgrpo.rewards.server:main",
+            "flowgrpo-plan=flowgrpo.plan:main",
         ]
     },
     classifiers=[

@@ -41,7 +41,7 @@ def test_plan_order_commands_and_selection(tmp_path):
     assert "sd35m-random" in presets and "flux-random" in presets
     assert names == ["bf16_onpolicy", "launch/single_gpu", "launch/multi_gpu", "launch/fsdp8",
                      "launch/fsdp8/full_finetune", "launch/zero2", "launch/zero3", "launch/zero3/full_finetune",
-                     "memory/sd35m_24gb", "reward/ocr_throughput"] + [f"bench/{p}" for p in presets]
+                     "memory/sd35m_24gb", "plan_vs_measured", "reward/ocr_throughput"] + [f"bench/{p}" for p in presets]
     by_name = {c.name: c for c in plan}
     assert by_name["launch/single_gpu"].command[by_name["launch/single_gpu"].command.index("--num-processes") + 1] == "1"
     for name in ("launch/multi_gpu", "launch/zero3/full_finetune"):

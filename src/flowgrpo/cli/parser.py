@@ -19,6 +19,7 @@ or on the command line, fail at once with the closest valid names; so does an un
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import os
 import sys
@@ -333,14 +334,54 @@ def parse_recipe(recipe_or_argv: str | os.PathLike | Sequence[str] | None = None
     _, remaining = parser.parse_known_args(args=cli)
     _unknown_cli(remaining, actions, parser, trainer)
     try:
-        script_args, model_args, training_args = parser.parse_args_into_dataclasses(
-            args=cli, look_for_args_file=False)
+        with bf16_hardware_check_deferred():
+            script_args, model_args, training_args = parser.parse_args_into_dataclasses(
+                args=cli, look_for_args_file=False)
     except (TypeError, ValueError) as err:  # __post_init__ checks of the trainer's configuration
         raise RecipeError(f"Invalid training arguments: {err}") from err
     check_arguments(script_args, model_args)
     check_reward_weights(script_args, training_args)
     _check_world(training_args)
     return script_args, model_args, training_args
+
+
+#: transformers' own words when bf16 is asked for on a machine without a bf16 GPU (kept for training's refusal).
+BF16_UNSUPPORTED_MESSAGE = ("Your setup doesn't support bf16/gpu. You need to assign use_cpu if you want to train the "
+                            "model on CPU.")
+
+
+@contextlib.contextmanager
+def bf16_hardware_check_deferred():
+    """Build training arguments without transformers' bf16 hardware check (``TrainingArguments.__post_init__`` raises
+    "Your setup doesn't support bf16/gpu" on a machine without a bf16 GPU), so that a GPU recipe parses, validates and
+    plans on a laptop. Every other check of ``__post_init__`` still runs; :func:`check_training_hardware` applies the
+    deferred one when training starts."""
+    import transformers.training_args as training_args_module
+
+    original = training_args_module.is_torch_bf16_gpu_available
+    training_args_module.is_torch_bf16_gpu_available = lambda: True
+    try:
+        yield
+    finally:
+        training_args_module.is_torch_bf16_gpu_available = original
+
+
+def check_training_hardware(training_args: Any) -> None:
+    """Refuse to train in bf16 without a bf16 GPU (or ``use_cpu``), with the error transformers gives: the check that
+    :func:`parse_recipe` defers so that parsing and planning work without a GPU."""
+    if not (getattr(training_args, "bf16", False) or getattr(training_args, "bf16_full_eval", False)):
+        return
+    if getattr(training_args, "use_cpu", False):
+        return
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_cuda_available, is_torch_xla_available
+
+    if is_torch_bf16_gpu_available() or is_torch_xla_available():
+        return
+    message = BF16_UNSUPPORTED_MESSAGE
+    if is_torch_cuda_available():
+        message += " You need Ampere+ GPU with cuda>=11.0."
+    raise RecipeError(f"Invalid training arguments: {message} (The recipe itself is valid: `python -m flowgrpo.plan "
+                      "RECIPE` plans it on this machine.)")
 
 
 def _select_trainer(config: Mapping[str, Any], overrides: Mapping[str, Any] | None, cli: Sequence[str]) -> str:
@@ -394,4 +435,5 @@ def check_reward_weights(script_args: ScriptArguments, training_args: Any) -> No
                           f"reward(s) {list(script_args.reward_funcs)}; give one weight per reward.")
 
 
-__all__ = ["RecipeError", "build_parser", "check_arguments", "load_recipe", "parse_recipe"]
+__all__ = ["BF16_UNSUPPORTED_MESSAGE", "RecipeError", "bf16_hardware_check_deferred", "build_parser",
+           "check_arguments", "check_training_hardware", "load_recipe", "parse_recipe"]

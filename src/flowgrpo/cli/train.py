@@ -27,7 +27,7 @@ from typing import Any
 
 from .arguments import ModelArguments, ScriptArguments
 from .notices import quiet_library_notices
-from .parser import RecipeError, parse_recipe
+from .parser import RecipeError, check_training_hardware, parse_recipe
 
 RANK_LOG_ENV = "FLOWGRPO_RANK_LOG_DIR"
 """Set to a folder to have every process append its training records there (``flowgrpo.cli.rank_log``)."""
@@ -146,6 +146,7 @@ def run(script_args: ScriptArguments, model_args: ModelArguments, training_args:
     from .data import load_prompt_dataset
     from .lora import build_peft_config
 
+    check_training_hardware(training_args)  # parsing defers the bf16 GPU check; training applies it
     # 'package.module:function' rewards next to the recipe are importable like installed ones.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

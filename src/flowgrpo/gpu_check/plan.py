@@ -16,6 +16,8 @@ check                                    what it runs and records
                                          ``zero3``)
 ``memory/sd35m_24gb``                    ``recipes/sd35m_24gb.yaml`` for 2 optimizer steps on the full-size
                                          SD3.5-Medium architecture at 512 px: peak GPU memory against 24 GB
+``plan_vs_measured``                    ``flowgrpo.plan``'s peak for the same run of ``recipes/sd35m_24gb.yaml`` against the
+                                         ``torch.cuda.max_memory_allocated`` that ``memory/sd35m_24gb`` measured
 ``reward/ocr_throughput``                OCR images per second on this host next to the rollout's images per second
 ``bench/<preset>``                       ``scripts/benchmark.py --preset <preset>`` for every CUDA preset, with the
                                          rows of docs/benchmarks.md
@@ -47,6 +49,7 @@ DEFAULT_TIMEOUTS = {
     "bf16_onpolicy": 900,
     "launch": 900,
     "memory/sd35m_24gb": 1500,
+    "plan_vs_measured": 600,
     "reward/ocr_throughput": 900,
     "bench/sd35m-random": 1800,
     "bench": 2700,
@@ -136,6 +139,10 @@ def build_plan(num_gpus: int, output_dir: str | Path, *, python: str | None = No
         "recipes/sd35m_24gb.yaml, 2 steps at 512 px on the full-size SD3.5-M architecture: peak memory under 24 GB",
         [py, "-m", "flowgrpo.gpu_check.memory_24gb", "--model-dir", model_dir(out, "sd35m-full"),
          "--output", check_dir(out, "memory/sd35m_24gb")])
+    add("plan_vs_measured",
+        "flowgrpo.plan's peak for recipes/sd35m_24gb.yaml against the max_memory_allocated memory/sd35m_24gb measured",
+        [py, "-m", "flowgrpo.gpu_check.plan_vs_measured", "--measured", check_dir(out, "memory/sd35m_24gb"),
+         "--model-dir", model_dir(out, "sd35m-full"), "--output", check_dir(out, "plan_vs_measured")])
     add("reward/ocr_throughput", "OCR images/s on this host next to the SD3.5-M rollout's images/s",
         [py, "-m", "flowgrpo.gpu_check.ocr_throughput", "--num-gpus", num_gpus,
          "--output", check_dir(out, "reward/ocr_throughput")])

@@ -1,0 +1,174 @@
+"""``flowgrpo plan RECIPE [--config_file ACCELERATE_CONFIG] [--gpu NAME] [--num_processes N] [--json OUT]
+[--key value ...]``: will the recipe fit, and how long will a step take, without a GPU and without weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .gpus import DEFAULT_GPU, GPUS, get_gpu
+
+JSON_KEYS = ("fits", "peak_memory_gb", "gpu", "world_size", "phases", "breakdown_gb", "step_flops", "est_step_time_s",
+             "mfu_assumed", "method", "suggestions")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flowgrpo plan", allow_abbrev=False,
+        description="Plan a recipe's per-GPU memory and step time on fake tensors (no GPU, no weights). Other "
+                    "--key value flags override the recipe, as in training.")
+    parser.add_argument("recipe", help="a recipe YAML, e.g. recipes/ocr.yaml")
+    parser.add_argument("--config_file", default=None,
+                        help="accelerate config (default: the one the recipe's header names, else one GPU)")
+    parser.add_argument("--gpu", default=DEFAULT_GPU, help=f"one of {', '.join(GPUS)} (default {DEFAULT_GPU})")
+    parser.add_argument("--num_processes", type=int, default=None, help="GPUs (default: the accelerate config's)")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the plan as JSON to this file")
+    parser.add_argument("--no_suggestions", action="store_true", help="skip re-planning the suggested changes")
+    return parser
+
+
+def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str | None = None, gpu: str = DEFAULT_GPU,
+                num_processes: int | None = None, with_suggestions: bool = True) -> dict[str, Any]:
+    """The plan of ``recipe`` as the ``--json`` dictionary (plus ``details``)."""
+    from ..cli.parser import parse_recipe
+    from .accelerate_config import intended_config, load_parallelism
+    from .calibration import CALIBRATION_ERROR, CALIBRATION_SOURCE, MFU
+    from .planner import check_wrap_classes, make_plan, plan_inputs, suggestions
+
+    gpu_spec = get_gpu(gpu)
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"--num_processes {num_processes}: give at least 1.")
+    script_args, model_args, training_args = parse_recipe([recipe, *overrides])
+    if config_file is None:
+        named = intended_config(recipe)
+        if named and (Path(recipe).resolve().parents[1] / named).is_file():
+            config_file = str(Path(recipe).resolve().parents[1] / named)
+    if training_args.use_cpu and config_file and "cpu" in Path(config_file).name:
+        config_file = None
+    parallel = load_parallelism(config_file, num_processes)
+    spec = _spec_for(model_args)
+    check_wrap_classes(spec, parallel)
+    inputs = plan_inputs(script_args, model_args, training_args, parallel, gpu_spec, spec)
+    plan = make_plan(inputs)
+    peak = plan.peak_gb
+    result: dict[str, Any] = {
+        "fits": bool(peak <= gpu_spec.memory_gb),
+        "peak_memory_gb": round(peak, 3),
+        "gpu": {"name": gpu_spec.name, "memory_gb": gpu_spec.memory_gb, "bf16_tflops": gpu_spec.bf16_tflops},
+        "world_size": parallel.world_size,
+        "phases": {k: round(v, 3) for k, v in plan.phases.items()},
+        "breakdown_gb": {k: round(v, 3) for k, v in plan.breakdown.items()},
+        "step_flops": float(plan.step_flops),
+        "est_step_time_s": round(plan.step_time_s, 2),
+        "mfu_assumed": MFU,
+        "method": plan.method,
+        "suggestions": suggestions(plan) if with_suggestions else [],
+    }
+    result["details"] = {
+        "recipe": recipe, "model": spec.name, "model_source": spec.origin, "sources": spec.sources,
+        "parallelism": parallel.kind, "accelerate_config": parallel.source, "comm_time_s": round(plan.comm_time_s, 2),
+        "calibration": {"source": CALIBRATION_SOURCE, "error": CALIBRATION_ERROR}, "notes": plan.notes,
+        "deepspeed_check": plan.deepspeed_check,
+    }
+    return result
+
+
+def _spec_for(model_args):
+    """The model's sizes; a recipe that builds a tiny pipeline is planned on that pipeline (built offline, cached)."""
+    from .model_specs import load_model_spec
+
+    path = Path(str(model_args.model_name_or_path)).expanduser()
+    family = model_args.build_tiny_pipeline_if_missing
+    if family and not (path / "model_index.json").is_file():
+        if family == "toy":
+            return toy_world_spec()
+        else:
+            from ..testing import cached_tiny_pipeline_path
+
+            path = Path(cached_tiny_pipeline_path(family, seed=model_args.tiny_pipeline_seed))
+    return load_model_spec(str(path) if (path / "model_index.json").is_file() else str(model_args.model_name_or_path))
+
+
+def toy_world_spec():
+    """The toy world's sizes (``flowgrpo.toy``'s "full" preset) without training it: its transformer and VAE built on
+    the meta device from the preset, the tiny SD3 pipeline's text encoders, and the preset's schedule shift."""
+    import dataclasses
+
+    import torch
+
+    from ..testing import cached_tiny_pipeline_path
+    from ..toy.build import PRESETS, _make_transformer, _make_vae
+    from .model_specs import load_model_spec
+
+    tiny = load_model_spec(str(cached_tiny_pipeline_path("sd3", seed=0)))
+    preset = PRESETS["full"]
+    with torch.device("meta"):
+        transformer = _make_transformer(preset, tiny.transformer_config["joint_attention_dim"],
+                                        tiny.transformer_config["pooled_projection_dim"])
+        vae = _make_vae(preset)
+    strip = lambda config: {k: v for k, v in dict(config).items() if not k.startswith("_")}  # noqa: E731
+    return dataclasses.replace(tiny, name="toy world (full preset)", transformer_config=strip(transformer.config),
+                               vae_config=strip(vae.config),
+                               scheduler_config=dict(tiny.scheduler_config, shift=preset.scheduler_shift),
+                               origin="flowgrpo.toy preset 'full' (architecture only)")
+
+
+def format_table(result: dict[str, Any]) -> str:
+    gpu = result["gpu"]
+    d = result.get("details", {})
+    lines = [f"plan: {d.get('recipe', '')}  model {d.get('model', '')} ({d.get('model_source', '')})",
+             f"      {result['world_size']} x {gpu['name']} ({gpu['memory_gb']} GB, {gpu['bf16_tflops']} bf16 TFLOP/s), "
+             f"{d.get('parallelism', '')} [{d.get('accelerate_config', '')}], method {result['method']}",
+             "",
+             f"  {'per GPU':<20}{'GB':>10}"]
+    for key, value in result["breakdown_gb"].items():
+        lines.append(f"  {key:<20}{value:>10.2f}")
+    lines.append(f"  {'phase rollout':<20}{result['phases']['rollout']:>10.2f}")
+    lines.append(f"  {'phase training':<20}{result['phases']['training']:>10.2f}")
+    verdict = "fits" if result["fits"] else "DOES NOT FIT"
+    lines.append(f"  {'peak':<20}{result['peak_memory_gb']:>10.2f}   {verdict} in {gpu['memory_gb']} GB")
+    lines.append("")
+    lines.append(f"  step: {result['step_flops']:.3e} FLOPs per GPU, about {result['est_step_time_s']:.1f} s at MFU "
+                 f"{result['mfu_assumed']} (communication {d.get('comm_time_s', 0)} s)")
+    cal = d.get("calibration", {})
+    if cal:
+        lines.append(f"  calibration: {cal['source']}; error: {cal['error']}")
+    for note in d.get("notes", []):
+        lines.append(f"  note: {note}")
+    if d.get("deepspeed_check"):
+        lines.append(f"  DeepSpeed's own model-state estimate: {d['deepspeed_check']['deepspeed_model_states_gb']:.2f}"
+                     " GB per GPU")
+    if result["suggestions"]:
+        lines.append("")
+        lines.append("  suggestions (each re-planned):")
+        for s in result["suggestions"]:
+            peak = "n/a" if s.get("peak_memory_gb") is None else f"{s['peak_memory_gb']:.2f} GB"
+            lines.append(f"    {s['change']:<60} -> {peak}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``flowgrpo plan``; returns the exit status (0 planned, 2 bad input)."""
+    from ..cli.notices import quiet_library_notices
+    from ..cli.parser import RecipeError
+
+    quiet_library_notices()
+    parser = _parser()
+    args, overrides = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        result = plan_recipe(args.recipe, overrides, config_file=args.config_file, gpu=args.gpu,
+                             num_processes=args.num_processes, with_suggestions=not args.no_suggestions)
+    except (RecipeError, ValueError) as err:
+        print(f"flowgrpo plan: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    print(format_table(result), flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({k: result[k] for k in JSON_KEYS}, indent=1) + "\n")
+    return 0
+
+
+__all__ = ["JSON_KEYS", "format_table", "main", "plan_recipe"]

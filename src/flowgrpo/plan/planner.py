@@ -1,0 +1,365 @@
+"""From a parsed recipe to a plan: per-GPU memory by term and phase, step FLOPs and time, and suggestions.
+
+Memory per GPU, in bytes (``Psi`` = parameters; ``N`` = world size; ``b`` = bytes of the model dtype):
+
+=====================  ==============================================================================================
+term                   how it is counted
+=====================  ==============================================================================================
+weights                frozen transformer weights (``b``, or NF4 / int8 for ``quantization``: 0.5 + 1/16 and 1 + 1/64
+                       bytes a linear weight), trained weights (LoRA: float32, as the trainer casts them; full FT:
+                       ``b``, float32 under FSDP2 with mixed precision as accelerate upcasts them), text encoders unless
+                       ``offload_text_encoders``, the VAE. Sharded by FSDP2 and ZeRO-3 (/N); ZeRO-3 adds DeepSpeed's
+                       4 x largest-layer gather buffer, FSDP2 the gathered block (two with prefetch; the whole model
+                       with ``fsdp_reshard_after_forward: false``).
+gradients              trained parameters x their bytes; DDP keeps a second copy in its buckets; /N under FSDP2;
+                       ZeRO: DeepSpeed's 16-bit + 32-bit gradient partitions (2 + 4 bytes /N) plus, for ZeRO-2, the
+                       16-bit gradients before reduction.
+optimizer_states       AdamW: 2 states in the parameter's dtype (torch keeps them so), 8-bit AdamW (``adamw_bnb_8bit``):
+                       2 bytes + block scales; ZeRO: float32 master + 2 float32 states (12 bytes) /N.
+activations            measured: the transient peak of one trained step's forward + backward on fake tensors (torch's
+                       gradient checkpointing run as the trainer runs it), the parameters' gradients set aside as they
+                       appear (they are the gradients term, sharded as the configuration shards them).
+                       Rollout: one sampling step's peak; decode: one slice's.
+copies                 EMA (float32 copy of the trained parameters), DiffusionNFT's old policy (LoRA: a second adapter;
+                       full FT: a frozen copy), the KL reference of full fine-tuning (a frozen copy, not sharded: it
+                       lives outside FSDP), and the stored rollout trajectories of a generation batch.
+reward_model           the GPU reward models' weights (REWARD_MODEL_PARAMS); rewards scored on the CPU or a server: 0.
+overhead               CUDA context 0.75 GB, NCCL buffers 0.5 GB when N > 1, and 10% of the dynamic terms
+                       (activations and decode) for the caching allocator's fragmentation.
+=====================  ==============================================================================================
+
+Phases: ``rollout`` = persistent terms + trajectories + the larger of a sampling step and a decode slice (gradients
+are freed by ``zero_grad``); ``training`` = persistent terms + gradients + activations + trajectories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .accelerate_config import Parallelism
+from .gpus import GPU
+from .model_specs import ModelSpec, load_model_spec
+from .step import StepMeasure, StepSettings, measure_full_depth
+
+GB = 1e9
+#: GPU-resident reward models: parameters and bytes a parameter (the registry's models at their load dtype).
+REWARD_MODEL_PARAMS: dict[str, tuple[float, int]] = {
+    "pickscore": (986e6, 2),     # yuvalkirstain/PickScore_v1: CLIP ViT-H/14, fp16
+    "clipscore": (428e6, 2),     # openai/clip-vit-large-patch14
+    "aesthetic": (428e6 + 0.8e6, 2),  # CLIP ViT-L/14 + the LAION aesthetic MLP
+}
+CUDA_CONTEXT_GB = 0.75
+NCCL_BUFFERS_GB = 0.5
+FRAGMENTATION = 0.10
+
+
+@dataclass
+class PlanInputs:
+    """Everything a plan depends on."""
+
+    spec: ModelSpec
+    settings: StepSettings
+    parallel: Parallelism
+    gpu: GPU
+    gradient_accumulation_steps: int
+    optimizer: str
+    quantization: str | None
+    use_ema: bool
+    offload_text_encoders: bool
+    rewards: tuple[str, ...]
+    trained_steps: int
+
+
+@dataclass
+class Plan:
+    inputs: PlanInputs
+    breakdown: dict[str, float]
+    phases: dict[str, float]
+    step_flops: float
+    step_time_s: float
+    comm_time_s: float
+    method: str
+    notes: list[str] = field(default_factory=list)
+    deepspeed_check: dict[str, float] | None = None
+
+    @property
+    def peak_gb(self) -> float:
+        return max(self.phases.values())
+
+
+def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> StepSettings:
+    args = training_args
+    height, width = args.image_size
+    steps = int(args.num_inference_steps)
+    if trainer == "diffusion_nft":
+        trained = max(1, int(math.floor(steps * float(getattr(args, "timestep_fraction", 1.0)))))
+    else:
+        window = int(getattr(args, "sde_window_size", 0) or 0)
+        trained = window if window > 0 else max(1, steps - 1)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+        str(args.dtype), torch.bfloat16)
+    micro = int(args.per_device_train_batch_size)
+    return StepSettings(
+        height=int(height), width=int(width), num_frames=int(getattr(args, "num_frames", 1) or 1), micro_batch=micro,
+        num_inference_steps=steps, trained_steps=trained, guidance_scale=float(args.guidance_scale),
+        text_tokens=int(args.max_sequence_length), dtype=dtype, use_lora=bool(model_args.use_peft),
+        lora_r=int(model_args.lora_r), lora_alpha=int(model_args.lora_alpha),
+        lora_targets=tuple(model_args.lora_target_modules or ()),
+        checkpointing=bool(args.activation_checkpointing or args.gradient_checkpointing),
+        beta=float(args.beta), trainer=trainer, noise_level=float(getattr(args, "noise_level", 0.7) or 0.0),
+        sde_type=str(getattr(args, "sde_type", "sde") or "sde"),
+        decode_batch=min(micro, int(getattr(args, "vae_decode_batch_size", None) or micro)))
+
+
+def _opt_bytes_per_param(optimizer: str, param_bytes: int) -> float:
+    if "8bit" in optimizer:
+        return 2.0 + 2 * 4 / 2048  # two uint8 states + a float32 scale per 2048-element block each
+    if optimizer.startswith("sgd"):
+        return 0.0
+    return 2.0 * param_bytes
+
+
+def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blocks: int) -> Plan:
+    """Per-GPU memory terms, phases, FLOPs and time from a measured step."""
+    spec, s, par = inputs.spec, inputs.settings, inputs.parallel
+    n = par.world_size
+    b = s.dtype.itemsize
+    experts = spec.experts
+    params = {k: v * experts for k, v in measure.params.items()}
+    trainable, frozen = params["trainable"], params["frozen"]
+    block_max = smallest.params.get("block_max", 0.0) if blocks > 1 else measure.params.get("block_max", 0.0)
+    linear = params["linear"]
+    notes: list[str] = []
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+    if inputs.quantization == "4bit":
+        frozen_bytes = linear * (0.5 + 1 / 16) + (frozen - linear) * b
+    elif inputs.quantization == "8bit":
+        frozen_bytes = linear * (1 + 1 / 64) + (frozen - linear) * b
+    else:
+        frozen_bytes = frozen * b
+    if s.use_lora:
+        train_bytes = 4
+    elif par.kind == "fsdp" and par.mixed_precision != "no":
+        train_bytes = 4
+        notes.append("FSDP2 with mixed precision: accelerate upcasts the trained parameters to float32.")
+    else:
+        train_bytes = b
+    other_weights = (spec.text_encoder_total * b if not inputs.offload_text_encoders else 0.0)
+    vae_params = _vae_params(spec)
+    other_weights += vae_params * b
+    opt_per_param = _opt_bytes_per_param(inputs.optimizer, train_bytes)
+
+    gather = 0.0
+    if par.kind in ("single", "ddp"):
+        weights = frozen_bytes + trainable * train_bytes
+        grads = trainable * train_bytes * (2 if par.kind == "ddp" else 1)
+        opt = trainable * opt_per_param
+    elif par.kind == "fsdp":
+        weights = (frozen_bytes + trainable * train_bytes) / n
+        gather = (params["total"] * b) if not par.reshard_after_forward else 2 * block_max * b
+        weights += gather
+        grads = trainable * train_bytes / n + (block_max * 4 if not s.use_lora else 0.0)
+        opt = trainable * opt_per_param / n
+        if par.offload_params:
+            weights, grads, opt = gather, 0.0, 0.0
+            notes.append("fsdp_offload_params: parameters, gradients and optimizer states live in CPU memory.")
+    else:  # DeepSpeed ZeRO, as FSDP2-equivalent sharding plus ZeRO's float32 master partition
+        largest = 4 * block_max
+        if par.kind == "zero2":
+            weights = frozen_bytes + trainable * b
+            grads = trainable * b + trainable * 4 / n
+        else:
+            weights = (frozen_bytes + trainable * b) / n + largest
+            grads = trainable * (b + 4) / n
+        opt = trainable * 12 / n
+        if par.offload_optimizer:
+            opt = 0.0
+            grads = trainable * b if par.kind == "zero2" else trainable * b / n
+    # ---- copies ---------------------------------------------------------------------------------------------------
+    shard = n if par.kind in ("fsdp", "zero3") else 1
+    copies = 0.0
+    if inputs.use_ema:
+        copies += trainable * 4 / shard
+    if s.trainer == "diffusion_nft":
+        copies += trainable * 4 / shard if s.use_lora else params["total"] * b / shard
+    if s.beta > 0 and not s.use_lora and s.trainer == "flow_grpo":
+        copies += params["total"] * b  # the frozen reference copy lives outside FSDP / ZeRO: whole on every GPU
+        if n > 1 and par.kind in ("fsdp", "zero2", "zero3"):
+            notes.append("full fine-tuning with beta > 0 keeps an unsharded reference copy of the transformer on "
+                         "every GPU; beta: 0 removes it.")
+    trajectories = inputs.gradient_accumulation_steps * measure.latent_bytes * (2 * s.trained_steps + 1)
+    copies += trajectories
+    # ---- reward ------------------------------------------------------------------------------------------------
+    reward = sum(REWARD_MODEL_PARAMS[r][0] * REWARD_MODEL_PARAMS[r][1] for r in set(inputs.rewards)
+                 if r in REWARD_MODEL_PARAMS)
+    # ---- activations ---------------------------------------------------------------------------------------------
+    activations = measure.training_bytes  # measured without the gradients, which are counted (sharded) above
+    rollout_transient = max(measure.rollout_bytes, measure.decode_bytes)
+    dynamic = max(activations, rollout_transient)
+    overhead = CUDA_CONTEXT_GB * GB + (NCCL_BUFFERS_GB * GB if n > 1 else 0.0) + FRAGMENTATION * dynamic
+    persistent = weights + opt + copies + reward + overhead
+    phases = {"rollout": (persistent + rollout_transient) / GB,
+              "training": (persistent + grads + activations) / GB}
+    breakdown = {"weights": weights + other_weights, "gradients": grads, "optimizer_states": opt,
+                 "activations": activations, "copies": copies, "reward_model": reward, "overhead": overhead}
+    phases = {k: v + other_weights / GB for k, v in phases.items()}
+    breakdown = {k: v / GB for k, v in breakdown.items()}
+
+    # ---- FLOPs and time -------------------------------------------------------------------------------------------
+    ga = inputs.gradient_accumulation_steps
+    decode = measure.decode_flops * math.ceil(s.micro_batch / max(1, s.decode_batch))
+    step_flops = ga * (measure.rollout_flops + decode + measure.training_flops)  # recomputation counted as run
+    from .calibration import MFU
+
+    compute_s = step_flops / (MFU * inputs.gpu.bf16_tflops * 1e12)
+    comm_bytes = _collective_bytes(par, params, trainable, train_bytes, b, s, ga)
+    comm_s = comm_bytes / (inputs.gpu.interconnect_gbs * 1e9) if n > 1 else 0.0
+    method = "analytic" if par.kind in ("zero2", "zero3") else "fake_tensors"
+    plan = Plan(inputs, breakdown, phases, step_flops, compute_s + comm_s, comm_s, method, notes)
+    if par.kind in ("zero2", "zero3") and not s.use_lora:
+        plan.deepspeed_check = _deepspeed_states(par, params["total"], block_max, n)
+    return plan
+
+
+def _vae_params(spec: ModelSpec) -> float:
+    key = (spec.vae_class, repr(sorted(spec.vae_config.items())))
+    if key not in _VAE_PARAMS:
+        import diffusers
+
+        with torch.device("meta"):
+            vae = getattr(diffusers, spec.vae_class).from_config(spec.vae_config)
+        _VAE_PARAMS[key] = float(sum(p.numel() for p in vae.parameters()))
+    return _VAE_PARAMS[key]
+
+
+_VAE_PARAMS: dict[tuple, float] = {}
+
+
+def _collective_bytes(par: Parallelism, params: dict[str, float], trainable: float, train_bytes: int, b: int,
+                      s: StepSettings, ga: int) -> float:
+    """Bytes each GPU sends per optimizer step (ring collectives: (N-1)/N of the buffer per all-gather or
+    reduce-scatter, twice that per all-reduce)."""
+    n = par.world_size
+    if n <= 1:
+        return 0.0
+    ring = (n - 1) / n
+    if par.kind == "ddp" or par.kind == "zero2":
+        return 2 * ring * trainable * train_bytes
+    # FSDP2 / ZeRO-3: every forward gathers the parameters; every backward gathers them again and reduce-scatters
+    # the gradients
+    forwards = ga * (s.num_inference_steps * 1 + s.trained_steps * (2 + (1 if s.beta > 0 else 0)))
+    backwards = ga * s.trained_steps
+    return ring * (forwards * params["total"] * b + backwards * (params["total"] * b + trainable * train_bytes))
+
+
+def _deepspeed_states(par: Parallelism, total_params: float, largest_layer: float, n: int) -> dict[str, float]:
+    """DeepSpeed's own estimate of the model states per GPU (GB) for full fine-tuning, next to ours."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        if par.kind == "zero2":
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+            _, gpu = estimate_zero2_model_states_mem_needs(int(total_params), num_gpus_per_node=n, cpu_offload=False)
+        else:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+            _, gpu, *_ = estimate_zero3_model_states_mem_needs(int(total_params), int(largest_layer),
+                                                           num_gpus_per_node=n, cpu_offload=False)
+    return {"deepspeed_model_states_gb": gpu / GB}
+
+
+def plan_inputs(script_args: Any, model_args: Any, training_args: Any, parallel: Parallelism, gpu: GPU,
+                spec: ModelSpec | None = None) -> PlanInputs:
+    spec = spec or load_model_spec(str(model_args.model_name_or_path))
+    settings = settings_from_args(training_args, model_args, script_args.trainer)
+    return PlanInputs(spec=spec, settings=settings, parallel=parallel, gpu=gpu,
+                      gradient_accumulation_steps=int(training_args.gradient_accumulation_steps),
+                      optimizer=str(getattr(training_args.optim, "value", training_args.optim)),
+                      quantization=getattr(training_args, "quantization", None),
+                      use_ema=bool(getattr(training_args, "use_ema", False)),
+                      offload_text_encoders=bool(getattr(training_args, "offload_text_encoders", False)),
+                      rewards=tuple(script_args.reward_funcs or ()), trained_steps=settings.trained_steps)
+
+
+def check_wrap_classes(spec: ModelSpec, parallel: Parallelism) -> None:
+    """FSDP's ``fsdp_transformer_layer_cls_to_wrap`` must name classes of the model (accelerate refuses the run
+    otherwise, after the weights are loaded): checked here on the model built on the meta device."""
+    if parallel.kind != "fsdp" or not parallel.wrap_classes:
+        return
+    from .step import build_on_meta
+
+    transformer, _ = build_on_meta(spec)
+    present = {type(m).__name__ for m in transformer.modules()}
+    missing = [c for c in parallel.wrap_classes if c not in present]
+    if missing:
+        blocks = sorted(c for c in present if c.endswith(("Block", "Model")) and "Embed" not in c)
+        raise ValueError(f"{parallel.source}: fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which "
+                         f"{spec.name} ({spec.transformer_class}) does not have; accelerate would refuse to wrap it. "
+                         f"Its block classes: {', '.join(blocks)}. Use the family's config (accelerate_configs/"
+                         "fsdp8_flux.yaml, fsdp8_qwenimage.yaml, fsdp8_wan.yaml) or list those classes.")
+
+
+def make_plan(inputs: PlanInputs) -> Plan:
+    measure, smallest, blocks = measure_full_depth(inputs.spec, inputs.settings)
+    return compose(inputs, measure, smallest, blocks)
+
+
+def suggestions(plan: Plan) -> list[dict[str, Any]]:
+    """Concrete changes, each re-planned (a new fake-tensor measurement where the step's shapes change)."""
+    inputs = plan.inputs
+    s, par = inputs.settings, inputs.parallel
+    out: list[dict[str, Any]] = []
+
+    def add(change: str, new_inputs: PlanInputs) -> None:
+        try:
+            peak = make_plan(new_inputs).peak_gb
+        except Exception as err:  # a change this model cannot take is reported, not fatal
+            out.append({"change": change, "peak_memory_gb": None, "error": str(err)[:200]})
+            return
+        out.append({"change": change, "peak_memory_gb": round(peak, 2)})
+
+    if not s.checkpointing:
+        add("activation_checkpointing: true",
+            dataclasses.replace(inputs, settings=dataclasses.replace(s, checkpointing=True)))
+    if not s.use_lora:
+        add("use_peft: true (LoRA r=32)", dataclasses.replace(
+            inputs, settings=dataclasses.replace(s, use_lora=True, lora_r=32, lora_alpha=64)))
+    if "8bit" not in inputs.optimizer:
+        add("optim: adamw_bnb_8bit", dataclasses.replace(inputs, optimizer="adamw_bnb_8bit"))
+    if s.micro_batch > 1:
+        half = s.micro_batch // 2
+        add(f"per_device_train_batch_size: {half} (gradient_accumulation_steps: "
+            f"{inputs.gradient_accumulation_steps * 2})",
+            dataclasses.replace(inputs, gradient_accumulation_steps=inputs.gradient_accumulation_steps * 2,
+                                settings=dataclasses.replace(s, micro_batch=half, decode_batch=min(s.decode_batch,
+                                                                                                   half))))
+    if s.decode_batch > 1:
+        add("vae_decode_batch_size: 1", dataclasses.replace(inputs, settings=dataclasses.replace(s, decode_batch=1)))
+    if not inputs.offload_text_encoders and inputs.spec.text_encoder_total:
+        add("cache_prompt_embeddings: true, offload_text_encoders: true",
+            dataclasses.replace(inputs, offload_text_encoders=True))
+    if par.kind == "fsdp" and not par.offload_params:
+        add("fsdp_offload_params: true (CPU offload)", dataclasses.replace(
+            inputs, parallel=dataclasses.replace(par, offload_params=True)))
+    elif par.kind in ("zero2", "zero3") and not par.offload_optimizer:
+        add("offload_optimizer_device: cpu", dataclasses.replace(
+            inputs, parallel=dataclasses.replace(par, offload_optimizer=True)))
+    more = max(2, par.world_size * 2)
+    target = par if par.kind in ("fsdp", "zero2", "zero3") else Parallelism(
+        "fsdp", more, (), True, False, False, par.mixed_precision, "suggested")
+    add(f"{more} GPUs ({'FSDP2' if target.kind == 'fsdp' else target.kind})",
+        dataclasses.replace(inputs, parallel=target.with_world(more) if target is par else
+                            dataclasses.replace(target, world_size=more)))
+    return out
+
+
+__all__ = ["Plan", "PlanInputs", "REWARD_MODEL_PARAMS", "check_wrap_classes", "compose", "make_plan", "plan_inputs", "settings_from_args",
+           "suggestions"]

@@ -1,0 +1,397 @@
+"""One training step of a recipe, run on fake tensors at the model's real widths: rollout, decode, loss over the
+trained timesteps, backward. Memory is counted with :class:`~flowgrpo.plan.tracking.LiveBytes`, FLOPs with
+``torch.utils.flop_counter.FlopCounterMode``.
+
+The transformer is built from its config on the meta device, gets the recipe's LoRA (peft) and gradient
+checkpointing, and is materialised as CPU fake tensors (``FakeTensorMode``; fake "cuda" tensors would break the
+device lookups of a machine without CUDA). The step calls the family adapter's own ``prepare_latents``,
+``set_timesteps`` (on the real scheduler: schedules stay real tensors) and ``predict_velocity`` (CFG included), the
+SDE step with its log-probability (``sde_step_from_sigmas``), the reference forward of the KL term, DiffusionNFT's
+old-policy forward, and the VAE's decode.
+
+Depth scaling. A full-size step is linear in the number of blocks of each kind, so the planner measures small
+copies with the real widths: the base copy has every depth key (``num_layers``, ``num_single_layers``) at 2 (so
+that the largest block's transient, e.g. its recomputation under gradient checkpointing, is already in it, and SD3's
+last, context-only block is not the one repeated) and block 0 in each block-index list (SD3's
+``dual_attention_layers``); then each key at 3; then each list holding blocks 0 and 1. With b_k = min(2, N_k):
+
+    total = R(base) + sum_k (N_k - b_k) (R(k at b_k + 1) - R(base)) + sum_L (|L| - 1) (R(L = [0, 1]) - R(base)).
+
+This is exact for parameter counts and FLOPs and, for the training peak, exact when the peak is reached at the same
+place in every copy (the start of the backward, when every block's saved activations are alive). The rollout runs
+without gradients, so nothing accumulates over blocks: its peak is the largest of the copies' peaks. Models under
+``FULL_DEPTH_PARAMS`` are measured at full depth instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .model_specs import ModelSpec
+from .tracking import LiveBytes, flash_attention_patched
+
+#: Config keys that count blocks, and config keys listing block indices with an extra part.
+DEPTH_KEYS = ("num_layers", "num_single_layers")
+INDEX_LIST_KEYS = ("dual_attention_layers",)
+#: Transformers up to this many parameters are measured at full depth (CPU presets: exact, no scaling).
+FULL_DEPTH_PARAMS = 300_000_000
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What the step depends on, read from the recipe's training arguments."""
+
+    height: int
+    width: int
+    num_frames: int
+    micro_batch: int
+    num_inference_steps: int
+    trained_steps: int               # backward passes per micro-batch (SDE window, or DiffusionNFT's noise levels)
+    guidance_scale: float
+    text_tokens: int                 # max_sequence_length
+    dtype: torch.dtype
+    use_lora: bool
+    lora_r: int
+    lora_alpha: int
+    lora_targets: tuple[str, ...]
+    checkpointing: bool
+    beta: float
+    trainer: str                     # "flow_grpo" | "diffusion_nft"
+    noise_level: float
+    sde_type: str
+    decode_batch: int
+
+
+@dataclass
+class StepMeasure:
+    """Bytes and FLOPs of one micro-batch's step on one GPU (before sharding), and parameter counts."""
+
+    rollout_bytes: float = 0.0       # transient peak of one sampling trajectory (no gradients)
+    training_bytes: float = 0.0      # transient peak of one trained step's forward + backward, gradients excluded
+    decode_bytes: float = 0.0        # transient peak of decoding one slice of the micro-batch
+    rollout_flops: float = 0.0       # FLOPs of the whole trajectory of one micro-batch
+    training_flops: float = 0.0      # FLOPs of all trained steps of one micro-batch (forward, recompute, backward)
+    decode_flops: float = 0.0
+    latent_bytes: float = 0.0        # one micro-batch's latents in float32
+    block_io_bytes: float = 0.0      # one block's input hidden states (image + text streams) for one trained step
+    params: dict[str, float] = field(default_factory=dict)  # "total", "trainable", "block_max", "linear"
+
+    def combine(self, other: StepMeasure, weight: float) -> StepMeasure:
+        keys = ("rollout_bytes", "training_bytes", "decode_bytes", "rollout_flops", "training_flops", "decode_flops",
+                "block_io_bytes", "latent_bytes")
+        out = StepMeasure(**{k: getattr(self, k) + weight * getattr(other, k) for k in keys})
+        out.params = {k: self.params.get(k, 0) + weight * other.params.get(k, 0) for k in self.params}
+        return out
+
+    def minus(self, other: StepMeasure) -> StepMeasure:
+        return self.combine(other, -1.0)
+
+
+_DECODE_CACHE: dict[tuple, tuple[float, float]] = {}
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _diffusers_class(name: str):
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
+def build_on_meta(spec: ModelSpec, transformer_config: dict[str, Any] | None = None):
+    """(transformer, vae) built from their configs on the meta device (no memory, no initialisation)."""
+    with torch.device("meta"):
+        transformer = _diffusers_class(spec.transformer_class).from_config(
+            transformer_config if transformer_config is not None else spec.transformer_config)
+        vae = _diffusers_class(spec.vae_class).from_config(spec.vae_config)
+    return transformer, vae
+
+
+def _pipeline(spec: ModelSpec, transformer, vae):
+    """The family's diffusers pipeline around the fake transformer and VAE (no text encoders, no tokenizers)."""
+    import inspect
+
+    cls = _diffusers_class(spec.pipeline_class)
+    scheduler = _diffusers_class(spec.scheduler_class).from_config(spec.scheduler_config)
+    params = inspect.signature(cls.__init__).parameters
+    kwargs = {name: None for name, p in params.items() if name != "self" and p.default is inspect.Parameter.empty}
+    kwargs.update(transformer=transformer, vae=vae, scheduler=scheduler)
+    return cls(**kwargs)
+
+
+def _adapter(spec: ModelSpec, pipeline, num_frames: int):
+    from ..models import family_adapter_class
+
+    adapter = family_adapter_class(spec.pipeline_class)(pipeline, num_frames=num_frames)
+    if hasattr(adapter, "_mask_or_none"):  # every text token valid: the longest sequence (no data-dependent check)
+        adapter._mask_or_none = lambda mask: None
+    return adapter
+
+
+def conditioning(spec: ModelSpec, config: dict[str, Any], batch: int, text_tokens: int, latents: torch.Tensor,
+                 dtype: torch.dtype):
+    """Prompt embeddings of the family's shapes (what its ``encode_prompts`` returns), for ``batch`` samples."""
+    from ..models import PromptEmbeds
+
+    family = spec.family
+    if family == "sd3":
+        return PromptEmbeds({
+            "prompt_embeds": torch.zeros(batch, 77 + text_tokens, config["joint_attention_dim"], dtype=dtype),
+            "pooled_prompt_embeds": torch.zeros(batch, config["pooled_projection_dim"], dtype=dtype)})
+    if family in ("flux", "flux_kontext"):
+        tensors = {"prompt_embeds": torch.zeros(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
+                   "pooled_prompt_embeds": torch.zeros(batch, config["pooled_projection_dim"], dtype=dtype)}
+        if family == "flux_kontext":
+            tensors["image_latents"] = torch.zeros_like(latents, dtype=dtype)
+        return PromptEmbeds(tensors)
+    if family in ("qwenimage", "qwenimage_edit"):
+        tensors = {"prompt_embeds": torch.zeros(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
+                   "prompt_embeds_mask": torch.ones(batch, text_tokens, dtype=torch.long)}
+        if family == "qwenimage_edit":
+            tensors["image_latents"] = torch.zeros_like(latents, dtype=dtype)
+        return PromptEmbeds(tensors)
+    if family == "wan":
+        return PromptEmbeds({"prompt_embeds": torch.zeros(batch, text_tokens, config["text_dim"], dtype=dtype)})
+    raise ValueError(f"The planner has no conditioning shapes for family {family!r}; add them to "
+                     "flowgrpo.plan.step.conditioning.")
+
+
+def _prepare_transformer(transformer, settings: StepSettings, adapter_targets: tuple[str, ...]):
+    transformer.requires_grad_(False)
+    transformer.to(settings.dtype)  # gradient checkpointing (below) runs for real, as torch's checkpoint
+    if settings.use_lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = list(settings.lora_targets or adapter_targets)
+        model = get_peft_model(transformer, LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha,
+                                                       target_modules=targets, init_lora_weights="gaussian"))
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()  # as the trainer: LoRA tensors train in float32
+    else:
+        transformer.requires_grad_(True)
+        model = transformer
+    if settings.checkpointing:
+        import functools
+
+        from torch.utils.checkpoint import checkpoint
+
+        # torch's checkpoint as the trainer enables it (non-reentrant); no RNG state is saved: it changes no memory
+        # (the blocks have no dropout) and forking the RNG state dominates its cost under fake tensors
+        transformer.enable_gradient_checkpointing(
+            gradient_checkpointing_func=functools.partial(checkpoint, use_reentrant=False, preserve_rng_state=False))
+    return model
+
+
+def _param_counts(transformer, model) -> dict[str, float]:
+    blocks = [m for name, m in transformer.named_children() if isinstance(m, torch.nn.ModuleList)]
+    block_max = max((sum(p.numel() for p in b.parameters()) for lst in blocks for b in lst), default=0)
+    linear = sum(m.weight.numel() for m in transformer.modules() if type(m) is torch.nn.Linear)
+    total = sum(p.numel() for p in transformer.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return {"total": float(total), "trainable": float(trainable), "frozen": float(frozen),
+            "block_max": float(block_max), "linear": float(linear)}
+
+
+def _counting(count_memory: bool = True):
+    """One mode counting live bytes and FLOPs (``LiveBytes``), and a no-op stand-in entered beside it."""
+    live = LiveBytes()
+    return live, contextlib.nullcontext(live)
+
+
+def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[str, Any] | None = None, *,
+             fake: bool = True, real_modules: tuple | None = None, rollout_only: bool = False,
+             decode: bool = True) -> StepMeasure:
+    """Run one micro-batch's rollout, decode and training on the transformer of ``transformer_config`` (default:
+    the full one) and return its measured bytes and FLOPs. ``fake=False`` runs the same step on real tensors
+    (``real_modules``: the (transformer, vae) to use), for the fidelity checks."""
+    from ..schedulers.sde_step import sde_step_from_sigmas
+
+    config = dict(transformer_config if transformer_config is not None else spec.transformer_config)
+    if real_modules is None:
+        transformer, vae = build_on_meta(spec, config)
+    else:
+        transformer, vae = real_modules
+    measure = StepMeasure()
+    mode = _fake_mode() if fake else contextlib.nullcontext()
+    generator = torch.Generator().manual_seed(0)
+    from ..models import family_adapter_class
+
+    vae.to(settings.dtype).requires_grad_(False)
+    model = _prepare_transformer(transformer, settings,
+                                 tuple(family_adapter_class(spec.pipeline_class).default_lora_target_modules))
+    measure.params = _param_counts(transformer, model)
+    # the pipeline, its adapter and the schedule are built on real tensors, before fake mode starts
+    pipeline = _pipeline(spec, transformer, vae)
+    adapter = _adapter(spec, pipeline, settings.num_frames)
+    height, width, batch = settings.height, settings.width, settings.micro_batch
+    scheduler = pipeline.scheduler
+    if spec.scheduler_class != "FlowMatchEulerDiscreteScheduler":
+        from ..schedulers.scheduling_flow_match_sde import FlowMatchSDEScheduler
+
+        scheduler = FlowMatchSDEScheduler.from_config(adapter.sde_scheduler_config())
+    adapter.set_timesteps(scheduler, settings.num_inference_steps, height, width, torch.device("cpu"))
+    sigmas = [float(s) for s in scheduler.sigmas]   # plain numbers: no data-dependent op under fake mode
+    timesteps = [float(t) for t in scheduler.timesteps]
+    import json
+
+    decode_key = (spec.vae_class, json.dumps(spec.vae_config, sort_keys=True), height, width, settings.num_frames,
+                  settings.decode_batch, str(settings.dtype), spec.family)
+    if fake and decode and decode_key in _DECODE_CACHE:  # the same VAE decoding the same slice: measured before
+        measure.decode_bytes, measure.decode_flops = _DECODE_CACHE[decode_key]
+        decode = False
+    with flash_attention_patched(), mode:
+        if fake:
+            model.to_empty(device="cpu")
+            if decode:
+                vae.to_empty(device="cpu")
+        latents = adapter.prepare_latents(batch, height, width, generator if not fake else None,
+                                          torch.device("cpu"), torch.float32)
+        embeds = conditioning(spec, config, batch, settings.text_tokens, latents, settings.dtype)
+        negative = conditioning(spec, config, batch, settings.text_tokens, latents, settings.dtype) \
+            if adapter.uses_cfg(settings.guidance_scale) else None
+
+        def velocity(net, x, t_value):
+            t = torch.full((batch,), t_value, dtype=torch.float32)
+            return adapter.predict_velocity(net, x.to(settings.dtype), t, embeds, settings.guidance_scale, negative,
+                                            height, width).float()
+
+        image_tokens, text_tokens = adapter.sequence_lengths(embeds, latents)
+        rows = batch * (2 if negative is not None else 1)
+        inner = int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 1))
+        measure.latent_bytes = float(latents.numel() * 4)
+        measure.block_io_bytes = float(rows * (image_tokens + text_tokens) * inner * settings.dtype.itemsize)
+
+        # ---- rollout: one sampling step (every step has the same shapes), no gradients -----------------------------
+        live, flops = _counting(True)
+        with torch.no_grad(), live, flops:
+            v = velocity(model, latents, timesteps[0])
+            out = sde_step_from_sigmas(v, latents, sigmas[0], sigmas[1], noise_level=settings.noise_level,
+                                       sde_type=settings.sde_type, generator=None, sigma_max_fallback=sigmas[1])
+            x_next, old_log_prob = out.prev_sample, out.log_prob
+            del v, out
+        measure.rollout_bytes = live.peak
+        measure.rollout_flops = live.get_total_flops() * settings.num_inference_steps
+
+        # ---- decode: one slice of the micro-batch ------------------------------------------------------------------
+        if decode:  # the VAE does not change with the transformer's depth: measured once
+            live, flops = _counting(True)
+            with torch.no_grad(), live, flops:
+                images = adapter.decode(x_next[: settings.decode_batch].to(settings.dtype), height, width)
+                del images
+            measure.decode_bytes, measure.decode_flops = live.peak, live.get_total_flops()
+            if fake:
+                _DECODE_CACHE[decode_key] = (measure.decode_bytes, measure.decode_flops)
+
+        if rollout_only:
+            return measure
+        # ---- training: one trained step's forward and backward (one backward per step: each step alike) -----------
+        live, flops = _counting(True)
+        hooks = [p.register_post_accumulate_grad_hook(lambda param: live.exclude(param.grad))
+                 for p in model.parameters() if p.requires_grad]
+        with live, flops:
+            if settings.trainer == "flow_grpo":
+                v = velocity(model, latents, timesteps[0])
+                out = sde_step_from_sigmas(v, latents, sigmas[0], sigmas[1], prev_sample=x_next,
+                                           noise_level=settings.noise_level, sde_type=settings.sde_type,
+                                           sigma_max_fallback=sigmas[1])
+                loss = -torch.exp(out.log_prob - old_log_prob).mean()
+                if settings.beta > 0:
+                    with torch.no_grad():
+                        v_ref = _reference_velocity(model, velocity, latents, timesteps[0], settings)
+                    loss = loss + settings.beta * ((v - v_ref) ** 2).mean()
+            else:  # DiffusionNFT: old-policy forward (no gradient), trained forward, reference forward
+                sigma = sigmas[0]
+                x_t = (1 - sigma) * x_next + sigma * latents
+                with torch.no_grad():
+                    v_old = velocity(model, x_t, timesteps[0])
+                v = velocity(model, x_t, timesteps[0])
+                loss = ((v - v_old) ** 2).mean()
+                if settings.beta > 0:
+                    with torch.no_grad():
+                        v_ref = _reference_velocity(model, velocity, x_t, timesteps[0], settings)
+                    loss = loss + settings.beta * ((v - v_ref) ** 2).mean()
+            loss.backward()
+            del loss, v
+        for hook in hooks:
+            hook.remove()
+        measure.training_bytes = live.peak_excluding  # gradients are a term of their own (sharded by FSDP / ZeRO)
+        measure.training_flops = live.get_total_flops() * settings.trained_steps
+    return measure
+
+
+def _reference_velocity(model, velocity, x, t_value, settings: StepSettings):
+    if settings.use_lora:
+        with model.disable_adapter():
+            return velocity(model, x, t_value)
+    return velocity(model, x, t_value)  # full fine-tuning: a frozen copy of the same size (its weights: "copies")
+
+
+def reduced_configs(spec: ModelSpec) -> list[tuple[dict[str, Any], float]]:
+    """The small copies to measure and the weight of each one's difference from the first (module docstring)."""
+    full = spec.transformer_config
+    counts = {k: int(full.get(k, 0) or 0) for k in DEPTH_KEYS if int(full.get(k, 0) or 0) > 0}
+    lists = [k for k in INDEX_LIST_KEYS if full.get(k)]
+    base_depth = {k: min(2, n) for k, n in counts.items()}
+    base = dict(full, **base_depth, **{k: [0] for k in lists})
+    plan: list[tuple[dict[str, Any], float]] = [(base, 1.0)]
+    for k, n in counts.items():
+        if n > base_depth[k]:
+            plan.append((dict(base, **{k: base_depth[k] + 1}), float(n - base_depth[k])))
+    for k in lists:
+        if len(full[k]) > 1 and base_depth.get("num_layers", 0) >= 2:
+            plan.append((dict(base, **{k: [0, 1]}), float(len(full[k]) - 1)))
+    return plan
+
+
+_CACHE: dict[tuple, tuple[StepMeasure, StepMeasure, int]] = {}
+
+
+def measure_full_depth(spec: ModelSpec, settings: StepSettings, *, full_depth: bool | None = None
+                       ) -> tuple[StepMeasure, StepMeasure, int]:
+    """``(total, smallest, blocks)``: the step of the full-depth model (measured directly for small models, else
+    combined from small copies), the step of the smallest copy measured, and the full model's block count.
+    Results are kept per (model, settings) for the process (suggestions re-plan from them)."""
+    import json
+
+    key = (spec.name, json.dumps(spec.transformer_config, sort_keys=True), settings, full_depth)
+    if key in _CACHE:
+        return _CACHE[key]
+    full = spec.transformer_config
+    blocks = sum(int(full.get(k, 0) or 0) for k in DEPTH_KEYS)
+    if full_depth is None:
+        transformer, _ = build_on_meta(spec)
+        full_depth = sum(p.numel() for p in transformer.parameters()) <= FULL_DEPTH_PARAMS
+        del transformer
+    if full_depth:
+        total = run_step(spec, settings)
+        result = (total, total, 1)
+    else:
+        plan = reduced_configs(spec)
+        base = run_step(spec, settings, plan[0][0])
+        total = copy.deepcopy(base)
+        rollout_peaks = [base.rollout_bytes]
+        for config, weight in plan[1:]:
+            copy_step = run_step(spec, settings, config, decode=False)
+            copy_step.decode_bytes, copy_step.decode_flops = base.decode_bytes, base.decode_flops
+            rollout_peaks.append(copy_step.rollout_bytes)
+            total = total.combine(copy_step.minus(base), weight)
+        # without gradients nothing accumulates over blocks: the rollout's peak is the largest block's, not a sum
+        total.rollout_bytes = max(rollout_peaks)
+        result = (total, base, blocks)
+    _CACHE[key] = result
+    return result
+
+
+__all__ = ["DEPTH_KEYS", "FULL_DEPTH_PARAMS", "StepMeasure", "StepSettings", "build_on_meta", "conditioning",
+           "measure_full_depth", "reduced_configs", "run_step"]
