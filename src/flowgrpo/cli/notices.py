@@ -7,6 +7,9 @@ newcomer's first ``make demo`` shows the run, not these lines:
   diffusers' SD3 / FLUX modules name those processors (for IP-adapters); the PIL version is what a run here wants.
 * bitsandbytes: "Failed to load CPU gemm_4bit_forward from kernels-community". The optional ``kernels`` package
   speeds up 4-bit matrix products on CPUs; 4-bit models are trained here on GPUs only (``recipes/sd35m_24gb.yaml``).
+* diffusers: "There are modules in ... that should be kept in float32: []" when a model is cast with ``.to(dtype)``
+  (the planner casts models built from configs): the list is empty, so nothing is kept in float32 and nothing is
+  inconsistent. The notice with a non-empty list still shows.
 * DeepSpeed: "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." It is
   imported (through accelerate and transformers) by every run, DeepSpeed or not; a CPU run knows it has no GPU.
 
@@ -23,6 +26,7 @@ __all__ = ["QUIET_NOTICES", "NoticeFilter", "quiet_library_notices"]
 QUIET_NOTICES = {
     "transformers.utils.import_utils": "requires torchvision (not installed); falling back to",
     "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
+    "diffusers.models.modeling_utils": "that should be kept in float32: []. Casting directly",
     "DeepSpeed": "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it",
 }
 
