@@ -24,10 +24,18 @@ class FamilyCase:
     variant: str | None = None
     num_frames: int = 1
     guidance_scale: float = 3.0   # FLUX.1 Kontext: embedded guidance; the others: true / ordinary CFG
+    source_images: int | None = None  # per row: None = the family's default (1 for editing families), k > 1 a list
+    max_sequence_length: int = 16     # FLUX.2 [dev]: its system message alone takes about 80 tokens
+
+    @property
+    def images_per_row(self) -> int:
+        if self.source_images is not None:
+            return self.source_images
+        return 1 if self.family in ("flux_kontext", "qwenimage_edit") else 0
 
     @property
     def edits(self) -> bool:
-        return self.family in ("flux_kontext", "qwenimage_edit")
+        return self.images_per_row > 0
 
 
 CASES = (
@@ -36,6 +44,11 @@ CASES = (
     FamilyCase("wan_two_experts", "wan", "two_experts", num_frames=5),
     FamilyCase("flux_kontext", "flux_kontext", guidance_scale=3.5),
     FamilyCase("qwenimage_edit", "qwenimage_edit"),
+    FamilyCase("flux2_klein", "flux2_klein"),
+    FamilyCase("zimage", "zimage"),
+    FamilyCase("flux2", "flux2", guidance_scale=3.5, source_images=2, max_sequence_length=128),
+    FamilyCase("qwenimage_edit_plus", "qwenimage_edit_plus", source_images=2),
+    FamilyCase("qwenimage21", "qwenimage21"),
 )
 CASE_IDS = [c.name for c in CASES]
 
@@ -51,8 +64,11 @@ def source_image(seed: int, size: int = SIZE) -> Image.Image:
 
 def dataset_rows(case: FamilyCase, n: int = 4) -> dict[str, list]:
     """``prompt`` (and ``image`` for editing families) columns of ``n`` rows."""
-    if case.edits:
+    k = case.images_per_row
+    if k == 1:
         return {"prompt": EDIT_PROMPTS[:n], "image": [source_image(i) for i in range(n)]}
+    if k > 1:  # several source images per row, as a list
+        return {"prompt": EDIT_PROMPTS[:n], "image": [[source_image(k * i + j) for j in range(k)] for i in range(n)]}
     return {"prompt": PROMPTS[:n]}
 
 
@@ -66,7 +82,7 @@ def config_kwargs(case: FamilyCase, **overrides) -> dict:
     kwargs = dict(
         report_to=[], per_device_train_batch_size=4, num_generations=2, resolution=SIZE, num_frames=case.num_frames,
         num_inference_steps=3, eval_num_inference_steps=3, guidance_scale=case.guidance_scale, max_steps=1,
-        learning_rate=1e-2, beta=0.0, max_sequence_length=16, logging_steps=1, save_strategy="no", disable_tqdm=True,
+        learning_rate=1e-2, beta=0.0, max_sequence_length=case.max_sequence_length, logging_steps=1, save_strategy="no", disable_tqdm=True,
         seed=0, log_images_steps=0, dtype="float32", negative_prompt="",
     )
     kwargs.update(overrides)

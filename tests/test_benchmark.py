@@ -12,6 +12,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flowgrpo.benchmarking import PRESETS, get_preset, step_flops, transformer_forward_flops
 from flowgrpo.benchmarking.flops import count_flops
+from flowgrpo.benchmarking.full_size_families import (
+    FLUX2_DEV_TRANSFORMER,
+    FLUX2_KLEIN_4B_TRANSFORMER,
+    ZIMAGE_TURBO_TRANSFORMER,
+)
 from flowgrpo.benchmarking.presets import (
     FLUX_DEV_TRANSFORMER,
     QWEN_IMAGE_TRANSFORMER,
@@ -169,6 +174,72 @@ def test_analytic_flops_match_torch_counter_on_full_size_qwenimage_and_wan(famil
     assert {"qwenimage": 20 < params < 21, "wan": 1.2 < params < 1.6 or 13.5 < params < 15}[family], params
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+@pytest.mark.parametrize("family", ["flux2_klein", "flux2", "zimage"])
+def test_analytic_flops_match_torch_counter_on_tiny_later_families(family, full, tiny_pipeline_path):
+    """FLUX.2 [klein] / [dev] (two reference images) and Z-Image, called through their adapters: forward and
+    backward, LoRA on the family's default targets or full fine-tuning."""
+    from diffusers import DiffusionPipeline
+    from peft import LoraConfig, get_peft_model
+    from PIL import Image
+
+    from flowgrpo.models import get_family_adapter
+
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_pipeline_path(family)))
+    adapter = get_family_adapter(pipe)
+    targets = list(adapter.default_lora_target_modules)
+    cpu = torch.device("cpu")
+    references = [[Image.new("RGB", (32, 32), (200, 30, 30)), Image.new("RGB", (32, 32), (30, 30, 200))]] * 2
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(["a cat", "a dog"], 20, cpu, images=references if family == "flux2" else None,
+                                        height=32, width=32)
+    latents = adapter.prepare_latents(2, 32, 32, torch.Generator().manual_seed(0), cpu, torch.float32)
+    n_img, n_txt = adapter.sequence_lengths(embeds, latents)
+    assert n_img == (12 if family == "flux2" else 4)  # 2x2 target tokens (and two 2x2 references)
+    config = dict(pipe.transformer.config)
+    if full:
+        model, expected = pipe.transformer.requires_grad_(True), transformer_forward_flops(family, config, n_img, n_txt)
+    else:
+        model = get_peft_model(pipe.transformer, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        expected = transformer_forward_flops(family, config, n_img, n_txt, lora_rank=4, lora_targets=targets)
+        assert expected.lora > 0
+    guidance = 0.0 if family == "zimage" else 1.0  # one pass
+    with sdpa_kernel(SDPBackend.MATH):
+        out = {}
+        assert count_flops(lambda: out.setdefault("v", adapter.predict_velocity(
+            model, latents, torch.full((2,), 500.0), embeds, guidance, None, 32, 32))) == 2 * expected.total
+        backward = count_flops(lambda: out["v"].float().square().mean().backward())
+    assert backward == 2 * expected.backward(full_finetune=full)
+
+
+@pytest.mark.parametrize("family, config", [("flux2_klein", FLUX2_KLEIN_4B_TRANSFORMER), ("flux2", FLUX2_DEV_TRANSFORMER),
+                                            ("zimage", ZIMAGE_TURBO_TRANSFORMER)],
+                         ids=["flux2-klein-4b", "flux2-dev", "zimage-turbo"])
+def test_analytic_flops_match_torch_counter_on_full_size_later_families(family, config):
+    """FLUX.2 [klein] 4B, FLUX.2 [dev] (32 B) and Z-Image Turbo (6 B) at full size on the meta device, at 512 px."""
+    from diffusers import Flux2Transformer2DModel, ZImageTransformer2DModel
+
+    with torch.device("meta"):
+        model = (ZImageTransformer2DModel if family == "zimage" else Flux2Transformer2DModel)(**config)
+    if family == "zimage":  # 64x64 latents (1024 patches); a 100-token prompt (both padded to multiples of 32)
+        n_img, n_txt = 1024, 100
+        args = ([torch.empty(16, 1, 64, 64, device="meta")], torch.empty(1, device="meta"),
+                [torch.empty(n_txt, 2560, device="meta")])
+        kwargs = {}
+    else:  # 32x32 packed tokens (FLUX.2 [dev]: plus one 512 px reference image); 512 padded text tokens
+        n_img, n_txt = (2048 if family == "flux2" else 1024), 512
+        args = ()
+        kwargs = dict(hidden_states=torch.empty(1, n_img, 128, device="meta"), timestep=torch.empty(1, device="meta"),
+                      guidance=torch.empty(1, device="meta") if family == "flux2" else None,
+                      encoder_hidden_states=torch.empty(1, n_txt, config["joint_attention_dim"], device="meta"),
+                      txt_ids=torch.zeros(1, n_txt, 4, device="meta"), img_ids=torch.zeros(1, n_img, 4, device="meta"))
+    expected = transformer_forward_flops(family, dict(model.config), n_img, n_txt)
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        assert count_flops(model, *args, **kwargs) == expected.total
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    assert {"flux2_klein": 3.8 < params < 4.0, "flux2": 31 < params < 33, "zimage": 6.0 < params < 6.3}[family], params
+
+
 def test_step_flops_counts_calls_and_cfg():
     fwd = transformer_forward_flops("sd3", dict(SD35M_TRANSFORMER), 1024, 333, 32, LORA_TARGETS)
     plain = step_flops(fwd, micro_batches=8, micro_batch_size=8, num_inference_steps=10, trained_steps=3, cfg=False)
@@ -214,12 +285,14 @@ def test_gpu_presets_match_the_issue():
 
 def test_gpu_presets_fail_clearly_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for name in ("sd35m-random", "flux-random", "qwenimage-random", "wan-random"):
+    for name in ("sd35m-random", "flux-random", "qwenimage-random", "wan-random", "flux2-klein-random", "flux2-random",
+                 "zimage-random"):
         with pytest.raises(RuntimeError, match=r"CUDA GPU.*small-cpu"):
             build_preset_pipeline(get_preset(name))
 
 
-@pytest.mark.parametrize("name", ["sd35m-random", "flux-random", "qwenimage-random", "wan-random"])
+@pytest.mark.parametrize("name", ["sd35m-random", "flux-random", "qwenimage-random", "wan-random", "flux2-klein-random",
+                                  "flux2-random", "zimage-random"])
 def test_full_size_pipelines_build_on_the_meta_device(name):
     """The GPU presets' build code, on the meta device: the configs make valid pipelines of the real sizes."""
     from flowgrpo.benchmarking.presets import _build_full_size
@@ -237,6 +310,12 @@ def test_full_size_pipelines_build_on_the_meta_device(name):
         assert 11.5 < sizes["transformer"] < 12.2 and 4.6 < sizes["text_encoder_2"] < 4.9
     elif name == "qwenimage-random":  # Qwen-Image 20 B, Qwen2.5-VL-7B (with its vision tower), the 127 M VAE
         assert 20 < sizes["transformer"] < 21 and 8.0 < sizes["text_encoder"] < 8.5 and 0.1 < sizes["vae"] < 0.15
+    elif name == "flux2-klein-random":  # FLUX.2 [klein] 4B, Qwen3-4B, the 84 M FLUX.2 VAE
+        assert 3.8 < sizes["transformer"] < 4.0 and 3.9 < sizes["text_encoder"] < 4.5 and 0.08 < sizes["vae"] < 0.09
+    elif name == "flux2-random":  # FLUX.2 [dev] 32 B, Mistral Small 3.1 24 B with its Pixtral tower
+        assert 31 < sizes["transformer"] < 33 and 23.5 < sizes["text_encoder"] < 24.5
+    elif name == "zimage-random":  # Z-Image Turbo 6.2 B, Qwen3-4B (the model, without the LM head), the FLUX.1 VAE
+        assert 6.0 < sizes["transformer"] < 6.3 and 3.9 < sizes["text_encoder"] < 4.1 and 0.08 < sizes["vae"] < 0.09
     else:  # Wan 2.1 1.3 B, UMT5-XXL encoder, the 127 M VAE; the UniPC schedule keeps its flow_shift
         assert 1.3 < sizes["transformer"] < 1.5 and 5.5 < sizes["text_encoder"] < 5.9 and 0.1 < sizes["vae"] < 0.15
         adapter = get_family_adapter(pipe, num_frames=33)

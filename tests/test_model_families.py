@@ -11,6 +11,7 @@ families: ``families_ddp_worker.py``). SD3 and FLUX are covered by test_trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -47,14 +48,16 @@ def make_trainer(path, case: FamilyCase, output_dir, reward=brightness_reward, d
 def stock_call(pipe, case: FamilyCase, prompts, images, output_type, monkeypatch, steps=3):
     """The stock pipeline's own call with the trainer's settings (noise from ``manual_seed(0)``)."""
     kwargs = dict(prompt=list(prompts), height=SIZE, width=SIZE, num_inference_steps=steps, output_type=output_type,
-                  generator=torch.Generator().manual_seed(0), max_sequence_length=16)
+                  generator=torch.Generator().manual_seed(0), max_sequence_length=case.max_sequence_length)
     negative = [""] * len(prompts)
     if case.family == "sd3":
         kwargs.update(guidance_scale=case.guidance_scale, negative_prompt=negative)
     if case.family == "flux":
         kwargs.update(guidance_scale=case.guidance_scale)
-    if case.family in ("qwenimage", "qwenimage_edit"):
+    if case.family in ("qwenimage", "qwenimage_edit", "qwenimage_edit_plus", "qwenimage21"):
         kwargs.update(true_cfg_scale=case.guidance_scale, negative_prompt=negative)
+    if case.family == "qwenimage21":  # no max_sequence_length argument; the configured sample_sigmas set the steps
+        kwargs.pop("max_sequence_length")
     if case.family == "wan":
         kwargs.update(guidance_scale=case.guidance_scale, negative_prompt=negative, num_frames=case.num_frames)
     if case.family == "flux_kontext":  # keep the source at its own (working) size, as the adapter encodes it
@@ -67,8 +70,49 @@ def stock_call(pipe, case: FamilyCase, prompts, images, output_type, monkeypatch
 
         monkeypatch.setattr(edit_module, "calculate_dimensions", lambda area, ratio: (SIZE, SIZE, None))
         kwargs.update(image=list(images))
+    if case.family == "qwenimage_edit_plus":
+        return _edit_plus_stock_call_per_row(pipe, case, kwargs, images, monkeypatch)
+    if case.family in ("flux2", "flux2_klein", "zimage"):
+        kwargs.update(guidance_scale=case.guidance_scale)
+    if case.family in ("flux2", "flux2_klein") and images is not None:
+        return _flux2_stock_call_per_row(pipe, kwargs, images, monkeypatch)
     out = pipe(**kwargs)
     return out.frames if case.family == "wan" else out.images
+
+
+def _edit_plus_stock_call_per_row(pipe, case, kwargs, images, monkeypatch):
+    """Qwen-Image-Edit-Plus: the stock pipeline takes one prompt (with its source images) per call; each row is its own
+    call on its share of the batch's noise. Its size rule is given the working size, as for Qwen-Image-Edit."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus_module
+    from diffusers.utils.torch_utils import randn_tensor
+
+    monkeypatch.setattr(plus_module, "calculate_dimensions", lambda area, ratio: (SIZE, SIZE))
+    prompts, generator = kwargs.pop("prompt"), kwargs.pop("generator")
+    kwargs.pop("negative_prompt")
+    side = 2 * (SIZE // (pipe.vae_scale_factor * 2))
+    channels = pipe.transformer.config.in_channels // 4
+    noise = randn_tensor((len(prompts), 1, channels, side, side), generator=generator)
+    outs = []
+    for i, (prompt, row) in enumerate(zip(prompts, images)):
+        packed = pipe._pack_latents(noise[i:i + 1], 1, channels, side, side)
+        outs.append(pipe(prompt=[prompt], image=list(row), negative_prompt=[""], latents=packed, **kwargs).images)
+    return np.concatenate(outs) if isinstance(outs[0], np.ndarray) else torch.cat(outs)
+
+
+def _flux2_stock_call_per_row(pipe, kwargs, images, monkeypatch):
+    """FLUX.2 with reference images: the stock pipeline gives every prompt of a call the same references, so each row
+    is its own call, on its share of the batch's noise (drawn as one batch, as the adapter draws it)."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+    from diffusers.utils.torch_utils import randn_tensor
+
+    # The stock check wants references of 64 px or more; the tiny run's references are the working size (32 px).
+    monkeypatch.setattr(Flux2ImageProcessor, "check_image_input", staticmethod(lambda image, *a, **k: image))
+    prompts, generator = kwargs.pop("prompt"), kwargs.pop("generator")
+    side = SIZE // (pipe.vae_scale_factor * 2)
+    noise = randn_tensor((len(prompts), pipe.transformer.config.in_channels, side, side), generator=generator)
+    outs = [pipe(prompt=[p], image=list(refs) if isinstance(refs, (list, tuple)) else [refs],
+                 latents=noise[i:i + 1], **kwargs).images for i, (p, refs) in enumerate(zip(prompts, images))]
+    return np.concatenate(outs) if isinstance(outs[0], np.ndarray) else torch.cat(outs)
 
 
 def lora_params(module) -> dict[str, torch.Tensor]:
@@ -96,6 +140,10 @@ def assert_sampling_matches_stock(trainer, case: FamilyCase, path, monkeypatch) 
         pixels = trainer.adapter.decode(final, SIZE, SIZE)
     ref_latents = stock_call(stock, case, prompts, images, "latent", monkeypatch)
     ref_pixels = stock_call(stock, case, prompts, images, "pt", monkeypatch)
+    if case.family == "flux2_klein":  # its "latent" output is unpacked, denormalised and unpatchified
+        final = trainer.adapter.unpack_latents(final, SIZE, SIZE)
+    if case.family == "qwenimage21":  # the VAE decodes RGBA; the adapter hands the rewards RGB
+        ref_pixels = ref_pixels[:, :3]
     assert final.shape == ref_latents.shape and pixels.shape == ref_pixels.shape
     torch.testing.assert_close(final, ref_latents.float(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pixels, ref_pixels.float(), rtol=1e-4, atol=1e-4)
@@ -155,9 +203,13 @@ def test_sampling_matches_stock_pipeline_and_first_pass_is_on_policy(case, tiny_
     if case.family == "wan":  # image rewards score every frame, a video reward gets the videos
         assert seen["frames"] == [4 * case.num_frames] and seen["videos"] == [case.num_frames] * 4
         assert "rewards/video_reward/mean" in log
-    if case.edits:  # the rewards see the source images, as PIL images
-        assert len(seen["sources"]) == 4 and all(isinstance(s, Image.Image) for s in seen["sources"])
-        assert {s.tobytes() for s in seen["sources"]} <= {im.tobytes() for im in dataset_rows(case)["image"]}
+    if case.edits:  # the rewards see the source images, as PIL images (a list per row where rows hold several)
+        def flat(values):
+            return [im for v in values for im in (v if isinstance(v, list) else [v])]
+
+        assert len(seen["sources"]) == 4 and len(flat(seen["sources"])) == 4 * case.images_per_row
+        assert all(isinstance(s, Image.Image) for s in flat(seen["sources"]))
+        assert {s.tobytes() for s in flat(seen["sources"])} <= {im.tobytes() for im in flat(dataset_rows(case)["image"])}
 
     metrics = trainer.evaluate(Dataset.from_dict(dataset_rows(case, 2)))
     assert np.isfinite(metrics["eval_reward"])
@@ -213,8 +265,7 @@ def test_resume_is_exact_and_lora_export_loads_in_stock_pipeline(case, tiny_pipe
     stock = DiffusionPipeline.from_pretrained(str(path))
     stock.set_progress_bar_config(disable=True)
     rows = dataset_rows(case, 1)
-    call_case = case if case.family == "flux_kontext" else FamilyCase(case.name, case.family, case.variant,
-                                                                       case.num_frames, guidance_scale=1.0)
+    call_case = case if case.family == "flux_kontext" else dataclasses.replace(case, guidance_scale=1.0)
     base = stock_call(stock, call_case, rows["prompt"], rows.get("image"), "np", monkeypatch, steps=2)
     stock.load_lora_weights(str(export))  # the family's own loader
     tuned = stock_call(stock, call_case, rows["prompt"], rows.get("image"), "np", monkeypatch, steps=2)
@@ -421,3 +472,55 @@ def test_two_ranks_train_every_family(tiny_pipeline_path, tmp_path):
             assert x["num_frames"] == [case.num_frames] * 2
         assert a[1]["logs"]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
         assert a[1]["logs"]["reward"] == pytest.approx(np.mean(a[1]["rewards"] + b[1]["rewards"]), abs=1e-5)
+
+
+def test_flux2_klein_distilled_takes_one_pass_whatever_the_guidance_scale(tiny_pipeline_path):
+    """FLUX.2 [klein]'s step-distilled releases (``is_distilled`` in the pipeline's config) are sampled without CFG at
+    any guidance scale, as the stock pipeline samples them (the base model's CFG is covered above)."""
+    from flowgrpo.models import Flux2KleinAdapter
+    from flowgrpo.schedulers import FlowMatchSDEScheduler, sde_step_from_sigmas
+
+    cpu = torch.device("cpu")
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_pipeline_path("flux2_klein", "distilled")))
+    pipe.set_progress_bar_config(disable=True)
+    adapter = Flux2KleinAdapter(pipe)
+    assert adapter.is_distilled and not adapter.uses_cfg(4.0)
+    scheduler = FlowMatchSDEScheduler.from_config(adapter.sde_scheduler_config(), noise_level=0.0)
+    adapter.set_timesteps(scheduler, 3, SIZE, SIZE, cpu)
+    prompts = ["a cat", "two blue squares"]
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(prompts, 16, cpu)
+        x = adapter.prepare_latents(2, SIZE, SIZE, torch.Generator().manual_seed(0), cpu, torch.float32)
+        for i in range(3):
+            v = adapter.predict_velocity(pipe.transformer, x, scheduler.timesteps[i].expand(2), embeds, 4.0, None,
+                                         SIZE, SIZE)
+            x = sde_step_from_sigmas(v, x, scheduler.sigmas[i], scheduler.sigmas[i + 1], noise_level=0.0).prev_sample
+        pixels = adapter.decode(x, SIZE, SIZE)
+    reference = pipe(prompt=prompts, height=SIZE, width=SIZE, num_inference_steps=3, guidance_scale=4.0,
+                     output_type="pt", max_sequence_length=16, generator=torch.Generator().manual_seed(0)).images
+    torch.testing.assert_close(pixels, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_qwenimage21_samples_the_configured_sample_sigmas(tiny_pipeline_path):
+    """Qwen-Image 2.1's pipeline config carries the author's ``sample_sigmas`` (their number is the step count): the
+    adapter's schedule is the stock pipeline's, a step count that does not match is refused with the fix, and without
+    them the grid is linear."""
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+    from flowgrpo.models import QwenImage21Adapter
+    from flowgrpo.schedulers import FlowMatchSDEScheduler
+
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_pipeline_path("qwenimage21")))
+    adapter = QwenImage21Adapter(pipe)
+    configured = list(pipe.config.sample_sigmas)
+    scheduler = FlowMatchSDEScheduler.from_config(adapter.sde_scheduler_config(), noise_level=0.7)
+    adapter.set_timesteps(scheduler, len(configured), 64, 64, torch.device("cpu"))
+    config = pipe.scheduler.config
+    mu = calculate_shift(16, config.base_image_seq_len, config.max_image_seq_len, config.base_shift, config.max_shift)
+    pipe.scheduler.set_timesteps(sigmas=configured, mu=mu)  # what the pipeline's call does at 64 px (4x4 tokens)
+    torch.testing.assert_close(scheduler.sigmas, pipe.scheduler.sigmas.float())
+    assert len(scheduler.timesteps) == len(configured)
+    with pytest.raises(ValueError, match=r"num_inference_steps=5.*3 configured sample_sigmas.*set num_inference_steps"):
+        adapter.set_timesteps(scheduler, 5, 64, 64, torch.device("cpu"))
+    pipe.register_to_config(sample_sigmas=None)
+    assert adapter.sample_sigmas(4) == pytest.approx([1.0, 0.75, 0.5, 0.25])

@@ -1,8 +1,9 @@
-"""Analytic matmul FLOPs of the SD3, FLUX, Qwen-Image and Wan transformers, from their configs and the token counts.
+"""Analytic matmul FLOPs of the SD3, FLUX.1, FLUX.2, Z-Image, Qwen-Image and Wan transformers, from their configs and
+the token counts.
 
 A forward pass is enumerated layer by layer as the matmuls diffusers runs (``SD3Transformer2DModel``,
-``FluxTransformer2DModel``, ``QwenImageTransformer2DModel``, ``WanTransformer3DModel``): every ``nn.Linear`` (and the
-patch-embedding convolution) as ``2 * rows * in * out``
+``FluxTransformer2DModel``, ``Flux2Transformer2DModel``, ``ZImageTransformer2DModel``, ``QwenImageTransformer2DModel``,
+``WanTransformer3DModel``): every ``nn.Linear`` (and the patch-embedding convolution) as ``2 * rows * in * out``
 and the attention core as ``4 * tokens_q * tokens_kv * inner_dim`` (Q K^T and A V), per sample. Element-wise work
 (norms, activations, RoPE, softmax) is not counted, as is customary for model FLOPs. Per-sample layers (timestep /
 pooled-text embeddings, adaLN modulation) have one row per sample; per-token layers one row per token. The editing
@@ -40,6 +41,8 @@ __all__ = [
     "transformer_forward_flops",
     "sd3_forward_matmuls",
     "flux_forward_matmuls",
+    "flux2_forward_matmuls",
+    "zimage_forward_matmuls",
     "qwenimage_forward_matmuls",
     "wan_forward_matmuls",
     "step_flops",
@@ -203,6 +206,106 @@ def flux_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_toke
     return mm
 
 
+def flux2_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_tokens: int) -> list[Matmul]:
+    """The matmuls of one ``Flux2Transformer2DModel`` forward for one sample (FLUX.2 [dev] and [klein]).
+
+    ``image_tokens`` = the packed target sequence ((H / 16) x (W / 16)) plus every reference image's tokens;
+    ``text_tokens`` = the padded prompt length (``max_sequence_length``). The modulation is shared by all blocks
+    (three per-sample linears), the feed-forwards are SwiGLU (``linear_in`` makes both halves), and each single-stream
+    block fuses Q, K, V and the MLP input in ``attn.to_qkv_mlp_proj`` and its outputs in ``attn.to_out``.
+    """
+    heads, head_dim = int(_cfg(config, "num_attention_heads")), int(_cfg(config, "attention_head_dim"))
+    d = heads * head_dim
+    patch = int(_cfg(config, "patch_size", 1))
+    c_in = int(_cfg(config, "in_channels", 128))
+    c_out = int(_cfg(config, "out_channels", None) or c_in)
+    channels = int(_cfg(config, "timestep_guidance_channels", 256))
+    mlp = int(d * float(_cfg(config, "mlp_ratio", 3.0)))
+    n_i, n_t = int(image_tokens), int(text_tokens)
+    n = n_i + n_t
+    mm = [
+        _linear("time_guidance_embed.timestep_embedder.linear_1", 1, channels, d),
+        _linear("time_guidance_embed.timestep_embedder.linear_2", 1, d, d),
+    ]
+    if _cfg(config, "guidance_embeds", True):
+        mm.append(_linear("time_guidance_embed.guidance_embedder.linear_1", 1, channels, d))
+        mm.append(_linear("time_guidance_embed.guidance_embedder.linear_2", 1, d, d))
+    mm += [
+        _linear("double_stream_modulation_img.linear", 1, d, 6 * d),
+        _linear("double_stream_modulation_txt.linear", 1, d, 6 * d),
+        _linear("single_stream_modulation.linear", 1, d, 3 * d),
+        _linear("x_embedder", n_i, c_in, d),
+        _linear("context_embedder", n_t, int(_cfg(config, "joint_attention_dim")), d),
+    ]
+    for i in range(int(_cfg(config, "num_layers"))):
+        b = f"transformer_blocks.{i}"
+        mm += _joint_attention(f"{b}.attn", n_i, n_t, d)
+        mm.append(_linear(f"{b}.attn.to_add_out", n_t, d, d))
+        mm.append(_linear(f"{b}.ff.linear_in", n_i, d, 2 * mlp))
+        mm.append(_linear(f"{b}.ff.linear_out", n_i, mlp, d))
+        mm.append(_linear(f"{b}.ff_context.linear_in", n_t, d, 2 * mlp))
+        mm.append(_linear(f"{b}.ff_context.linear_out", n_t, mlp, d))
+    for i in range(int(_cfg(config, "num_single_layers"))):
+        b = f"single_transformer_blocks.{i}.attn"
+        qkv = (f"{b}.to_qkv_mlp_proj",)
+        mm.append(_linear(f"{b}.to_qkv_mlp_proj", n, d, 3 * d + 2 * mlp))
+        mm.append(_attention(b, n, n, d, (qkv, qkv, qkv)))
+        mm.append(_linear(f"{b}.to_out", n, d + mlp, d))
+    mm.append(_linear("norm_out.linear", 1, d, 2 * d))
+    mm.append(_linear("proj_out", n_i, d, patch * patch * c_out))
+    return mm
+
+
+def _padded(tokens: int, multiple: int = 32) -> int:
+    return tokens + (-tokens) % multiple
+
+
+def zimage_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_tokens: int) -> list[Matmul]:
+    """The matmuls of one ``ZImageTransformer2DModel`` forward for one sample (text-to-image).
+
+    ``image_tokens`` = (H / 16) x (W / 16) latent patches; ``text_tokens`` = the prompt's valid tokens. The model pads
+    both to multiples of 32 before embedding them; the noise refiners run over the image tokens, the context refiners
+    over the text tokens, the main blocks and the final layer over both. Every block's attention has ``dim`` inner
+    width (``n_heads x dim / n_heads``); its feed-forward is SwiGLU with hidden ``int(dim / 3 * 8)``.
+    """
+    d = int(_cfg(config, "dim"))
+    heads = int(_cfg(config, "n_heads"))
+    kv_dim = int(_cfg(config, "n_kv_heads", heads)) * (d // heads)
+    patch = int(list(_cfg(config, "all_patch_size", (2,)))[0])
+    f_patch = int(list(_cfg(config, "all_f_patch_size", (1,)))[0])
+    c_in = int(_cfg(config, "in_channels", 16))
+    adaln = min(d, 256)
+    hidden = int(d / 3 * 8)
+    n_x, n_c = _padded(int(image_tokens)), _padded(int(text_tokens))
+    key = f"{patch}-{f_patch}"
+
+    def block(name: str, rows: int, modulation: bool) -> list[Matmul]:
+        mm = [_linear(f"{name}.adaLN_modulation.0", 1, adaln, 4 * d)] if modulation else []
+        mm += [_linear(f"{name}.attention.to_q", rows, d, d), _linear(f"{name}.attention.to_k", rows, d, kv_dim),
+               _linear(f"{name}.attention.to_v", rows, d, kv_dim)]
+        mm.append(_attention(f"{name}.attention", rows, rows, d))
+        mm.append(_linear(f"{name}.attention.to_out.0", rows, d, d))
+        mm += [_linear(f"{name}.feed_forward.w1", rows, d, hidden), _linear(f"{name}.feed_forward.w3", rows, d, hidden),
+               _linear(f"{name}.feed_forward.w2", rows, hidden, d)]
+        return mm
+
+    mm = [
+        _linear("t_embedder.mlp.0", 1, 256, 1024),
+        _linear("t_embedder.mlp.2", 1, 1024, adaln),
+        _linear(f"all_x_embedder.{key}", n_x, f_patch * patch * patch * c_in, d),
+    ]
+    for i in range(int(_cfg(config, "n_refiner_layers", 2))):
+        mm += block(f"noise_refiner.{i}", n_x, True)
+    mm.append(_linear("cap_embedder.1", n_c, int(_cfg(config, "cap_feat_dim")), d))
+    for i in range(int(_cfg(config, "n_refiner_layers", 2))):
+        mm += block(f"context_refiner.{i}", n_c, False)
+    for i in range(int(_cfg(config, "n_layers"))):
+        mm += block(f"layers.{i}", n_x + n_c, True)
+    mm.append(_linear(f"all_final_layer.{key}.adaLN_modulation.1", 1, adaln, d))
+    mm.append(_linear(f"all_final_layer.{key}.linear", n_x + n_c, d, patch * patch * f_patch * c_in))
+    return mm
+
+
 def qwenimage_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_tokens: int) -> list[Matmul]:
     """The matmuls of one ``QwenImageTransformer2DModel`` forward for one sample.
 
@@ -282,6 +385,7 @@ def wan_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_token
 _FAMILIES = {
     "sd3": sd3_forward_matmuls, "flux": flux_forward_matmuls, "flux_kontext": flux_forward_matmuls,
     "qwenimage": qwenimage_forward_matmuls, "qwenimage_edit": qwenimage_forward_matmuls, "wan": wan_forward_matmuls,
+    "flux2": flux2_forward_matmuls, "flux2_klein": flux2_forward_matmuls, "zimage": zimage_forward_matmuls,
 }
 
 
@@ -295,7 +399,8 @@ def _lora_targets_match(name: str, targets: str | Iterable[str]) -> bool:
 # first block's q/k/v projections, which read the (normalised) embedder outputs.
 _NO_INPUT_GRAD = re.compile(
     r"^(pos_embed\.proj|x_embedder|context_embedder|time_text_embed\..*|img_in|txt_in|patch_embedding"
-    r"|condition_embedder\..*"
+    r"|condition_embedder\..*|time_guidance_embed\..*|all_x_embedder\..*|cap_embedder\..*|t_embedder\..*"
+    r"|(noise|context)_refiner\.0\.attention\.(to_q|to_k|to_v)"
     r"|transformer_blocks\.0\.attn2?\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)"
     r"|blocks\.0\.attn1\.(to_q|to_k|to_v)|blocks\.\d+\.attn2\.(to_k|to_v))$"
 )
@@ -304,6 +409,7 @@ _NO_INPUT_GRAD = re.compile(
 # With every weight trained, only the layers that read the raw model inputs skip the input gradient.
 _READS_MODEL_INPUT = re.compile(
     r"^(pos_embed\.proj|x_embedder|context_embedder|time_text_embed\.\w+\.linear_1|img_in|patch_embedding"
+    r"|time_guidance_embed\.\w+\.linear_1|all_x_embedder\.[\w-]+|t_embedder\.mlp\.0"
     r"|condition_embedder\.(time_embedder|text_embedder)\.linear_1)$"
 )
 

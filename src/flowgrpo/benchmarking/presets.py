@@ -32,6 +32,17 @@ preset             device   what it runs
                             checkpointing, OCR reward.
 ``tiny-nft``       CPU      the ``tiny`` preset trained with DiffusionNFT (3 of 4 noise levels): a smoke test of the
                             DiffusionNFT path of the harness.
+``flux2-klein-random`` CUDA FLUX.2 [klein] 4B base at full size (5 double + 20 single blocks, 24 heads of 128;
+                            Qwen3-4B; the FLUX.2 VAE), bf16, 512 px, 4 prompts x G=8 (micro-batches of 4), 10 steps,
+                            SDE window 3, CFG 4.0 (two passes), LoRA r=32 on the FLUX.2 targets, gradient
+                            checkpointing, OCR reward.
+``flux2-random``   CUDA     FLUX.2 [dev] at full size (8 double + 48 single blocks, 48 heads of 128, 32 B; Mistral
+                            Small 3.1 with its Pixtral tower), bf16, 512 px, 2 prompts x G=8 (micro-batches of 2),
+                            10 steps, SDE window 3, guidance 4.0 (embedded, one pass), LoRA r=32, gradient
+                            checkpointing, OCR reward.
+``zimage-random``  CUDA     Z-Image Turbo at full size (6.2 B single-stream DiT; Qwen3-4B; the FLUX.1 VAE; shift 3),
+                            bf16, 512 px, 4 prompts x G=8 (micro-batches of 8), 8 steps, SDE window 2, no CFG (as Turbo
+                            samples), LoRA r=32 on attention and feed-forward, gradient checkpointing, OCR reward.
 ``wan-random``     CUDA     Wan 2.1 T2V 1.3B at full size (30 blocks, 12 heads of 128, FFN 8960; UMT5-XXL; the Wan
                             VAE; the released UniPC configuration with flow_shift 3.0, converted), bf16, 33 frames
                             of 480x832, 2 prompts x G=4 (micro-batches of 2), 10 steps, SDE window 3, CFG 5.0, LoRA
@@ -53,6 +64,8 @@ from typing import Any
 
 import torch
 
+from ..models.flux2 import FLUX2_LORA_TARGET_MODULES
+from ..models.zimage import ZIMAGE_LORA_TARGET_MODULES
 from ..toy.learning import TOY_LORA_TARGET_MODULES
 
 __all__ = ["BenchmarkPreset", "PRESETS", "get_preset", "build_preset_pipeline", "OCR_PROMPTS"]
@@ -145,7 +158,7 @@ class BenchmarkPreset:
 
     name: str
     description: str
-    family: str                      # "sd3" | "flux" | "qwenimage" | "wan"
+    family: str                      # "sd3" | "flux" | "qwenimage" | "wan" | "flux2" | "flux2_klein" | "zimage" | ...
     architecture: str                # "tiny" | "small-cpu" | "sd35m" | "flux-dev" | "qwen-image" | "wan-1.3b" | "toy"
     device: str                      # "cpu" | "cuda"
     dtype: str                       # the trainer config's dtype
@@ -275,6 +288,29 @@ PRESETS: dict[str, BenchmarkPreset] = {
         lora_targets=WAN_LORA_TARGETS, gradient_checkpointing=True,
         default_steps=3, extra_args={"width": 832, "num_frames": 33},
     ),
+    "flux2-klein-random": BenchmarkPreset(
+        name="flux2-klein-random", description="FLUX.2 [klein] 4B base architecture, random weights, bf16, 512 px, 4x8, "
+                                               "10 steps, CFG 4",
+        family="flux2_klein", architecture="flux2-klein-4b", device="cuda", dtype="bfloat16", resolution=512,
+        num_prompts=4, num_generations=8, per_device_train_batch_size=4, num_inference_steps=10, sde_window_size=3,
+        guidance_scale=4.0, max_sequence_length=512, lora_rank=32, lora_targets=FLUX2_LORA_TARGET_MODULES,
+        gradient_checkpointing=True, default_steps=5,
+    ),
+    "flux2-random": BenchmarkPreset(
+        name="flux2-random", description="FLUX.2 [dev] architecture, random weights, bf16, 512 px, 2x8, 10 steps",
+        family="flux2", architecture="flux2-dev", device="cuda", dtype="bfloat16", resolution=512, num_prompts=2,
+        num_generations=8, per_device_train_batch_size=2, num_inference_steps=10, sde_window_size=3,
+        guidance_scale=4.0, max_sequence_length=512, lora_rank=32, lora_targets=FLUX2_LORA_TARGET_MODULES,
+        gradient_checkpointing=True, default_steps=3,
+    ),
+    "zimage-random": BenchmarkPreset(
+        name="zimage-random", description="Z-Image Turbo architecture, random weights, bf16, 512 px, 4x8, 8 steps, "
+                                          "no CFG",
+        family="zimage", architecture="zimage-turbo", device="cuda", dtype="bfloat16", resolution=512, num_prompts=4,
+        num_generations=8, per_device_train_batch_size=8, num_inference_steps=8, sde_window_size=2,
+        guidance_scale=0.0, max_sequence_length=512, lora_rank=32, lora_targets=ZIMAGE_LORA_TARGET_MODULES,
+        gradient_checkpointing=True, default_steps=5,
+    ),
 }
 
 
@@ -340,7 +376,10 @@ def _build_full_size(preset: BenchmarkPreset, seed: int, device: str = "cuda"):
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
     from ..testing.tiny_tokenizers import build_clip_tokenizer, build_t5_tokenizer
+    from .full_size_families import FULL_SIZE_BUILDERS
 
+    if preset.architecture in FULL_SIZE_BUILDERS:
+        return FULL_SIZE_BUILDERS[preset.architecture](seed, device)
     if preset.architecture == "qwen-image":
         return _build_qwen_image(seed, device)
     if preset.architecture == "wan-1.3b":
@@ -433,7 +472,9 @@ def build_preset_pipeline(preset: BenchmarkPreset, seed: int = 0):
                 transformer = SD3Transformer2DModel(**SMALL_CPU_TRANSFORMER).eval()
             pipe.register_modules(transformer=transformer)
         return pipe
-    if preset.architecture in ("sd35m", "flux-dev", "qwen-image", "wan-1.3b"):
+    from .full_size_families import FULL_SIZE_BUILDERS
+
+    if preset.architecture in ("sd35m", "flux-dev", "qwen-image", "wan-1.3b") or preset.architecture in FULL_SIZE_BUILDERS:
         return _build_full_size(preset, seed)
     if preset.architecture == "toy":
         from diffusers import DiffusionPipeline

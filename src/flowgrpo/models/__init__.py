@@ -6,14 +6,19 @@ from diffusers import DiffusionPipeline
 
 from .base import MMDIT_LORA_TARGET_MODULES, ModelFamilyAdapter, PromptEmbeds
 from .flux import FluxAdapter
+from .flux2 import Flux2Adapter, Flux2KleinAdapter
 from .flux_kontext import FluxKontextAdapter
 from .qwenimage import QwenImageAdapter
+from .qwenimage21 import QwenImage21Adapter
 from .qwenimage_edit import QwenImageEditAdapter
+from .qwenimage_edit_plus import QwenImageEditPlusAdapter
 from .sd3 import SD3Adapter
 from .wan import WanAdapter, WanExperts
+from .zimage import ZImageAdapter
 
 ADAPTERS: list[type[ModelFamilyAdapter]] = [
     SD3Adapter, FluxAdapter, FluxKontextAdapter, QwenImageAdapter, QwenImageEditAdapter, WanAdapter,
+    Flux2Adapter, Flux2KleinAdapter, ZImageAdapter, QwenImageEditPlusAdapter, QwenImage21Adapter,
 ]
 
 
@@ -40,7 +45,7 @@ def get_family_adapter(pipeline: DiffusionPipeline, num_frames: int = 1) -> Mode
 
 
 __all__ = [
-    "ADAPTERS", "FluxAdapter", "FluxKontextAdapter", "MMDIT_LORA_TARGET_MODULES", "ModelFamilyAdapter", "PromptEmbeds",
-    "QwenImageAdapter", "QwenImageEditAdapter", "SD3Adapter", "WanAdapter", "WanExperts", "family_adapter_class",
+    "ADAPTERS", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter", "FluxKontextAdapter", "MMDIT_LORA_TARGET_MODULES", "ModelFamilyAdapter", "PromptEmbeds",
+    "QwenImage21Adapter", "QwenImageAdapter", "QwenImageEditAdapter", "QwenImageEditPlusAdapter", "SD3Adapter", "WanAdapter", "WanExperts", "ZImageAdapter", "family_adapter_class",
     "get_family_adapter",
 ]

@@ -9,6 +9,8 @@ What a family declares (class attributes):
 
 * ``accepts_images``: an editing family; every sample is conditioned on a source image, which
   ``encode_prompts(..., images=...)`` encodes at the working resolution (the result is part of the conditioning).
+* ``images_optional``: with ``accepts_images``, the source images are optional conditioning (FLUX.2's reference
+  images): a dataset without an ``image`` column trains text-to-image.
 * ``negative_depends_on_image``: the negative prompt's embedding depends on the source image (Qwen-Image-Edit:
   the vision-language encoder sees the image), so the trainer encodes it per image (``PromptEmbeds.negative``).
 * ``is_video``: latents carry frames; ``num_frames`` (checked by :meth:`check_num_frames`) sets their number and
@@ -103,6 +105,7 @@ class ModelFamilyAdapter(ABC):
     family: str = ""
     pipeline_class_names: tuple[str, ...] = ()
     accepts_images: bool = False
+    images_optional: bool = False
     negative_depends_on_image: bool = False
     is_video: bool = False
     default_lora_target_modules: tuple[str, ...] = MMDIT_LORA_TARGET_MODULES

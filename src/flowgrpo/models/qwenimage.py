@@ -84,9 +84,10 @@ class QwenImageAdapter(ModelFamilyAdapter):
         scheduler.set_timesteps(num_inference_steps, device=device, sigmas=sigmas, mu=mu)
 
     # --- the transformer call ---------------------------------------------------------------------
-    def _img_shapes(self, batch_size: int, height: int, width: int) -> list:
+    def _img_shapes(self, batch_size: int, height: int, width: int, sources: int = 0) -> list:
+        """Token grids of each sample's sequence: the target, then ``sources`` source images of the working size."""
         h, w = self._latent_hw(height, width)
-        return [[(1, h // 2, w // 2)]] * batch_size
+        return [[(1, h // 2, w // 2)] * (1 + sources)] * batch_size
 
     def _hidden_states(self, latents: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         return latents
@@ -106,8 +107,8 @@ class QwenImageAdapter(ModelFamilyAdapter):
                          negative_embeds, height, width) -> torch.Tensor:
         cond = embeds.tensors
         hidden = self._hidden_states(latents, cond)
-        img_shapes = self._img_shapes(latents.shape[0], height, width)
         n = latents.shape[1]
+        img_shapes = self._img_shapes(latents.shape[0], height, width, sources=(hidden.shape[1] - n) // n)
         v_cond = self._pass(transformer, hidden, timestep, cond, img_shapes, n)
         if not self.uses_cfg(guidance_scale):
             return v_cond

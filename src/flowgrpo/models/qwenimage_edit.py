@@ -45,22 +45,23 @@ class QwenImageEditAdapter(QwenImageAdapter):
         prompt_embeds, mask = pipe.encode_prompt(prompt=list(prompts), image=resized, device=device,
                                                  num_images_per_prompt=1, max_sequence_length=max_sequence_length)
         embeds = self._with_mask(prompt_embeds, mask)
+        embeds.tensors["image_latents"] = self._source_latents(resized, height, width, device, prompt_embeds.dtype)
+        return embeds
 
+    def _source_latents(self, resized: list[Any], height: int, width: int, device: torch.device,
+                        dtype: torch.dtype) -> torch.Tensor:
+        """Source images (already at the working size) as packed, normalised VAE latents ``(B, h/2 * w/2, 4C)``:
+        the posterior mode, ``(z - mean) / std`` per channel."""
+        pipe = self.pipeline
         vae = pipe.vae
-        pixels = pipe.image_processor.preprocess(resized, height, width).unsqueeze(2).to(device=device,
-                                                                                         dtype=prompt_embeds.dtype)
+        pixels = pipe.image_processor.preprocess(resized, height, width).unsqueeze(2).to(device=device, dtype=dtype)
         latents = retrieve_latents(vae.encode(pixels.to(vae.dtype)), sample_mode="argmax")
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         latents = (latents - mean) / std
         b, c, _, h, w = latents.shape
-        embeds.tensors["image_latents"] = pipe._pack_latents(latents, b, c, h, w).to(prompt_embeds.dtype)
-        return embeds
-
-    def _img_shapes(self, batch_size: int, height: int, width: int) -> list:
-        h, w = self._latent_hw(height, width)
-        return [[(1, h // 2, w // 2), (1, h // 2, w // 2)]] * batch_size  # target, then the source (same size)
+        return pipe._pack_latents(latents, b, c, h, w).to(dtype)
 
     def _hidden_states(self, latents: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         if "image_latents" not in cond:

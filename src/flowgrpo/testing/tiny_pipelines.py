@@ -33,8 +33,10 @@ instead of broadcasting by luck.
 ``"flux_kontext"``: :class:`~diffusers.FluxKontextPipeline` (image editing) with the FLUX components above. Call it
 with ``max_area=height * width, _auto_resize=False`` to keep a small source image small.
 
-``"qwenimage"`` / ``"qwenimage_edit"``: see :mod:`flowgrpo.testing.tiny_qwenimage`; ``"wan"`` (and its variant
-``"two_experts"``, Wan 2.2 A14B's layout): see :mod:`flowgrpo.testing.tiny_wan`.
+``"qwenimage"`` / ``"qwenimage_edit"`` / ``"qwenimage_edit_plus"``: see :mod:`flowgrpo.testing.tiny_qwenimage`;
+``"qwenimage21"``: see :mod:`flowgrpo.testing.tiny_qwenimage21`; ``"wan"`` (and its variant
+``"two_experts"``, Wan 2.2 A14B's layout): see :mod:`flowgrpo.testing.tiny_wan`; ``"flux2"``, ``"flux2_klein"`` (and its
+variant ``"distilled"``) and ``"zimage"``: see :mod:`flowgrpo.testing.tiny_flux2`.
 
 Any image side that is a multiple of 16 px works (32, 64, 128, ..., non-square too; SD3 up to 512 px). The SD3 pipeline
 defaults to 64 px; ``FluxPipeline`` hard-codes a 1024 px default, so pass ``height``/``width`` to it. Four 64 px
@@ -66,10 +68,26 @@ from diffusers import (
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
 from .seeding import seeded_component
-from .tiny_qwenimage import QWEN_CONFIGS, build_tiny_qwenimage, build_tiny_qwenimage_edit
+from .tiny_flux2 import (
+    FLUX2_CONFIGS,
+    FLUX2_KLEIN_VARIANTS,
+    ZIMAGE_CONFIGS,
+    build_tiny_flux2,
+    build_tiny_flux2_klein,
+    build_tiny_zimage,
+)
+from .tiny_qwenimage import (
+    QWEN_CONFIGS,
+    build_tiny_qwenimage,
+    build_tiny_qwenimage_edit,
+    build_tiny_qwenimage_edit_plus,
+)
+from .tiny_qwenimage21 import QWEN21_CONFIGS, build_tiny_qwenimage21
 from .tiny_tokenizers import (
     CLIP_MODEL_MAX_LENGTH,
+    MISTRAL_CHAT_TEMPLATE,
     PROMPT_CORPUS,
+    QWEN3_CHAT_TEMPLATE,
     build_clip_tokenizer,
     build_t5_tokenizer,
     clip_vocab_and_merges,
@@ -80,10 +98,19 @@ from .tiny_wan import WAN_CONFIGS, WAN_VARIANTS, build_tiny_wan
 
 __all__ = ["TINY_FAMILIES", "TINY_VARIANTS", "build_tiny_pipeline", "save_tiny_pipeline", "cached_tiny_pipeline_path"]
 
-TINY_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit")
+TINY_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "flux2_klein", "zimage",
+                 "flux2", "qwenimage_edit_plus", "qwenimage21")
 
 #: Variants a family can be built in besides its default layout.
-TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS}
+TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS, "flux2_klein": FLUX2_KLEIN_VARIANTS}
+
+#: Settings of the later families, fingerprinted only for their own folders (the earlier folders keep their names).
+_FAMILY_CONFIGS: dict[str, list] = {
+    "flux2_klein": [FLUX2_CONFIGS, QWEN3_CHAT_TEMPLATE],
+    "flux2": [FLUX2_CONFIGS, MISTRAL_CHAT_TEMPLATE],
+    "qwenimage21": [QWEN21_CONFIGS],
+    "zimage": [ZIMAGE_CONFIGS, QWEN3_CHAT_TEMPLATE],
+}
 
 # Bump when the build changes in a way the configs below do not show (e.g. initialisation), to refresh caches.
 _BUILD_REVISION = 1
@@ -265,6 +292,8 @@ def _build_flux_kontext(seed: int) -> FluxKontextPipeline:
 _BUILDERS: dict[str, Callable[[int], DiffusionPipeline]] = {
     "sd3": _build_sd3, "flux": _build_flux, "qwenimage": build_tiny_qwenimage, "wan": build_tiny_wan,
     "flux_kontext": _build_flux_kontext, "qwenimage_edit": build_tiny_qwenimage_edit,
+    "flux2_klein": build_tiny_flux2_klein, "zimage": build_tiny_zimage, "flux2": build_tiny_flux2,
+    "qwenimage_edit_plus": build_tiny_qwenimage_edit_plus, "qwenimage21": build_tiny_qwenimage21,
 }
 
 
@@ -336,6 +365,8 @@ def _fingerprint(family: str, seed: int, variant: str | None = None) -> str:
         "clip": [sorted(vocab.items()), merges],
         "qwen2": list(qwen2_vocab_and_merges()[1]),
     }
+    if family in _FAMILY_CONFIGS:
+        spec["family_configs"] = _FAMILY_CONFIGS[family]
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode("utf-8"))
     digest.update(t5_sentencepiece_model())
     return digest.hexdigest()[:16]

@@ -27,6 +27,7 @@ from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
     QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
@@ -39,7 +40,8 @@ from transformers.processing_utils import ProcessorMixin  # noqa: F401
 from .seeding import seeded_component
 from .tiny_tokenizers import build_qwen2_tokenizer
 
-__all__ = ["ImageOnlyQwen2VLProcessor", "QWEN_CONFIGS", "build_tiny_qwenimage", "build_tiny_qwenimage_edit"]
+__all__ = ["ImageOnlyQwen2VLProcessor", "QWEN_CONFIGS", "build_tiny_qwenimage", "build_tiny_qwenimage_edit",
+           "build_tiny_qwenimage_edit_plus"]
 
 
 class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
@@ -149,11 +151,20 @@ def build_tiny_qwenimage(seed: int) -> QwenImagePipeline:
     return QwenImagePipeline(**_components(seed))
 
 
-def build_tiny_qwenimage_edit(seed: int) -> QwenImageEditPipeline:
-    """The tiny ``QwenImageEditPipeline``: the Qwen-Image components plus an image-only Qwen2-VL processor."""
+def _edit_components(seed: int) -> dict[str, Any]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     components = _components(seed)
-    processor = ImageOnlyQwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(**_QWEN_IMAGE_PROCESSOR),
-                                          tokenizer=components["tokenizer"])
-    return QwenImageEditPipeline(processor=processor, **components)
+    components["processor"] = ImageOnlyQwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil(**_QWEN_IMAGE_PROCESSOR), tokenizer=components["tokenizer"])
+    return components
+
+
+def build_tiny_qwenimage_edit(seed: int) -> QwenImageEditPipeline:
+    """The tiny ``QwenImageEditPipeline``: the Qwen-Image components plus an image-only Qwen2-VL processor."""
+    return QwenImageEditPipeline(**_edit_components(seed))
+
+
+def build_tiny_qwenimage_edit_plus(seed: int) -> QwenImageEditPlusPipeline:
+    """The tiny ``QwenImageEditPlusPipeline``: the components of the tiny ``QwenImageEditPipeline``."""
+    return QwenImageEditPlusPipeline(**_edit_components(seed))

@@ -9,6 +9,11 @@
   so that every pre-token of the Qwen-Image / Qwen-Image-Edit system prompts is one token. Those pipelines drop a
   fixed number of leading hidden states (34, and 64 for the edit template): the system part of each template must
   tokenise to exactly that many tokens, as it does with the real tokenizer.
+* **Qwen3** (FLUX.2 [klein], Z-Image): the Qwen2 tokenizer with ``<think>`` / ``</think>`` and a chat template that
+  renders a conversation as Qwen3's does (``enable_thinking=False`` adds the empty thinking block).
+* **Mistral** (FLUX.2 [dev]'s Mistral Small 3.1, whose Tekken tokenizer is a byte-level BPE too): the Qwen2
+  vocabulary and merges with Mistral's special tokens (``<s>``, ``[INST]``, ``[SYSTEM_PROMPT]``, the Pixtral image
+  tokens ``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]``) and a chat template in Mistral's layout.
 * **T5** (SentencePiece unigram with ``nmt_nfkc`` normalisation, ``<pad>``=0, ``</s>``=1, ``<unk>``=2, 100 sentinel
   ``<extra_id_*>`` tokens, as in ``google/t5-v1_1-*``): trained single-threaded by the ``sentencepiece`` library on
   the same corpus, with every printable ASCII character and the common typographic quotes and dashes required.
@@ -34,10 +39,14 @@ __all__ = [
     "PROMPT_CORPUS",
     "CLIP_MODEL_MAX_LENGTH",
     "T5_MODEL_MAX_LENGTH",
+    "MISTRAL_CHAT_TEMPLATE",
+    "QWEN3_CHAT_TEMPLATE",
     "QWEN_SPECIAL_TOKENS",
     "QWEN_TEMPLATE_PREFIXES",
     "build_clip_tokenizer",
     "build_qwen2_tokenizer",
+    "build_mistral_tokenizer",
+    "build_qwen3_tokenizer",
     "build_t5_tokenizer",
     "clip_vocab_and_merges",
     "qwen2_vocab_and_merges",
@@ -420,4 +429,66 @@ def build_qwen2_tokenizer() -> Qwen2Tokenizer:
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=list(merges), model_max_length=32768)
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS],
                          special_tokens=True)
+    return tokenizer
+
+
+#: Qwen3's chat template, reduced to what the FLUX.2 [klein] and Z-Image pipelines render: text messages, the
+#: generation prompt, and the empty thinking block that ``enable_thinking=False`` appends.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def build_qwen3_tokenizer() -> Qwen2Tokenizer:
+    """The Qwen2 tokenizer of :func:`build_qwen2_tokenizer` as Qwen3 uses it: ``<think>`` and ``</think>`` added
+    (not special, as in Qwen3) and :data:`QWEN3_CHAT_TEMPLATE`."""
+    from tokenizers import AddedToken
+
+    tokenizer = build_qwen2_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+#: Mistral Small 3.1's chat layout for text (and image placeholder) messages, as FLUX.2 [dev] renders them.
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- set ns = namespace(text='') -%}"
+    "{%- if message['content'] is string -%}{%- set ns.text = message['content'] -%}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{%- set ns.text = ns.text + part['text'] -%}"
+    "{%- else -%}{%- set ns.text = ns.text + '[IMG]' -%}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}{{ '[SYSTEM_PROMPT]' + ns.text + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' -%}{{ '[INST]' + ns.text + '[/INST]' }}"
+    "{%- else -%}{{ ns.text + eos_token }}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+#: Mistral's special tokens (control tokens first, as in its vocabulary).
+MISTRAL_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                          "[IMG]", "[IMG_BREAK]", "[IMG_END]")
+
+
+def build_mistral_tokenizer() -> Qwen2Tokenizer:
+    """A byte-level BPE tokenizer with Mistral's special tokens and :data:`MISTRAL_CHAT_TEMPLATE` (see the module
+    docstring): ``<s>`` begins a conversation, ``<pad>`` pads."""
+    from tokenizers import AddedToken
+
+    vocab, merges = qwen2_vocab_and_merges()
+    vocab = dict(vocab)
+    for token in MISTRAL_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=list(merges), model_max_length=131072, unk_token="<unk>",
+                               bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in MISTRAL_SPECIAL_TOKENS],
+                         special_tokens=True)
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
     return tokenizer

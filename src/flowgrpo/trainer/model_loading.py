@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..models import family_adapter_class
-from .data.condition_images import IMAGE_COLUMN, load_condition_image
+from .data.condition_images import IMAGE_COLUMN, load_condition_images
 from .online_config import OnlineRLConfig
 
 _TWO_EXPERTS_FULL_FINETUNE = (
@@ -64,17 +64,21 @@ class PipelineLoading:
         adapter_cls = family_adapter_class(index["_class_name"])
         adapter_cls.check_num_frames(args.num_frames)
         if adapter_cls.accepts_images:
+            with_images = False
             for name, dataset in zip(("train_dataset", "eval_dataset"), datasets):
                 if dataset is None:
                     continue
                 first = dataset[0]
+                if IMAGE_COLUMN not in first and adapter_cls.images_optional:
+                    continue  # optional reference images (FLUX.2): this dataset trains text-to-image
                 if IMAGE_COLUMN not in first:
                     raise ValueError(
                         f"{index['_class_name']} edits a source image, but {name} has no '{IMAGE_COLUMN}' column "
                         f"(columns: {[k for k in first if not k.startswith('_')]}); add one holding each prompt's "
                         "source image (a path, a PIL image or a datasets.Image feature).")
-                load_condition_image(first[IMAGE_COLUMN])
-            if args.cache_prompt_embeddings and args.precompute_prompt_embeddings:
+                load_condition_images(first[IMAGE_COLUMN])
+                with_images = True
+            if with_images and args.cache_prompt_embeddings and args.precompute_prompt_embeddings:
                 raise ValueError(f"precompute_prompt_embeddings encodes the datasets' prompts alone, but "
                                  f"{index['_class_name']} encodes each (prompt, source image) pair; set "
                                  "precompute_prompt_embeddings: false (the cache then keeps each pair on first use).")

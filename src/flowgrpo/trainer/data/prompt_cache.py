@@ -68,9 +68,13 @@ def _condition_digest(condition: Any) -> str | None:
     elif hasattr(condition, "tobytes") and hasattr(condition, "shape"):  # numpy array
         digest.update(f"array:{condition.dtype}:{tuple(condition.shape)}:".encode())
         digest.update(condition.tobytes())
+    elif isinstance(condition, (list, tuple)):  # several source images of one prompt, in order
+        digest.update(f"list:{len(condition)}:".encode())
+        for part in condition:
+            digest.update(str(_condition_digest(part)).encode())
     else:
         raise TypeError(f"Cannot key the prompt cache on a conditioning input of type {type(condition).__name__}; "
-                        "pass a PIL image, a tensor, an array, bytes or a string.")
+                        "pass a PIL image, a tensor, an array, bytes, a string or a list of them.")
     return digest.hexdigest()
 
 

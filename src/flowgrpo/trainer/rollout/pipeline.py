@@ -47,18 +47,21 @@ def _to_pil(images: torch.Tensor) -> list:
 
 
 def _load_images(values: list) -> list:
-    """The ``image`` column's values as RGB PIL images (each distinct path read once)."""
+    """The ``image`` column's values as RGB PIL images, or lists of them for rows holding several (each distinct path
+    read once)."""
     loaded: dict[str, Any] = {}
-    out = []
-    for value in values:
+
+    def load(value):
+        if isinstance(value, (list, tuple)):
+            return [load(v) for v in value]
         if isinstance(value, (str, os.PathLike)):
             key = os.fspath(value)
             if key not in loaded:
                 loaded[key] = load_condition_image(value)
-            out.append(loaded[key])
-        else:
-            out.append(load_condition_image(value))
-    return out
+            return loaded[key]
+        return load_condition_image(value)
+
+    return [load(value) for value in values]
 
 
 def _done_future(value: Any) -> Future:
