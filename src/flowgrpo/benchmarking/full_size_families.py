@@ -127,3 +127,8 @@ FULL_SIZE_BUILDERS: dict[str, Callable[[int, str], Any]] = {
     "flux2-klein-4b": _build_flux2_klein,
     "zimage-turbo": _build_zimage_turbo,
 }
+
+# The video families' full-size builders (flowgrpo.benchmarking.full_size_video) share the presets' lookup.
+from .full_size_video import VIDEO_FULL_SIZE_BUILDERS  # noqa: E402
+
+FULL_SIZE_BUILDERS.update(VIDEO_FULL_SIZE_BUILDERS)

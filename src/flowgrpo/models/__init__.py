@@ -14,11 +14,13 @@ from .qwenimage_edit import QwenImageEditAdapter
 from .qwenimage_edit_plus import QwenImageEditPlusAdapter
 from .sd3 import SD3Adapter
 from .wan import WanAdapter, WanExperts
+from .wan_i2v import WanImageToVideoAdapter
 from .zimage import ZImageAdapter
 
 ADAPTERS: list[type[ModelFamilyAdapter]] = [
     SD3Adapter, FluxAdapter, FluxKontextAdapter, QwenImageAdapter, QwenImageEditAdapter, WanAdapter,
     Flux2Adapter, Flux2KleinAdapter, ZImageAdapter, QwenImageEditPlusAdapter, QwenImage21Adapter,
+    WanImageToVideoAdapter,
 ]
 
 
@@ -46,6 +48,6 @@ def get_family_adapter(pipeline: DiffusionPipeline, num_frames: int = 1) -> Mode
 
 __all__ = [
     "ADAPTERS", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter", "FluxKontextAdapter", "MMDIT_LORA_TARGET_MODULES", "ModelFamilyAdapter", "PromptEmbeds",
-    "QwenImage21Adapter", "QwenImageAdapter", "QwenImageEditAdapter", "QwenImageEditPlusAdapter", "SD3Adapter", "WanAdapter", "WanExperts", "ZImageAdapter", "family_adapter_class",
+    "QwenImage21Adapter", "QwenImageAdapter", "QwenImageEditAdapter", "QwenImageEditPlusAdapter", "SD3Adapter", "WanAdapter", "WanExperts", "WanImageToVideoAdapter", "ZImageAdapter", "family_adapter_class",
     "get_family_adapter",
 ]

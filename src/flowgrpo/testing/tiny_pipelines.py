@@ -94,15 +94,16 @@ from .tiny_tokenizers import (
     qwen2_vocab_and_merges,
     t5_sentencepiece_model,
 )
-from .tiny_wan import WAN_CONFIGS, WAN_VARIANTS, build_tiny_wan
+from .tiny_wan import WAN_CONFIGS, WAN_I2V_CONFIGS, WAN_I2V_VARIANTS, WAN_VARIANTS, build_tiny_wan, build_tiny_wan_i2v
 
 __all__ = ["TINY_FAMILIES", "TINY_VARIANTS", "build_tiny_pipeline", "save_tiny_pipeline", "cached_tiny_pipeline_path"]
 
 TINY_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "flux2_klein", "zimage",
-                 "flux2", "qwenimage_edit_plus", "qwenimage21")
+                 "flux2", "qwenimage_edit_plus", "qwenimage21", "wan_i2v")
 
 #: Variants a family can be built in besides its default layout.
-TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS, "flux2_klein": FLUX2_KLEIN_VARIANTS}
+TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS, "flux2_klein": FLUX2_KLEIN_VARIANTS,
+                                             "wan_i2v": WAN_I2V_VARIANTS}
 
 #: Settings of the later families, fingerprinted only for their own folders (the earlier folders keep their names).
 _FAMILY_CONFIGS: dict[str, list] = {
@@ -110,6 +111,7 @@ _FAMILY_CONFIGS: dict[str, list] = {
     "flux2": [FLUX2_CONFIGS, MISTRAL_CHAT_TEMPLATE],
     "qwenimage21": [QWEN21_CONFIGS],
     "zimage": [ZIMAGE_CONFIGS, QWEN3_CHAT_TEMPLATE],
+    "wan_i2v": [WAN_I2V_CONFIGS],
 }
 
 # Bump when the build changes in a way the configs below do not show (e.g. initialisation), to refresh caches.
@@ -294,6 +296,7 @@ _BUILDERS: dict[str, Callable[[int], DiffusionPipeline]] = {
     "flux_kontext": _build_flux_kontext, "qwenimage_edit": build_tiny_qwenimage_edit,
     "flux2_klein": build_tiny_flux2_klein, "zimage": build_tiny_zimage, "flux2": build_tiny_flux2,
     "qwenimage_edit_plus": build_tiny_qwenimage_edit_plus, "qwenimage21": build_tiny_qwenimage21,
+    "wan_i2v": build_tiny_wan_i2v,
 }
 
 

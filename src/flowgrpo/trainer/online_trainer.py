@@ -52,6 +52,7 @@ from .data.prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
 from .data.sampler import RepeatSampler
 from .evaluation.eval_change import EvaluationBaseline
 from .evaluation.evaluator import Evaluation
+from .fsdp_units import keep_present_wrap_classes
 from .model_loading import _TWO_EXPERTS_FULL_FINETUNE, PipelineLoading, _import_own_components, _torch_dtype
 from .online_config import OnlineRLConfig
 from .outputs.contact_sheet import make_contact_sheet
@@ -254,6 +255,9 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         # callbacks (tensorboard, wandb) read ``model.config``.
         self.callback_handler.callbacks.insert(0, _StepHooks(self))
         self.callback_handler.model = _CallbackModelView(self.model)
+        fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if fsdp_plugin is not None:  # a config shared by several families names some blocks this model lacks
+            keep_present_wrap_classes(fsdp_plugin, self.model)
 
         device = self.accelerator.device
         model_parameters = sum(p.numel() for module in self.adapter.transformers() for p in module.parameters())

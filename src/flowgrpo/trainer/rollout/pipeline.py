@@ -204,7 +204,7 @@ class RolloutPipeline:
         if progress is not None and len(plan) < num_steps:
             progress.update(num_steps - len(plan))
         stacked = {k: torch.stack(v, dim=1) for k, v in traj.items()} if record else None
-        return latents, stacked
+        return self.adapter.final_latents(latents, embeds), stacked
 
     def _generation_index(self) -> int:
         return self._micro_step // (self.args.steps_per_generation * self.args.num_iterations)
