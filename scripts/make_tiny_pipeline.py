@@ -4,10 +4,12 @@
     python scripts/make_tiny_pipeline.py --family sd3 --output /tmp/tiny-sd3 [--seed 0]
     python scripts/make_tiny_pipeline.py --family wan --variant two_experts --output /tmp/tiny-wan22
 
-Families: sd3, flux, qwenimage, wan, flux_kontext, qwenimage_edit (``flowgrpo.testing.TINY_FAMILIES``); variants:
-``flowgrpo.testing.TINY_VARIANTS`` (``wan``: ``two_experts``, Wan 2.2 A14B's layout). The folder loads with stock
-``DiffusionPipeline.from_pretrained(DIR)`` (``qwenimage_edit``: after ``import flowgrpo.testing``, which defines its
-image-only processor); see ``flowgrpo.testing.tiny_pipelines`` for the architectures.
+Families: sd3, flux, qwenimage, wan, flux_kontext, qwenimage_edit, flux2_klein, zimage, flux2, qwenimage_edit_plus,
+qwenimage21 (``flowgrpo.testing.TINY_FAMILIES``); variants: ``flowgrpo.testing.TINY_VARIANTS`` (``wan``:
+``two_experts``, Wan 2.2 A14B's layout; ``flux2_klein``: ``distilled``). The folder loads with stock
+``DiffusionPipeline.from_pretrained(DIR)`` (``qwenimage_edit``, ``qwenimage_edit_plus`` and ``qwenimage21``: after
+``import flowgrpo.testing``, which defines their image-only processors); see ``flowgrpo.testing.tiny_pipelines`` for
+the architectures.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ EXPECTED = {
     "fsdp8_qwenimage.yaml": (DistributedType.FSDP, 8),
     "fsdp8_wan.yaml": (DistributedType.FSDP, 8),
     "fsdp8_video.yaml": (DistributedType.FSDP, 8),
+    "fsdp8_flux2.yaml": (DistributedType.FSDP, 8),
     "zero2.yaml": (DistributedType.DEEPSPEED, 8),
     "zero3.yaml": (DistributedType.DEEPSPEED, 8),
     "multi_node.yaml": (DistributedType.MULTI_GPU, 16),
@@ -117,6 +118,8 @@ def _wrapped_class_names(plugin, family: str) -> set[str]:
     ("fsdp8_qwenimage.yaml", "qwenimage", {"QwenImageTransformerBlock", "QwenImageTransformer2DModel"}),
     ("fsdp8_wan.yaml", "wan", {"WanTransformerBlock", "WanTransformer3DModel"}),
     ("fsdp8_video.yaml", "wan_i2v", {"WanTransformerBlock", "WanTransformer3DModel"}),
+    ("fsdp8_flux2.yaml", "flux2_klein", {"Flux2TransformerBlock", "Flux2SingleTransformerBlock",
+                                          "Flux2Transformer2DModel"}),
 ])
 def test_fsdp_configs_build_the_fsdp2_plugin_and_wrap_the_transformer(monkeypatch, name, family, units):
     from accelerate.utils import FullyShardedDataParallelPlugin

@@ -175,10 +175,11 @@ def test_analytic_flops_match_torch_counter_on_full_size_qwenimage_and_wan(famil
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
-@pytest.mark.parametrize("family", ["flux2_klein", "flux2", "zimage"])
+@pytest.mark.parametrize("family", ["flux2_klein", "flux2", "zimage", "qwenimage21", "qwenimage_edit_plus"])
 def test_analytic_flops_match_torch_counter_on_tiny_later_families(family, full, tiny_pipeline_path):
-    """FLUX.2 [klein] / [dev] (two reference images) and Z-Image, called through their adapters: forward and
-    backward, LoRA on the family's default targets or full fine-tuning."""
+    """FLUX.2 [klein] / [dev] (two reference images), Z-Image, Qwen-Image 2.1 and Qwen-Image-Edit-Plus (two source
+    images), called through their adapters: forward and backward, LoRA on the family's default targets or full
+    fine-tuning. Qwen-Image 2.1's per-sample layers run one extra row per call, counted exactly for one sample."""
     from diffusers import DiffusionPipeline
     from peft import LoraConfig, get_peft_model
     from PIL import Image
@@ -189,13 +190,15 @@ def test_analytic_flops_match_torch_counter_on_tiny_later_families(family, full,
     adapter = get_family_adapter(pipe)
     targets = list(adapter.default_lora_target_modules)
     cpu = torch.device("cpu")
-    references = [[Image.new("RGB", (32, 32), (200, 30, 30)), Image.new("RGB", (32, 32), (30, 30, 200))]] * 2
+    batch = 1 if family == "qwenimage21" else 2
+    two_sources = family in ("flux2", "qwenimage_edit_plus")
+    references = [[Image.new("RGB", (32, 32), (200, 30, 30)), Image.new("RGB", (32, 32), (30, 30, 200))]] * batch
     with torch.no_grad():
-        embeds = adapter.encode_prompts(["a cat", "a dog"], 20, cpu, images=references if family == "flux2" else None,
+        embeds = adapter.encode_prompts(["a cat", "a dog"][:batch], 20, cpu, images=references if two_sources else None,
                                         height=32, width=32)
-    latents = adapter.prepare_latents(2, 32, 32, torch.Generator().manual_seed(0), cpu, torch.float32)
+    latents = adapter.prepare_latents(batch, 32, 32, torch.Generator().manual_seed(0), cpu, torch.float32)
     n_img, n_txt = adapter.sequence_lengths(embeds, latents)
-    assert n_img == (12 if family == "flux2" else 4)  # 2x2 target tokens (and two 2x2 references)
+    assert n_img == (12 if two_sources else 4)  # 2x2 target tokens (and two 2x2 references)
     config = dict(pipe.transformer.config)
     if full:
         model, expected = pipe.transformer.requires_grad_(True), transformer_forward_flops(family, config, n_img, n_txt)
@@ -207,9 +210,9 @@ def test_analytic_flops_match_torch_counter_on_tiny_later_families(family, full,
     with sdpa_kernel(SDPBackend.MATH):
         out = {}
         assert count_flops(lambda: out.setdefault("v", adapter.predict_velocity(
-            model, latents, torch.full((2,), 500.0), embeds, guidance, None, 32, 32))) == 2 * expected.total
+            model, latents, torch.full((batch,), 500.0), embeds, guidance, None, 32, 32))) == batch * expected.total
         backward = count_flops(lambda: out["v"].float().square().mean().backward())
-    assert backward == 2 * expected.backward(full_finetune=full)
+    assert backward == batch * expected.backward(full_finetune=full)
 
 
 @pytest.mark.parametrize("family, config", [("flux2_klein", FLUX2_KLEIN_4B_TRANSFORMER), ("flux2", FLUX2_DEV_TRANSFORMER),
@@ -238,6 +241,43 @@ def test_analytic_flops_match_torch_counter_on_full_size_later_families(family, 
         assert count_flops(model, *args, **kwargs) == expected.total
     params = sum(p.numel() for p in model.parameters()) / 1e9
     assert {"flux2_klein": 3.8 < params < 4.0, "flux2": 31 < params < 33, "zimage": 6.0 < params < 6.3}[family], params
+
+
+@pytest.mark.parametrize("family", ["qwenimage21", "qwenimage_edit_plus"])
+def test_analytic_flops_match_torch_counter_on_full_size_qwenimage21_and_edit_plus(family, monkeypatch):
+    """Qwen-Image 2.1 (7.1 B) with a 40-token prompt, and Qwen-Image (20 B) editing with two source images, at 512 px
+    on the meta device. Qwen-Image 2.1 locates its image tokens with data-dependent ops (``nonzero``), so its masks
+    are real CPU tensors; the one place they meet the weights (selecting the modulation rows, element-wise, no
+    FLOPs) gets the mask on the weights' device."""
+    from diffusers import QwenImage21Transformer2DModel, QwenImageTransformer2DModel
+
+    from flowgrpo.benchmarking.full_size_families import QWENIMAGE21_TRANSFORMER
+
+    if family == "qwenimage21":
+        import diffusers.models.transformers.transformer_qwenimage21 as module
+
+        select = module._select_modulation_rows
+        monkeypatch.setattr(module, "_select_modulation_rows",
+                            lambda params, mask: select(params, None if mask is None else mask.to(params.device)))
+        with torch.device("meta"):
+            model = QwenImage21Transformer2DModel(**QWENIMAGE21_TRANSFORMER)
+        n_img, n_txt = 1024, 40
+        img_mask = torch.cat([torch.zeros(1, n_txt, dtype=torch.bool), torch.ones(1, n_img // 4, dtype=torch.bool)], 1)
+        kwargs = dict(hidden_states=torch.empty(1, n_img, 64, device="meta"), timestep=torch.empty(1, device="meta"),
+                      encoder_hidden_states=torch.empty(1, n_txt, 4096, device="meta"), img_shapes=[[(1, 32, 32)]],
+                      img_mask=img_mask)
+    else:
+        with torch.device("meta"):
+            model = QwenImageTransformer2DModel(**QWEN_IMAGE_TRANSFORMER)
+        n_img, n_txt = 3 * 1024, 120  # the target and two sources of 32x32 packed tokens
+        kwargs = dict(hidden_states=torch.empty(1, n_img, 64, device="meta"), timestep=torch.empty(1, device="meta"),
+                      encoder_hidden_states=torch.empty(1, n_txt, 3584, device="meta"),
+                      encoder_hidden_states_mask=None, img_shapes=[[(1, 32, 32)] * 3])
+    expected = transformer_forward_flops(family, dict(model.config), n_img, n_txt)
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        assert count_flops(model, **kwargs) == expected.total
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    assert (7.0 < params < 7.2) if family == "qwenimage21" else (20 < params < 21), params
 
 
 def test_step_flops_counts_calls_and_cfg():
@@ -286,13 +326,15 @@ def test_gpu_presets_match_the_issue():
 def test_gpu_presets_fail_clearly_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name in ("sd35m-random", "flux-random", "qwenimage-random", "wan-random", "flux2-klein-random", "flux2-random",
-                 "zimage-random", "wan-i2v-random"):
+                 "zimage-random", "qwenimage21-random", "qwenimage-edit-plus-random",
+                 "wan-i2v-random"):
         with pytest.raises(RuntimeError, match=r"CUDA GPU.*small-cpu"):
             build_preset_pipeline(get_preset(name))
 
 
 @pytest.mark.parametrize("name", ["sd35m-random", "flux-random", "qwenimage-random", "wan-random", "flux2-klein-random",
-                                  "flux2-random", "zimage-random", "wan-i2v-random"])
+                                  "flux2-random", "zimage-random", "qwenimage21-random", "qwenimage-edit-plus-random",
+                                  "wan-i2v-random"])
 def test_full_size_pipelines_build_on_the_meta_device(name):
     """The GPU presets' build code, on the meta device: the configs make valid pipelines of the real sizes."""
     from flowgrpo.benchmarking.presets import _build_full_size
@@ -321,11 +363,15 @@ def test_full_size_pipelines_build_on_the_meta_device(name):
         assert 5.5 < sizes["text_encoder"] < 5.9 and 0.1 < sizes["vae"] < 0.15
         adapter = get_family_adapter(pipe, num_frames=33)
         assert adapter.uses_image_encoder and adapter.sde_scheduler_config()["shift"] == 3.0
+    elif name == "qwenimage21-random":  # Qwen-Image 2.1 7.1 B, Qwen3-VL-8B (with its vision tower)
+        assert 7.0 < sizes["transformer"] < 7.2 and 8.5 < sizes["text_encoder"] < 9.0
+    elif name == "qwenimage-edit-plus-random":  # the Qwen-Image model and encoder, with the processor
+        assert 20 < sizes["transformer"] < 21 and 8.0 < sizes["text_encoder"] < 8.5 and pipe.processor is not None
     else:  # Wan 2.1 1.3 B, UMT5-XXL encoder, the 127 M VAE; the UniPC schedule keeps its flow_shift
         assert 1.3 < sizes["transformer"] < 1.5 and 5.5 < sizes["text_encoder"] < 5.9 and 0.1 < sizes["vae"] < 0.15
         adapter = get_family_adapter(pipe, num_frames=33)
         assert adapter.sde_scheduler_config()["shift"] == 3.0
-    if name not in ("wan-random", "wan-i2v-random"):
+    if name not in ("wan-random", "qwenimage21-random", "wan-i2v-random"):
         assert pipe.vae_scale_factor == 8
 
 

@@ -371,6 +371,16 @@ def test_family_settings_are_checked_before_loading(tiny_pipeline_path, tmp_path
     with pytest.raises(ValueError, match=r"does not exist"):
         make_trainer(edit, CASE_BY_NAME["qwenimage_edit"], tmp_path / "o4",
                      dataset={"prompt": ["make it red"] * 2, "image": ["missing.png"] * 2})
+    plus = _index_only(tiny_pipeline_path("qwenimage_edit_plus"), tmp_path / "plus")
+    with pytest.raises(ValueError, match=r"QwenImageEditPlusPipeline edits a source image.*no 'image' column"):
+        make_trainer(plus, CASE_BY_NAME["qwenimage_edit_plus"], tmp_path / "o8", dataset={"prompt": ["make it red"]})
+    with pytest.raises(ValueError, match=r"empty list; give at least one image"):  # a list of images per row
+        make_trainer(plus, CASE_BY_NAME["qwenimage_edit_plus"], tmp_path / "o9",
+                     dataset={"prompt": ["make it red"], "image": [[]]})
+    source_image(0).save(tmp_path / "b.png")
+    with pytest.raises(ValueError, match=r"missing.png.*does not exist"):  # the second image of the row
+        make_trainer(plus, CASE_BY_NAME["qwenimage_edit_plus"], tmp_path / "o10",
+                     dataset={"prompt": ["make it red"], "image": [[str(tmp_path / "b.png"), "missing.png"]]})
     experts = _index_only(tiny_pipeline_path("wan", "two_experts"), tmp_path / "experts")
     args = FlowGRPOConfig(output_dir=str(tmp_path / "o5"), **config_kwargs(CASE_BY_NAME["wan_two_experts"]))
     with pytest.raises(ValueError, match=r"two experts.*LoRA.*peft_config"):
@@ -404,7 +414,10 @@ def test_wan_unipc_checkpoint_schedule_keeps_its_flow_shift(tiny_pipeline_path):
 @pytest.mark.parametrize("recipe, pipeline_class", [
     ("qwenimage_ocr.yaml", "QwenImagePipeline"), ("wan_t2v.yaml", "WanPipeline"),
     ("kontext_edit.yaml", "FluxKontextPipeline"), ("qwenimage_edit.yaml", "QwenImageEditPipeline"),
-    ("wan_i2v.yaml", "WanImageToVideoPipeline")])
+    ("wan_i2v.yaml", "WanImageToVideoPipeline"),
+    ("flux2_klein_ocr.yaml", "Flux2KleinPipeline"), ("flux2_dev_pickscore.yaml", "Flux2Pipeline"),
+    ("zimage_turbo_ocr.yaml", "ZImagePipeline"), ("qwenimage21_ocr.yaml", "QwenImage21Pipeline"),
+    ("qwenimage_edit_plus.yaml", "QwenImageEditPlusPipeline")])
 def test_family_recipes_suit_their_family(recipe, pipeline_class):
     """The recipes' settings pass the family's own checks (frames, sequence length) and name no LoRA targets, so the
     trainer uses the family's default."""
@@ -419,12 +432,17 @@ def test_family_recipes_suit_their_family(recipe, pipeline_class):
     assert build_peft_config(model_args).target_modules is None
     if adapter_cls.family.startswith("qwenimage"):
         assert args.max_sequence_length <= QWEN_MAX_SEQUENCE_LENGTH and args.guidance_scale > 1
-    if adapter_cls.accepts_images:
+    if adapter_cls.accepts_images and not adapter_cls.images_optional:
         assert script_args.dataset_name == "data/ocr_edit" and script_args.reward_funcs == ["ocr"]
     if adapter_cls.family == "wan_i2v":
         from flowgrpo.models.wan_i2v import WAN_I2V_TEXT_TOKENS
 
         assert args.max_sequence_length == WAN_I2V_TEXT_TOKENS
+    if adapter_cls.family == "zimage":  # Turbo: its distilled few-step schedule, no CFG, exact-noise CPS steps
+        assert args.guidance_scale == 0
+        assert args.num_inference_steps == args.eval_num_inference_steps == 8 and args.sde_type == "cps"
+    if adapter_cls.family == "flux2":  # the 24B encoder: cached embeddings, offloaded encoder
+        assert args.cache_prompt_embeddings and args.offload_text_encoders
 
 
 def test_wan_experts_split_a_batch_at_the_boundary_and_per_token_timesteps(tiny_pipeline_path, monkeypatch):

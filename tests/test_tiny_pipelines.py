@@ -142,7 +142,23 @@ def _family_kwargs(family: str, size: tuple[int, int], batch: int) -> dict:
         return {"image": [source] * batch, "max_area": size[0] * size[1], "_auto_resize": False}
     if family == "qwenimage_edit":
         return {"image": [source] * batch}
-    return {}
+    if family == "qwenimage_edit_plus":  # two source images (for the one prompt of a call)
+        return {"image": [source, source.transpose(Image.Transpose.FLIP_LEFT_RIGHT)]}
+    if family == "qwenimage21":  # true CFG by its own name; no max_sequence_length; its sample_sigmas set the steps
+        return {"true_cfg_scale": 3.5, "negative_prompt": [""] * batch}
+    return {"guidance_scale": 3.5}
+
+
+def _generate(pipe, family: str, prompts: list[str], size: tuple[int, int], **kwargs):
+    """One call of the family's pipeline (Qwen-Image-Edit-Plus takes one prompt per call: one call per prompt)."""
+    if family == "qwenimage_edit_plus":
+        outs = [_generate(pipe, "qwenimage_edit_plus_one", [p], size, **kwargs) for p in prompts]
+        return np.concatenate(outs) if isinstance(outs[0], np.ndarray) else torch.cat(outs)
+    if family == "qwenimage21":
+        kwargs.pop("max_sequence_length", None)
+    out = pipe(prompt=prompts, height=size[0], width=size[1], **kwargs,
+               **_family_kwargs(family.removesuffix("_one"), size, len(prompts)))
+    return out.frames if family == "wan" else out.images
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -153,20 +169,24 @@ def test_generates_finite_images_of_requested_size(loaded, family, monkeypatch):
         import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit_module
 
         monkeypatch.setattr(edit_module, "calculate_dimensions", lambda area, ratio: (64, 64, None))
-    out = pipe(prompt=["a red circle above a blue square", 'a sign that says "HELLO"'], height=64, width=64,
-               num_inference_steps=2, guidance_scale=3.5, output_type="np",
-               generator=torch.Generator().manual_seed(0), **_family_kwargs(family, (64, 64), 2))
-    images = out.frames[:, 2] if family == "wan" else out.images  # Wan: the middle of 5 frames
-    assert images.shape == (2, 64, 64, 3)
+    if family == "qwenimage_edit_plus":  # the same for its sources (~384^2 for the encoder, ~1024^2 for the VAE)
+        import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus_module
+
+        monkeypatch.setattr(plus_module, "calculate_dimensions", lambda area, ratio: (64, 64))
+    channels = 4 if family == "qwenimage21" else 3  # Qwen-Image 2.1's VAE decodes RGBA
+    out = _generate(pipe, family, ["a red circle above a blue square", 'a sign that says "HELLO"'], (64, 64),
+                    num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0))
+    images = out[:, 2] if family == "wan" else out  # Wan: the middle of 5 frames
+    assert images.shape == (2, 64, 64, channels)
     assert np.isfinite(images).all()
     assert np.abs(images[0] - images[1]).mean() > 1e-3  # different prompts and noise, different images
-    if family == "qwenimage_edit":
+    if family in ("qwenimage_edit", "qwenimage_edit_plus"):
         return
     # Two steps: with one, Qwen-Image's shift_terminal stretch divides 0 by 0 (NaN sigmas, a diffusers limit)
-    small = pipe(prompt="a green star", height=32, width=48, num_inference_steps=2, max_sequence_length=32,
-                 output_type="pt", generator=torch.Generator().manual_seed(1), **_family_kwargs(family, (32, 48), 1))
-    small = small.frames if family == "wan" else small.images
-    expected = (1, 5, 3, 32, 48) if family == "wan" else (1, 3, 32, 48)
+    size = (32, 64) if family == "qwenimage21" else (32, 48)  # Qwen-Image 2.1: sides are multiples of 32
+    small = _generate(pipe, family, ["a green star"], size, num_inference_steps=2, max_sequence_length=32,
+                      output_type="pt", generator=torch.Generator().manual_seed(1))
+    expected = (1, 5, 3, *size) if family == "wan" else (1, channels, *size)
     assert small.shape == expected and torch.isfinite(small).all()
 
 

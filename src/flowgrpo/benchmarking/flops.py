@@ -43,6 +43,7 @@ __all__ = [
     "flux_forward_matmuls",
     "flux2_forward_matmuls",
     "zimage_forward_matmuls",
+    "qwenimage21_forward_matmuls",
     "qwenimage_forward_matmuls",
     "wan_forward_matmuls",
     "step_flops",
@@ -306,6 +307,46 @@ def zimage_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_to
     return mm
 
 
+def qwenimage21_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_tokens: int) -> list[Matmul]:
+    """The matmuls of one ``QwenImage21Transformer2DModel`` forward for one sample (text-to-image, no KV cache).
+
+    ``image_tokens`` = (H / 16) x (W / 16) latent tokens; ``text_tokens`` = the prompt embedding's length. One joint
+    sequence of ``text + image`` tokens runs through every block; attention is block-causal, computed as the
+    pipeline's processor does: the text attends to the text (``L x L``), the image to everything (``N x (L + N)``).
+    With ``causal_condition`` the per-sample embedding and modulation linears run one extra row (the ``t = 0`` row
+    for the text): counted here as two rows per sample, exact for a call of one sample (a call of B samples runs
+    B + 1 rows).
+    """
+    heads, head_dim = int(_cfg(config, "num_attention_heads")), int(_cfg(config, "attention_head_dim"))
+    d = heads * head_dim
+    patch = int(_cfg(config, "patch_size", 1))
+    c_in = int(_cfg(config, "in_channels", 64))
+    c_out = int(_cfg(config, "out_channels", None) or c_in)
+    mlp = d * int(_cfg(config, "mlp_ratio", 3))
+    n_i, n_t = int(image_tokens), int(text_tokens)
+    n = n_i + n_t
+    per_sample = 2 if _cfg(config, "causal_condition", True) else 1
+    mm = [
+        _linear("img_in", n_i, c_in * patch * patch, d),
+        _linear("txt_in.in_layer", n_t, int(_cfg(config, "context_in_dim")), d),
+        _linear("txt_in.out_layer", n_t, d, d),
+        _linear("time_text_embed.timestep_embedder.linear_1", per_sample, 256, d),
+        _linear("time_text_embed.timestep_embedder.linear_2", per_sample, d, d),
+        _linear("modulation.1", per_sample, d, 4 * d),
+    ]
+    for i in range(int(_cfg(config, "num_layers"))):
+        b = f"transformer_blocks.{i}"
+        mm += [_linear(f"{b}.attn.{proj}", n, d, d) for proj in ("to_q", "to_k", "to_v")]
+        mm.append(_attention(f"{b}.attn", n_t, n_t, d))  # the text segment, causal over itself
+        mm.append(_attention(f"{b}.attn", n_i, n, d))    # the image block: every earlier token and itself
+        mm.append(_linear(f"{b}.attn.to_out.0", n, d, d))
+        mm += [_linear(f"{b}.img_mlp.proj", n, d, mlp), _linear(f"{b}.img_mlp.gate_layer", n, d, mlp),
+               _linear(f"{b}.img_mlp.out", n, mlp, d)]
+    mm.append(_linear("norm_out.linear", per_sample, d, d))
+    mm.append(_linear("proj_out", n, d, patch * patch * c_out))
+    return mm
+
+
 def qwenimage_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_tokens: int) -> list[Matmul]:
     """The matmuls of one ``QwenImageTransformer2DModel`` forward for one sample.
 
@@ -410,6 +451,7 @@ _FAMILIES = {
     "qwenimage": qwenimage_forward_matmuls, "qwenimage_edit": qwenimage_forward_matmuls, "wan": wan_forward_matmuls,
     "flux2": flux2_forward_matmuls, "flux2_klein": flux2_forward_matmuls, "zimage": zimage_forward_matmuls,
     "wan_i2v": wan_forward_matmuls,
+    "qwenimage_edit_plus": qwenimage_forward_matmuls, "qwenimage21": qwenimage21_forward_matmuls,
 }
 
 
@@ -424,7 +466,7 @@ def _lora_targets_match(name: str, targets: str | Iterable[str]) -> bool:
 _NO_INPUT_GRAD = re.compile(
     r"^(pos_embed\.proj|x_embedder|context_embedder|time_text_embed\..*|img_in|txt_in|patch_embedding"
     r"|condition_embedder\..*|time_guidance_embed\..*|all_x_embedder\..*|cap_embedder\..*|t_embedder\..*"
-    r"|(noise|context)_refiner\.0\.attention\.(to_q|to_k|to_v)"
+    r"|(noise|context)_refiner\.0\.attention\.(to_q|to_k|to_v)|txt_in\..*|modulation\.1|norm_out\.linear"
     r"|transformer_blocks\.0\.attn2?\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)"
     r"|blocks\.0\.attn1\.(to_q|to_k|to_v)|blocks\.\d+\.attn2\.(to_k|to_v|add_k_proj|add_v_proj))$"
 )

@@ -1,5 +1,6 @@
 """Full-size architectures of the later image families (public configs of the released checkpoints), built with random
-weights for the benchmark presets: FLUX.2 [dev], FLUX.2 [klein] 4B and Z-Image Turbo.
+weights for the benchmark presets: FLUX.2 [dev], FLUX.2 [klein] 4B, Z-Image Turbo, Qwen-Image 2.1 and
+Qwen-Image-Edit-Plus.
 
 Like the other full-size presets, the tokenizers are the small locally made ones of
 :mod:`flowgrpo.testing.tiny_tokenizers` (their ids fit the real vocabularies) and the text encoders keep their real
@@ -13,7 +14,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FULL_SIZE_BUILDERS", "FLUX2_DEV_TRANSFORMER", "FLUX2_KLEIN_4B_TRANSFORMER", "ZIMAGE_TURBO_TRANSFORMER"]
+__all__ = ["FULL_SIZE_BUILDERS", "FLUX2_DEV_TRANSFORMER", "FLUX2_KLEIN_4B_TRANSFORMER", "QWENIMAGE21_TRANSFORMER",
+           "ZIMAGE_TURBO_TRANSFORMER"]
 
 # FLUX.2 [dev] (black-forest-labs/FLUX.2-dev): 8 double- and 48 single-stream blocks, 48 heads of 128, guidance
 # embedding; Mistral Small 3.1 (24 B) reads the prompt, its hidden states after layers 10, 20, 30 stacked (3 x 5120).
@@ -51,6 +53,23 @@ FLUX1_VAE = {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEnco
              "layers_per_block": 2, "latent_channels": 16, "norm_num_groups": 32, "sample_size": 1024,
              "use_quant_conv": False, "use_post_quant_conv": False, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 
+# Qwen-Image 2.1 (Qwen/Qwen-Image-2.1): the single-stream block-causal transformer as diffusers' class defaults give it
+# (32 blocks of 32 heads of 128, 7.1 B), the Qwen3-VL-8B encoder (with its vision tower) and the 16x, 64-channel VAE.
+QWENIMAGE21_TRANSFORMER = {"patch_size": 1, "in_channels": 64, "out_channels": 64, "num_layers": 32,
+                           "attention_head_dim": 128, "num_attention_heads": 32, "context_in_dim": 4096,
+                           "mlp_ratio": 3, "axes_dims_rope": [16, 56, 56], "causal_condition": True}
+QWEN3_VL_8B_TEXT = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+                    "rope_parameters": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True,
+                                        "rope_theta": 5000000.0}}
+QWEN3_VL_8B_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                      "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                      "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]}
+QWENIMAGE21_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                         "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192,
+                         "time_shift_type": "exponential"}
+
 
 def _qwen3_config(tokenizer):
     from transformers import Qwen3Config
@@ -86,7 +105,6 @@ def _build_flux2_dev(seed: int, device: str):
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from ..testing.tiny_flux2 import MistralTextProcessor
     from ..testing.tiny_tokenizers import build_mistral_tokenizer
     from .presets import _building
 
@@ -100,8 +118,7 @@ def _build_flux2_dev(seed: int, device: str):
         parts = {"text_encoder": Mistral3ForConditionalGeneration(config),
                  "transformer": Flux2Transformer2DModel(**FLUX2_DEV_TRANSFORMER),
                  "vae": AutoencoderKLFlux2(**FLUX2_VAE)}
-    processor = MistralTextProcessor(tokenizer=tokenizer, chat_template=tokenizer.chat_template)
-    return Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), tokenizer=processor,
+    return Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), tokenizer=tokenizer,
                          **{k: v.eval() for k, v in parts.items()})
 
 
@@ -121,11 +138,62 @@ def _build_zimage_turbo(seed: int, device: str):
                           **{k: v.eval() for k, v in parts.items()})
 
 
+def _build_qwenimage21(seed: int, device: str):
+    from diffusers import (
+        AutoencoderKLQwenImage21,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImage21Pipeline,
+        QwenImage21Transformer2DModel,
+    )
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ..testing.tiny_qwenimage21 import QWEN3_VL_CHAT_TEMPLATE, ImageOnlyQwen3VLProcessor
+    from ..testing.tiny_tokenizers import build_qwen2_tokenizer
+    from .presets import _building
+
+    tokenizer = build_qwen2_tokenizer()
+    tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
+    processor = ImageOnlyQwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2),
+        tokenizer=tokenizer, chat_template=QWEN3_VL_CHAT_TEMPLATE)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in
+           ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|endoftext|>", "<|im_end|>")}
+    text = dict(QWEN3_VL_8B_TEXT, rope_parameters=dict(QWEN3_VL_8B_TEXT["rope_parameters"]), bos_token_id=None,
+                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    config = Qwen3VLConfig(text_config=text, vision_config=dict(QWEN3_VL_8B_VISION),
+                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    with _building(device, torch.bfloat16, seed):
+        parts = {"text_encoder": Qwen3VLForConditionalGeneration(config),
+                 "transformer": QwenImage21Transformer2DModel(**QWENIMAGE21_TRANSFORMER),
+                 "vae": AutoencoderKLQwenImage21()}
+    return QwenImage21Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWENIMAGE21_SCHEDULER), processor=processor,
+                               **{k: v.eval() for k, v in parts.items()})
+
+
+def _build_qwenimage_edit_plus(seed: int, device: str):
+    """Qwen-Image-Edit-2509 / 2511: the Qwen-Image components with an image-only Qwen2-VL processor."""
+    from diffusers import QwenImageEditPlusPipeline
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ..testing.tiny_qwenimage import ImageOnlyQwen2VLProcessor
+    from .presets import _build_qwen_image
+
+    components = dict(_build_qwen_image(seed, device).components)
+    components["processor"] = ImageOnlyQwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil(patch_size=14, temporal_patch_size=2, merge_size=2),
+        tokenizer=components["tokenizer"])
+    return QwenImageEditPlusPipeline(**components)
+
+
 #: Preset architecture name -> builder ``(seed, device) -> pipeline``.
 FULL_SIZE_BUILDERS: dict[str, Callable[[int, str], Any]] = {
     "flux2-dev": _build_flux2_dev,
     "flux2-klein-4b": _build_flux2_klein,
     "zimage-turbo": _build_zimage_turbo,
+    "qwen-image-2.1": _build_qwenimage21,
+    "qwen-image-edit-plus": _build_qwenimage_edit_plus,
 }
 
 # The video families' full-size builders (flowgrpo.benchmarking.full_size_video) share the presets' lookup.

@@ -114,7 +114,7 @@ class FloorRunner:
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             source = None  # editing families: a plain source image of the working size
-            if self.adapter.accepts_images:
+            if self.adapter.accepts_images and not self.adapter.images_optional:
                 from PIL import Image
 
                 source = [Image.new("RGB", (self.width, self.height), (128, 128, 128))]

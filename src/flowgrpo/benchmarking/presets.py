@@ -43,6 +43,14 @@ preset             device   what it runs
 ``zimage-random``  CUDA     Z-Image Turbo at full size (6.2 B single-stream DiT; Qwen3-4B; the FLUX.1 VAE; shift 3),
                             bf16, 512 px, 4 prompts x G=8 (micro-batches of 8), 8 steps, SDE window 2, no CFG (as Turbo
                             samples), LoRA r=32 on attention and feed-forward, gradient checkpointing, OCR reward.
+``qwenimage21-random`` CUDA Qwen-Image 2.1 at full size (32 single-stream block-causal blocks, 32 heads of 128, 7.1 B;
+                            Qwen3-VL-8B with its vision tower; the 16x VAE), bf16, 512 px, 4 prompts x G=8
+                            (micro-batches of 4), 10 steps, SDE window 3, true CFG 4.0, LoRA r=32 on attention,
+                            gradient checkpointing, OCR reward.
+``qwenimage-edit-plus-random`` CUDA  Qwen-Image-Edit-2509 at full size (the Qwen-Image model and encoder) editing with
+                            a source image per prompt at the working size, bf16, 512 px, 2 prompts x G=8
+                            (micro-batches of 2), 10 steps, SDE window 3, true CFG 4.0, LoRA r=32, gradient
+                            checkpointing, OCR reward.
 ``wan-random``     CUDA     Wan 2.1 T2V 1.3B at full size (30 blocks, 12 heads of 128, FFN 8960; UMT5-XXL; the Wan
                             VAE; the released UniPC configuration with flow_shift 3.0, converted), bf16, 33 frames
                             of 480x832, 2 prompts x G=4 (micro-batches of 2), 10 steps, SDE window 3, CFG 5.0, LoRA
@@ -70,6 +78,7 @@ from typing import Any
 import torch
 
 from ..models.flux2 import FLUX2_LORA_TARGET_MODULES
+from ..models.qwenimage21 import QWENIMAGE21_LORA_TARGET_MODULES
 from ..models.wan_i2v import WAN_I2V_LORA_TARGET_MODULES
 from ..models.zimage import ZIMAGE_LORA_TARGET_MODULES
 from ..toy.learning import TOY_LORA_TARGET_MODULES
@@ -325,6 +334,23 @@ PRESETS: dict[str, BenchmarkPreset] = {
         guidance_scale=5.0, max_sequence_length=512, reward="jpeg_compressibility", lora_rank=32,
         lora_targets=WAN_I2V_LORA_TARGET_MODULES, gradient_checkpointing=True, default_steps=2,
         extra_args={"width": 832, "num_frames": 33},
+    ),
+    "qwenimage21-random": BenchmarkPreset(
+        name="qwenimage21-random", description="Qwen-Image 2.1 architecture, random weights, bf16, 512 px, 4x8, "
+                                               "10 steps, true CFG 4",
+        family="qwenimage21", architecture="qwen-image-2.1", device="cuda", dtype="bfloat16", resolution=512,
+        num_prompts=4, num_generations=8, per_device_train_batch_size=4, num_inference_steps=10, sde_window_size=3,
+        guidance_scale=4.0, max_sequence_length=256, lora_rank=32, lora_targets=QWENIMAGE21_LORA_TARGET_MODULES,
+        gradient_checkpointing=True, default_steps=5,
+    ),
+    "qwenimage-edit-plus-random": BenchmarkPreset(
+        name="qwenimage-edit-plus-random", description="Qwen-Image-Edit-Plus architecture, random weights, bf16, "
+                                                       "512 px, a source image, 2x8, 10 steps, true CFG 4",
+        family="qwenimage_edit_plus", architecture="qwen-image-edit-plus", device="cuda", dtype="bfloat16",
+        resolution=512, num_prompts=2, num_generations=8, per_device_train_batch_size=2, num_inference_steps=10,
+        sde_window_size=3, guidance_scale=4.0, max_sequence_length=256, lora_rank=32,
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        gradient_checkpointing=True, default_steps=3,
     ),
 }
 

@@ -101,7 +101,7 @@ class ZImageAdapter(ModelFamilyAdapter):
         if cfg:
             pos, neg = out[:batch], out[batch:]
             out = pos + guidance_scale * (pos - neg)
-        return -out.to(latents.dtype)
+        return -out  # float32, as the pipeline hands it to the scheduler
 
     def sequence_lengths(self, embeds: PromptEmbeds, latents: torch.Tensor) -> tuple[int, int]:
         text = int(embeds.tensors["prompt_embeds_mask"].sum(dim=1).max())

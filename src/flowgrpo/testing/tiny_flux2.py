@@ -18,11 +18,11 @@
 
 * ``text_encoder`` ``Mistral3ForConditionalGeneration``: a Mistral text model of hidden 24 and 31 layers (the pipeline
   stacks the hidden states after layers 10, 20 and 30), 2 heads of 12 (one key/value head), and a Pixtral vision tower
-  of one layer (hidden 16, patch 16), always built by the class; ``tokenizer`` a :class:`MistralTextProcessor` over
-  the locally learned byte-level BPE with Mistral's special tokens and chat layout
-  (:func:`flowgrpo.testing.tiny_tokenizers.build_mistral_tokenizer`). The real checkpoint's processor is
-  ``PixtralProcessor``, which transformers 5 cannot import without torchvision; FLUX.2 [dev] only tokenises text
-  with it (reference images go to the VAE), which is all :class:`MistralTextProcessor` does. FLUX.2 [dev]'s system message takes about 60
+  of one layer (hidden 16, patch 16), always built by the class; ``tokenizer`` the locally learned byte-level BPE
+  with Mistral's special tokens and chat layout (:func:`flowgrpo.testing.tiny_tokenizers.build_mistral_tokenizer`).
+  The real checkpoint's ``tokenizer`` is a ``PixtralProcessor``, which transformers 5 cannot import without
+  torchvision; the pipeline only renders and tokenises text with it (``apply_chat_template(..., tokenize=True,
+  return_dict=True)``; reference images go to the VAE), which a tokenizer with the chat template does the same way. FLUX.2 [dev]'s system message takes about 60
   of these tokens: use ``max_sequence_length`` 96 or more, or the prompt is cut off.
 * ``transformer``, ``vae``, ``scheduler`` as for [klein], with the guidance embedding (FLUX.2 [dev] is
   guidance-distilled).
@@ -63,14 +63,10 @@ from transformers import (
     Qwen3Model,
 )
 
-# Pipelines saved with the processor below record this module in model_index.json; diffusers' loader looks the
-# loadable base class up by name in this module's namespace, so ProcessorMixin must be importable from here.
-from transformers.processing_utils import ProcessorMixin
-
 from .seeding import seeded_component
 from .tiny_tokenizers import build_mistral_tokenizer, build_qwen3_tokenizer
 
-__all__ = ["MistralTextProcessor", "FLUX2_CONFIGS", "FLUX2_KLEIN_VARIANTS", "ZIMAGE_CONFIGS", "build_tiny_flux2", "build_tiny_flux2_klein",
+__all__ = ["FLUX2_CONFIGS", "FLUX2_KLEIN_VARIANTS", "ZIMAGE_CONFIGS", "build_tiny_flux2", "build_tiny_flux2_klein",
            "build_tiny_zimage"]
 
 #: Variants of the tiny FLUX.2 [klein] pipeline besides the default (base: CFG with the empty prompt).
@@ -189,24 +185,6 @@ FLUX2_CONFIGS = [_KLEIN_TEXT, _FLUX2_VAE, _KLEIN_TRANSFORMER, _FLUX2_SCHEDULER, 
 ZIMAGE_CONFIGS = [_ZIMAGE_TEXT, _ZIMAGE_TRANSFORMER, _ZIMAGE_VAE, _ZIMAGE_SCHEDULER]
 
 
-class MistralTextProcessor(ProcessorMixin):
-    """The text side of ``PixtralProcessor``: Mistral's chat template, then its tokenizer.
-
-    FLUX.2 [dev] calls ``apply_chat_template(..., tokenize=True, return_dict=True)`` on its processor to encode
-    prompts; this processor renders the template and tokenises with the same arguments. Images (prompt upsampling only,
-    which training does not use) are refused.
-    """
-
-    def __init__(self, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any):
-        super().__init__(tokenizer, chat_template=chat_template, **kwargs)
-
-    def __call__(self, text: Any = None, images: Any = None, **kwargs: Any):
-        if images is not None:
-            raise ValueError("MistralTextProcessor tokenises text only; it has no image processor.")
-        kwargs.pop("images_kwargs", None)
-        return self.tokenizer(text, **{k: v for k, v in kwargs.items() if not k.endswith("_kwargs")})
-
-
 def _qwen3_config(arch: dict[str, Any], tokenizer) -> Qwen3Config:
     return Qwen3Config(**{**arch, "rope_parameters": dict(arch["rope_parameters"])}, vocab_size=len(tokenizer),
                        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
@@ -240,7 +218,6 @@ def build_tiny_flux2_klein(seed: int, variant: str | None = None) -> Flux2KleinP
 def build_tiny_flux2(seed: int) -> Flux2Pipeline:
     """The tiny ``Flux2Pipeline`` (FLUX.2 [dev], see the module docstring)."""
     tokenizer = build_mistral_tokenizer()
-    processor = MistralTextProcessor(tokenizer=tokenizer, chat_template=tokenizer.chat_template)
     config = Mistral3Config(
         text_config={"model_type": "mistral", **_MISTRAL_TEXT, "vocab_size": len(tokenizer),
                      "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
@@ -252,7 +229,7 @@ def build_tiny_flux2(seed: int) -> Flux2Pipeline:
     with seeded_component(seed, 25):
         transformer = Flux2Transformer2DModel(**_DEV_TRANSFORMER)
     return Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**_FLUX2_SCHEDULER), vae=_flux2_vae(seed),
-                         text_encoder=text_encoder.eval(), tokenizer=processor, transformer=transformer.eval())
+                         text_encoder=text_encoder.eval(), tokenizer=tokenizer, transformer=transformer.eval())
 
 
 def build_tiny_zimage(seed: int) -> ZImagePipeline:

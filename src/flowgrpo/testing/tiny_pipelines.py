@@ -108,7 +108,7 @@ TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS, "flux2_klein":
 #: Settings of the later families, fingerprinted only for their own folders (the earlier folders keep their names).
 _FAMILY_CONFIGS: dict[str, list] = {
     "flux2_klein": [FLUX2_CONFIGS, QWEN3_CHAT_TEMPLATE],
-    "flux2": [FLUX2_CONFIGS, MISTRAL_CHAT_TEMPLATE],
+    "flux2": [FLUX2_CONFIGS, MISTRAL_CHAT_TEMPLATE, {"revision": 2}],  # 2: a plain tokenizer, no processor
     "qwenimage21": [QWEN21_CONFIGS],
     "zimage": [ZIMAGE_CONFIGS, QWEN3_CHAT_TEMPLATE],
     "wan_i2v": [WAN_I2V_CONFIGS],
