@@ -138,6 +138,8 @@ def _family_kwargs(family: str, size: tuple[int, int], batch: int) -> dict:
     source = Image.fromarray(np.random.default_rng(0).integers(0, 255, (*size, 3), dtype=np.uint8))
     if family == "wan":
         return {"num_frames": 5}
+    if family == "wan_i2v":  # the first frame (for the one prompt of a call)
+        return {"num_frames": 5, "image": source, "negative_prompt": [""] * batch}
     if family == "flux_kontext":
         return {"image": [source] * batch, "max_area": size[0] * size[1], "_auto_resize": False}
     if family == "qwenimage_edit":
@@ -150,15 +152,18 @@ def _family_kwargs(family: str, size: tuple[int, int], batch: int) -> dict:
 
 
 def _generate(pipe, family: str, prompts: list[str], size: tuple[int, int], **kwargs):
-    """One call of the family's pipeline (Qwen-Image-Edit-Plus takes one prompt per call: one call per prompt)."""
-    if family == "qwenimage_edit_plus":
-        outs = [_generate(pipe, "qwenimage_edit_plus_one", [p], size, **kwargs) for p in prompts]
+    """One call of the family's pipeline (Qwen-Image-Edit-Plus and Wan image-to-video take one prompt per call: one
+    call per prompt)."""
+    if family in ("qwenimage_edit_plus", "wan_i2v"):
+        outs = [_generate(pipe, f"{family}_one", [p], size, **kwargs) for p in prompts]
         return np.concatenate(outs) if isinstance(outs[0], np.ndarray) else torch.cat(outs)
+    if family == "wan_i2v_one":  # Wan 2.1 I2V's attention assumes 512 text tokens next to the image tokens
+        kwargs["max_sequence_length"] = 512
     if family == "qwenimage21":
         kwargs.pop("max_sequence_length", None)
     out = pipe(prompt=prompts, height=size[0], width=size[1], **kwargs,
                **_family_kwargs(family.removesuffix("_one"), size, len(prompts)))
-    return out.frames if family == "wan" else out.images
+    return out.frames if family in ("wan", "wan_i2v_one") else out.images
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -176,7 +181,7 @@ def test_generates_finite_images_of_requested_size(loaded, family, monkeypatch):
     channels = 4 if family == "qwenimage21" else 3  # Qwen-Image 2.1's VAE decodes RGBA
     out = _generate(pipe, family, ["a red circle above a blue square", 'a sign that says "HELLO"'], (64, 64),
                     num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0))
-    images = out[:, 2] if family == "wan" else out  # Wan: the middle of 5 frames
+    images = out[:, 2] if family in ("wan", "wan_i2v") else out  # Wan: the middle of 5 frames
     assert images.shape == (2, 64, 64, channels)
     assert np.isfinite(images).all()
     assert np.abs(images[0] - images[1]).mean() > 1e-3  # different prompts and noise, different images
@@ -186,7 +191,7 @@ def test_generates_finite_images_of_requested_size(loaded, family, monkeypatch):
     size = (32, 64) if family == "qwenimage21" else (32, 48)  # Qwen-Image 2.1: sides are multiples of 32
     small = _generate(pipe, family, ["a green star"], size, num_inference_steps=2, max_sequence_length=32,
                       output_type="pt", generator=torch.Generator().manual_seed(1))
-    expected = (1, 5, 3, *size) if family == "wan" else (1, channels, *size)
+    expected = (1, 5, 3, *size) if family in ("wan", "wan_i2v") else (1, channels, *size)
     assert small.shape == expected and torch.isfinite(small).all()
 
 
@@ -270,6 +275,10 @@ def test_cli_builds_every_family_and_variant(tmp_path, capsys):
     assert "two_experts" in capsys.readouterr().out
     pipe = DiffusionPipeline.from_pretrained(tmp_path / "wan22")
     assert pipe.transformer_2 is not None and pipe.config.boundary_ratio == 0.875
+    assert script.main(["--family", "wan_i2v", "--variant", "ti2v", "--output", str(tmp_path / "ti2v")]) == 0
+    pipe = DiffusionPipeline.from_pretrained(tmp_path / "ti2v")
+    assert type(pipe).__name__ == "WanImageToVideoPipeline" and pipe.config.expand_timesteps
+    assert pipe.image_encoder is None and pipe.transformer.config.in_channels == pipe.vae.config.z_dim
     with pytest.raises(SystemExit):
         script.main(["--family", "qwenimage", "--variant", "two_experts", "--output", str(tmp_path / "x")])
     assert "no variants" in capsys.readouterr().err

@@ -36,7 +36,8 @@ with ``max_area=height * width, _auto_resize=False`` to keep a small source imag
 ``"qwenimage"`` / ``"qwenimage_edit"`` / ``"qwenimage_edit_plus"``: see :mod:`flowgrpo.testing.tiny_qwenimage`;
 ``"qwenimage21"``: see :mod:`flowgrpo.testing.tiny_qwenimage21`; ``"wan"`` (and its variant
 ``"two_experts"``, Wan 2.2 A14B's layout): see :mod:`flowgrpo.testing.tiny_wan`; ``"flux2"``, ``"flux2_klein"`` (and its
-variant ``"distilled"``) and ``"zimage"``: see :mod:`flowgrpo.testing.tiny_flux2`.
+variant ``"distilled"``) and ``"zimage"``: see :mod:`flowgrpo.testing.tiny_flux2`; ``"wan_i2v"`` (Wan 2.1 I2V, variants
+``"two_experts"`` and ``"ti2v"``): see :mod:`flowgrpo.testing.tiny_wan`.
 
 Any image side that is a multiple of 16 px works (32, 64, 128, ..., non-square too; SD3 up to 512 px). The SD3 pipeline
 defaults to 64 px; ``FluxPipeline`` hard-codes a 1024 px default, so pass ``height``/``width`` to it. Four 64 px
