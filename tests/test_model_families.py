@@ -75,6 +75,11 @@ def stock_call(pipe, case: FamilyCase, prompts, images, output_type, monkeypatch
     if case.family == "wan_i2v":
         kwargs.update(guidance_scale=case.guidance_scale, num_frames=case.num_frames)
         return _wan_i2v_stock_call_per_row(pipe, kwargs, images)
+    if case.family == "ltx2":  # CFG only (no spatio-temporal / modality guidance, no rescale), the same on the audio
+        kwargs.update(guidance_scale=case.guidance_scale, negative_prompt=negative, num_frames=case.num_frames,
+                      frame_rate=24.0, stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0,
+                      audio_guidance_scale=case.guidance_scale, audio_stg_scale=0.0, audio_modality_scale=1.0,
+                      audio_guidance_rescale=0.0)
     if case.family in ("flux2", "flux2_klein", "zimage"):
         kwargs.update(guidance_scale=case.guidance_scale)
     if case.family in ("flux2", "flux2_klein") and images is not None:
@@ -157,6 +162,8 @@ def assert_sampling_matches_stock(trainer, case: FamilyCase, path, monkeypatch) 
         pixels = trainer.adapter.decode(final, SIZE, SIZE)
     ref_latents = stock_call(stock, case, prompts, images, "latent", monkeypatch)
     ref_pixels = stock_call(stock, case, prompts, images, "pt", monkeypatch)
+    if case.family == "ltx2":  # the state holds video and audio tokens; the stock latents are the video's
+        final = trainer.adapter.unpack_video_latents(final, SIZE, SIZE)
     if case.family == "flux2_klein":  # its "latent" output is unpacked, denormalised and unpatchified
         final = trainer.adapter.unpack_latents(final, SIZE, SIZE)
     if case.family == "qwenimage21":  # the VAE decodes RGBA; the adapter hands the rewards RGB
