@@ -42,7 +42,7 @@ class FamilyCase:
         return self.family in VIDEO_FAMILIES
 
 
-VIDEO_FAMILIES = ("wan", "wan_i2v", "ltx2")
+VIDEO_FAMILIES = ("wan", "wan_i2v", "ltx2", "hunyuanvideo15")
 
 CASES = (
     FamilyCase("qwenimage", "qwenimage"),
@@ -60,6 +60,7 @@ CASES = (
     FamilyCase("wan_i2v_two_experts", "wan_i2v", "two_experts", num_frames=5),
     FamilyCase("wan_i2v_ti2v", "wan_i2v", "ti2v", num_frames=5),
     FamilyCase("ltx2", "ltx2", num_frames=5),
+    FamilyCase("hunyuanvideo15", "hunyuanvideo15", num_frames=5),
 )
 CASE_IDS = [c.name for c in CASES]
 

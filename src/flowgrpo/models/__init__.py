@@ -8,6 +8,7 @@ from .base import MMDIT_LORA_TARGET_MODULES, ModelFamilyAdapter, PromptEmbeds
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
 from .flux_kontext import FluxKontextAdapter
+from .hunyuanvideo15 import HunyuanVideo15Adapter
 from .ltx2 import LTX2Adapter
 from .qwenimage import QwenImageAdapter
 from .qwenimage21 import QwenImage21Adapter
@@ -21,7 +22,7 @@ from .zimage import ZImageAdapter
 ADAPTERS: list[type[ModelFamilyAdapter]] = [
     SD3Adapter, FluxAdapter, FluxKontextAdapter, QwenImageAdapter, QwenImageEditAdapter, WanAdapter,
     Flux2Adapter, Flux2KleinAdapter, ZImageAdapter, QwenImageEditPlusAdapter, QwenImage21Adapter,
-    WanImageToVideoAdapter, LTX2Adapter,
+    WanImageToVideoAdapter, LTX2Adapter, HunyuanVideo15Adapter,
 ]
 
 
@@ -48,7 +49,7 @@ def get_family_adapter(pipeline: DiffusionPipeline, num_frames: int = 1) -> Mode
 
 
 __all__ = [
-    "ADAPTERS", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter", "FluxKontextAdapter", "LTX2Adapter", "MMDIT_LORA_TARGET_MODULES", "ModelFamilyAdapter", "PromptEmbeds",
+    "ADAPTERS", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter", "FluxKontextAdapter", "HunyuanVideo15Adapter", "LTX2Adapter", "MMDIT_LORA_TARGET_MODULES", "ModelFamilyAdapter", "PromptEmbeds",
     "QwenImage21Adapter", "QwenImageAdapter", "QwenImageEditAdapter", "QwenImageEditPlusAdapter", "SD3Adapter", "WanAdapter", "WanExperts", "WanImageToVideoAdapter", "ZImageAdapter", "family_adapter_class",
     "get_family_adapter",
 ]

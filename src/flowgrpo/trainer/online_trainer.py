@@ -473,7 +473,7 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         ema_ctx = ema_ctx if state_dict is None else nullcontext()
         with ema_ctx:
             if self.is_peft:
-                save_diffusers_lora(type(self.pipeline), output_dir, unwrapped, state_dict=state_dict)
+                save_diffusers_lora(self.adapter.lora_writer(), output_dir, unwrapped, state_dict=state_dict)
             elif state_dict is not None:
                 from safetensors.torch import save_file
 
