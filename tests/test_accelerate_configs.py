@@ -119,6 +119,7 @@ def _wrapped_class_names(plugin, family: str) -> set[str]:
     ("fsdp8_wan.yaml", "wan", {"WanTransformerBlock", "WanTransformer3DModel"}),
     ("fsdp8_video.yaml", "wan_i2v", {"WanTransformerBlock", "WanTransformer3DModel"}),
     ("fsdp8_video.yaml", "ltx2", {"LTX2VideoTransformerBlock", "LTX2VideoTransformer3DModel"}),
+    ("fsdp8_video.yaml", "hunyuanvideo15", {"HunyuanVideo15TransformerBlock", "HunyuanVideo15Transformer3DModel"}),
     ("fsdp8_flux2.yaml", "flux2_klein", {"Flux2TransformerBlock", "Flux2SingleTransformerBlock",
                                           "Flux2Transformer2DModel"}),
 ])

@@ -448,6 +448,7 @@ def test_wan_unipc_checkpoint_schedule_keeps_its_flow_shift(tiny_pipeline_path):
     ("qwenimage_ocr.yaml", "QwenImagePipeline"), ("wan_t2v.yaml", "WanPipeline"),
     ("kontext_edit.yaml", "FluxKontextPipeline"), ("qwenimage_edit.yaml", "QwenImageEditPipeline"),
     ("wan_i2v.yaml", "WanImageToVideoPipeline"), ("ltx2_t2v.yaml", "LTX2Pipeline"),
+    ("hunyuanvideo15_t2v.yaml", "HunyuanVideo15Pipeline"),
     ("flux2_klein_ocr.yaml", "Flux2KleinPipeline"), ("flux2_dev_pickscore.yaml", "Flux2Pipeline"),
     ("zimage_turbo_ocr.yaml", "ZImagePipeline"), ("qwenimage21_ocr.yaml", "QwenImage21Pipeline"),
     ("qwenimage_edit_plus.yaml", "QwenImageEditPlusPipeline")])

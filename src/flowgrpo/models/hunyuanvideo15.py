@@ -16,8 +16,8 @@ encoders and the pipeline's own guider.
   is refused (clear error) because the trainer's SDE needs the plain combination.
 * Decode: ``x / scaling_factor``, decoded one video at a time (this diffusers version's VAE attention breaks on a
   batch of several), frames ``(B, F, 3, H, W)``.
-* LoRA: the MMDiT names (``attn.to_q/k/v/out.0``, ``attn.add_*_proj``, ``attn.to_add_out``) of the double-stream
-  blocks and the text refiner's attention; both text encoders and the VAE are frozen. The pipeline class has no
+* LoRA: the MMDiT names (``attn.to_q/k/v/out.0``, ``attn.add_q/k/v_proj``; not ``attn.to_add_out``, unused in the
+  last block) of the double-stream blocks and the text refiner's attention; both text encoders and the VAE are frozen. The pipeline class has no
   ``load_lora_weights`` in diffusers 0.42.1: the export is written in the diffusers transformer format and loads with
   ``pipeline.transformer.load_lora_adapter(folder, prefix="transformer")``.
 """
@@ -33,11 +33,18 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from .base import ModelFamilyAdapter, PromptEmbeds
 
+#: The joint attention's projections of both streams (and the text refiner's ``attn.to_*``); not ``attn.to_add_out``:
+#: the last block's text output is discarded, so its adapter would never get a gradient.
+HUNYUANVIDEO15_LORA_TARGET_MODULES = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+)
+
 
 class HunyuanVideo15Adapter(ModelFamilyAdapter):
     family = "hunyuanvideo15"
     pipeline_class_names = ("HunyuanVideo15Pipeline",)
     is_video = True
+    default_lora_target_modules = HUNYUANVIDEO15_LORA_TARGET_MODULES
 
     def __init__(self, pipeline, num_frames: int = 1):
         super().__init__(pipeline, num_frames)
