@@ -303,7 +303,9 @@ def test_saved_folder_is_small(tiny_pipeline_path):
     for family in TINY_FAMILIES:
         path = tiny_pipeline_path(family)
         size = sum(len(data) for data in _folder_bytes(path).values())
-        assert size < 6 * 2**20, (path, size)
+        # HunyuanVideo 1.5's ByT5 projection has a hidden width fixed at 2048 in diffusers (4.2 M weights, 17 MB).
+        limit = 20 * 2**20 if family == "hunyuanvideo15" else 6 * 2**20
+        assert size < limit, (path, size)
 
 
 # --- caching ---------------------------------------------------------------------------------------------------------
