@@ -30,6 +30,8 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.9",
     "tqdm>=4.66",
     "psutil>=5.9",
+    # Text cleaning of the open_clip tokenizer (the hpsv2 reward).
+    "ftfy>=6.1",
 ]
 
 EXTRAS = {
@@ -41,7 +43,10 @@ EXTRAS = {
     "tensorboard": ["tensorboard>=2.21.0"],
     "deepspeed": ["deepspeed>=0.19.8"],
     "bnb": ["bitsandbytes>=0.50.2"],
-    "dev": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "ruff>=0.17.5", "tensorboard>=2.21.0", "wandb>=0.31.0"],
+    # The `geneval` reward: transformers' Mask2Former builds its (training) matcher with scipy.
+    "geneval": ["scipy>=1.11"],
+    "dev": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "ruff>=0.17.5", "tensorboard>=2.21.0", "wandb>=0.31.0",
+            "scipy>=1.11"],
 }
 EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() for req in reqs})
 
@@ -61,6 +66,7 @@ setup(
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": [
+            "flowgrpo=flowgrpo.cli.command:main",
             "flowgrpo-reward-server=flowgrpo.rewards.server:main",
         ]
     },

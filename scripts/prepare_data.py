@@ -10,6 +10,10 @@ PickScore (one prompt per line), ``train_metadata.jsonl`` / ``test_metadata.json
 the object tags the GenEval scorer needs). They are saved under the same names, which ``src/train.py`` reads with
 ``dataset_name: ./data/<name>``. ``--base_url`` points at a mirror; ``--revision`` pins a commit. This needs network
 access at your site; nothing in the test suite runs it.
+
+``geneval`` also fetches the benchmark itself: GenEval's ``prompts/evaluation_metadata.jsonl`` (553 prompts) from
+djghosh13/geneval at a pinned commit (``--geneval_base_url`` for a mirror), saved as
+``data/geneval/evaluation_metadata.jsonl`` for ``flowgrpo evaluate --benchmark geneval``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,14 @@ from pathlib import Path
 
 DEFAULT_BASE_URL = "https://raw.githubusercontent.com/yifan123/flow_grpo"
 DEFAULT_REVISION = "main"
+#: GenEval's repository and the commit its evaluation metadata is read at (the rules in flowgrpo.rewards.geneval follow
+#: the same commit).
+GENEVAL_BASE_URL = "https://raw.githubusercontent.com/djghosh13/geneval"
+GENEVAL_COMMIT = "af4902f24d3ca90ebbb446dd9891a59e0f82725f"
+#: dataset name -> (path in GenEval's repository, saved name, expected number of lines)
+GENEVAL_FILES: dict[str, tuple[tuple[str, str, int], ...]] = {
+    "geneval": (("prompts/evaluation_metadata.jsonl", "evaluation_metadata.jsonl", 553),),
+}
 
 #: dataset name -> files in the Flow-GRPO repository's dataset/<name>/ folder
 PROMPT_SETS: dict[str, tuple[str, ...]] = {
@@ -37,6 +49,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output_dir", default="data", help="parent folder; each set goes to <output_dir>/<name>/")
     parser.add_argument("--base_url", default=DEFAULT_BASE_URL, help="raw-file root of the Flow-GRPO repository")
     parser.add_argument("--revision", default=DEFAULT_REVISION, help="branch, tag or commit to download from")
+    parser.add_argument("--geneval_base_url", default=GENEVAL_BASE_URL,
+                        help="raw-file root of the GenEval repository (the benchmark's evaluation_metadata.jsonl)")
     parser.add_argument("--force", action="store_true", help="download again even when the file exists")
     parser.add_argument("--dry_run", action="store_true", help="print the downloads without doing them")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per file")
@@ -51,7 +65,13 @@ def plan_downloads(args: argparse.Namespace) -> list[tuple[str, Path]]:
         for filename in PROMPT_SETS[name]:
             url = f"{args.base_url.rstrip('/')}/{args.revision}/dataset/{name}/{filename}"
             plan.append((url, Path(args.output_dir) / name / filename))
+        for source, filename, _ in GENEVAL_FILES.get(name, ()):
+            url = f"{args.geneval_base_url.rstrip('/')}/{GENEVAL_COMMIT}/{source}"
+            plan.append((url, Path(args.output_dir) / name / filename))
     return plan
+
+
+_EXPECTED_LINES = {filename: n for files in GENEVAL_FILES.values() for _, filename, n in files}
 
 
 def _check(path: Path) -> int:
@@ -65,6 +85,10 @@ def _check(path: Path) -> int:
                 raise ValueError(f"{path} line {n} has no 'prompt' field")
     if not lines:
         raise ValueError(f"{path} is empty")
+    expected = _EXPECTED_LINES.get(path.name)
+    if expected is not None and len(lines) != expected:
+        raise ValueError(f"{path} has {len(lines)} prompts; GenEval's {path.name} has {expected}. Delete it and "
+                         f"download it again")
     return len(lines)
 
 

@@ -11,7 +11,7 @@ from PIL import Image
 
 from flowgrpo.rewards import resolve_reward_funcs
 from flowgrpo.rewards.composition import accepts_video
-from flowgrpo.trainer.data.condition_images import image_key, load_condition_image
+from flowgrpo.trainer.data.condition_images import image_key, load_condition_image, load_condition_images
 from flowgrpo.trainer.outputs.contact_sheet import make_contact_sheet
 from flowgrpo.trainer.outputs.media import encode_gif, key_frames, video_grid
 
@@ -89,6 +89,24 @@ def test_source_images_from_paths_pil_bytes_and_arrays(tmp_path):
         load_condition_image(tmp_path / "bad.png")
     with pytest.raises(TypeError, match="column holds a int"):
         load_condition_image(3)
+
+
+def test_a_row_may_hold_several_source_images(tmp_path):
+    """Qwen-Image-Edit-Plus and FLUX.2 read a list of images per row: loaded in order, keyed by every image in order
+    (the trainer's encoding key and the prompt cache's)."""
+    from flowgrpo.trainer.data.prompt_cache import prompt_cache_key
+
+    a, b = Image.new("RGB", (8, 8), (255, 0, 0)), Image.new("L", (8, 8), 7)
+    b.save(tmp_path / "b.png")
+    row = load_condition_images([a, str(tmp_path / "b.png")])
+    assert [im.mode for im in row] == ["RGB", "RGB"] and row[1].getpixel((0, 0)) == (7, 7, 7)
+    assert load_condition_images(a) is a  # one image stays one image
+    assert image_key(row) == image_key(list(row)) != image_key(row[::-1])
+    assert image_key(row) not in (image_key(row[0]), image_key(row[1]))
+    assert prompt_cache_key("p", row) == prompt_cache_key("p", [im.copy() for im in row])
+    assert prompt_cache_key("p", row) != prompt_cache_key("p", row[::-1])
+    with pytest.raises(ValueError, match="empty list"):
+        load_condition_images([])
 
 
 def test_synthetic_ocr_edit_set_loads_with_resolved_image_paths(tmp_path, monkeypatch):

@@ -228,6 +228,9 @@ def test_sampling_matches_stock_pipeline_and_first_pass_is_on_policy(case, tiny_
                            peft_config=LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian"))
     targets = trainer.accelerator.unwrap_model(trainer.model).peft_config["default"].target_modules
     assert set(targets) == set(trainer.adapter.default_lora_target_modules)
+    # the model card's task: FLUX.2's reference images are optional (image-to-image only with an image column)
+    assert trainer._card_pipeline_tag == (("image-to-video" if case.edits else "text-to-video") if case.video else
+                                          "image-to-image" if case.edits else "text-to-image")
     if case.family == "wan":
         assert set(targets) == set(WAN_LORA_TARGET_MODULES)
     if case.family == "wan_i2v":  # Wan 2.1 I2V: the image tokens' keys and values too
@@ -579,9 +582,9 @@ def test_flux2_klein_distilled_takes_one_pass_whatever_the_guidance_scale(tiny_p
 
 
 def test_qwenimage21_samples_the_configured_sample_sigmas(tiny_pipeline_path):
-    """Qwen-Image 2.1's pipeline config carries the author's ``sample_sigmas`` (their number is the step count): the
-    adapter's schedule is the stock pipeline's, a step count that does not match is refused with the fix, and without
-    them the grid is linear."""
+    """Qwen-Image 2.1's pipeline config carries the author's ``sample_sigmas`` (their number is the stock pipeline's
+    step count): at that count the adapter's schedule is the stock pipeline's; another count resamples the same curve;
+    without them the grid is linear."""
     from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
 
     from flowgrpo.models import QwenImage21Adapter
@@ -597,7 +600,9 @@ def test_qwenimage21_samples_the_configured_sample_sigmas(tiny_pipeline_path):
     pipe.scheduler.set_timesteps(sigmas=configured, mu=mu)  # what the pipeline's call does at 64 px (4x4 tokens)
     torch.testing.assert_close(scheduler.sigmas, pipe.scheduler.sigmas.float())
     assert len(scheduler.timesteps) == len(configured)
-    with pytest.raises(ValueError, match=r"num_inference_steps=5.*3 configured sample_sigmas.*set num_inference_steps"):
-        adapter.set_timesteps(scheduler, 5, 64, 64, torch.device("cpu"))
+    assert adapter.sample_sigmas(5) == pytest.approx([1.0, 0.9, 0.8, 0.65, 0.5])  # along the grid's index
+    adapter.set_timesteps(scheduler, 5, 64, 64, torch.device("cpu"))
+    pipe.scheduler.set_timesteps(sigmas=[1.0, 0.9, 0.8, 0.65, 0.5], mu=mu)
+    torch.testing.assert_close(scheduler.sigmas, pipe.scheduler.sigmas.float())
     pipe.register_to_config(sample_sigmas=None)
     assert adapter.sample_sigmas(4) == pytest.approx([1.0, 0.75, 0.5, 0.25])

@@ -343,3 +343,10 @@ def test_rejects_unknown_family_and_bad_seed(tmp_path):
         build_tiny_pipeline("sdxl")
     with pytest.raises(ValueError, match="seed"):
         save_tiny_pipeline("sd3", tmp_path / "x", seed=-1)
+
+
+def test_recipes_can_build_every_tiny_family():
+    """``build_tiny_pipeline_if_missing`` accepts every tiny family (and the toy world)."""
+    from flowgrpo.cli.arguments import TINY_PIPELINE_FAMILIES
+
+    assert set(TINY_PIPELINE_FAMILIES) == set(TINY_FAMILIES) | {"toy"}

@@ -31,7 +31,8 @@ LORA_INITS = {
 
 #: ``build_tiny_pipeline_if_missing`` values: the random tiny pipelines of ``flowgrpo.testing`` and the pretrained
 #: toy world of ``flowgrpo.toy`` (a small SD3 pipeline that follows shape prompts).
-TINY_PIPELINE_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "toy")
+TINY_PIPELINE_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "flux2_klein", "zimage",
+                          "flux2", "qwenimage_edit_plus", "qwenimage21", "wan_i2v", "ltx2", "hunyuanvideo15", "toy")
 
 
 @dataclass
@@ -102,7 +103,8 @@ class ModelArguments:
     build_tiny_pipeline_if_missing: str | None = field(
         default=None,
         metadata={"help": "A family of flowgrpo.testing.TINY_FAMILIES ('sd3', 'flux', 'qwenimage', 'wan', "
-                          "'flux_kontext', 'qwenimage_edit') or 'toy': when model_name_or_path is a local folder that "
+                          "'flux_kontext', 'qwenimage_edit', 'flux2_klein', 'zimage', 'flux2', "
+                          "'qwenimage_edit_plus', 'qwenimage21') or 'toy': when model_name_or_path is a local folder that "
                           "does not exist yet, build it there first: the offline tiny random-weight pipeline of that "
                           "family "
                           "(flowgrpo.testing), or the pretrained toy world (flowgrpo.toy, a few CPU minutes). For the "

@@ -85,7 +85,7 @@ def _read_prompt_file(path: Path) -> Any:
                     raise RecipeError(f"{str(path)!r} line {n} must be a JSON object (or a string), got "
                                       f"{type(row).__name__}.")
                 rows.append(row)
-            return Dataset.from_list(rows)
+            return _dataset_from_rows(rows)
         if suffix == ".json":
             data = json.loads(path.read_text(encoding="utf-8"))
             if isinstance(data, dict):
@@ -104,6 +104,25 @@ def _read_prompt_file(path: Path) -> Any:
     except Exception as err:  # malformed file: name it and the format expected
         raise RecipeError(f"Cannot read prompt file {str(path)!r} as {suffix[1:]}: {type(err).__name__}: {err}") \
             from err
+
+
+def _dataset_from_rows(rows: list[dict]) -> Any:
+    """``Dataset.from_list(rows)`` over the union of the rows' keys; when Arrow cannot type a nested column (GenEval's ``"position": ["above", 0]``
+    mixes a string and an integer), the nested columns (lists, objects) are stored as JSON strings instead, which the
+    rewards reading them (e.g. ``geneval``) decode."""
+    import pyarrow as pa
+    from datasets import Dataset
+
+    # Every key of every row (Dataset.from_list reads only the first row's keys): GenEval's ``exclude`` appears
+    # in some lines only; the others get None.
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    rows = [{k: row.get(k) for k in keys} for row in rows]
+    try:
+        return Dataset.from_list(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        nested = {k for row in rows for k, v in row.items() if isinstance(v, (list, dict))}
+        return Dataset.from_list([{k: json.dumps(v) if k in nested and v is not None else v for k, v in row.items()}
+                                  for row in rows])
 
 
 def _split_file(folder: Path, split: str) -> Path | None:

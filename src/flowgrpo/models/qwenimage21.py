@@ -9,8 +9,9 @@ tokens, conditioned on Qwen3-VL.
   ``(B, h * w, C)``. The transformer sees ``[text, target]`` with ``img_mask`` marking one slot per 2x2 group of
   target tokens; text and target attend causally block by block, and with ``causal_condition`` the text is
   modulated from ``t = 0``. The velocity is the output's last ``h * w`` tokens.
-* Schedule: ``sample_sigmas`` from the pipeline's config (the model author's grid; its length is the number of
-  steps) when set, else ``linspace(1, 1/N, N)``; the dynamic shift ``mu`` of the ``h * w`` tokens (exponential).
+* Schedule: ``sample_sigmas`` from the pipeline's config (the model author's grid; the stock pipeline samples exactly
+  it, whatever ``num_inference_steps``) when set: the same grid for as many steps, resampled along its index for
+  another step count; else ``linspace(1, 1/N, N)``; the dynamic shift ``mu`` of the ``h * w`` tokens (exponential).
 * Guidance: true CFG with the negative prompt, ``v = v_u + w (v_c - v_u)`` for ``w > 1`` (two passes; no norm
   rescaling, unlike Qwen-Image).
 * Decode: ``x * std + mean`` per channel, ``vae.decode`` of ``(B, C, 1, h, w)``. The released VAE decodes RGBA; the
@@ -68,18 +69,24 @@ class QwenImage21Adapter(ModelFamilyAdapter):
         return self.pipeline._pack_latents(noise, batch_size, channels, h, w)
 
     def sample_sigmas(self, num_inference_steps: int) -> list[float]:
-        """The sampling grid: the pipeline's ``sample_sigmas`` when set (a clear error when ``num_inference_steps``
-        does not match its length), else ``linspace(1, 1/N, N)``."""
+        """The sampling grid of ``num_inference_steps`` steps.
+
+        With the pipeline's ``sample_sigmas`` (the model author's grid of K values, K steps): exactly that grid when
+        ``num_inference_steps == K``, as the stock pipeline samples; otherwise the same curve resampled to N points,
+        ``sigma(i) = interp(i (K - 1) / (N - 1))`` along the grid's index (a few-step training grid and a longer
+        evaluation grid of the same shape; the stock pipeline itself ignores ``num_inference_steps`` then). Without
+        them: ``linspace(1, 1/N, N)``, as the pipeline.
+        """
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps={num_inference_steps}; Qwen-Image 2.1 needs at least one step.")
         configured = self.pipeline.config.get("sample_sigmas", None)
         if configured is None:
             return np.linspace(1.0, 1 / num_inference_steps, num_inference_steps).tolist()
-        if len(configured) != num_inference_steps:
-            raise ValueError(f"num_inference_steps={num_inference_steps}, but this Qwen-Image 2.1 pipeline samples "
-                             f"its {len(configured)} configured sample_sigmas {list(configured)}; set "
-                             f"num_inference_steps (and eval_num_inference_steps) to {len(configured)}, or set the "
-                             "pipeline's sample_sigmas to None (pipe.register_to_config(sample_sigmas=None)) for the "
-                             "linear grid of any length.")
-        return [float(s) for s in configured]
+        configured = [float(s) for s in configured]
+        if len(configured) == num_inference_steps:
+            return configured
+        positions = np.linspace(0, len(configured) - 1, num_inference_steps)
+        return np.interp(positions, np.arange(len(configured)), configured).tolist()
 
     def set_timesteps(self, scheduler: Any, num_inference_steps: int, height: int, width: int,
                       device: torch.device) -> None:

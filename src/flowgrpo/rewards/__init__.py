@@ -10,7 +10,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from .composition import RewardResult, RewardSet, accepts_video, resolve_reward_funcs, reward_statistics
+from .composition import (
+    RewardOutput,
+    RewardResult,
+    RewardSet,
+    accepts_video,
+    resolve_reward_funcs,
+    reward_statistics,
+)
 from .failures import RewardFailedError
 from .registry import get_reward, list_rewards, register_reward
 
@@ -21,13 +28,15 @@ __all__ = [
     "resolve_reward_funcs",
     "RewardSet",
     "RewardResult",
+    "RewardOutput",
     "reward_statistics",
     "RewardFailedError",
     "accepts_video",
 ]
 
 # Modules whose import registers built-in rewards. Each must keep heavy imports inside functions.
-BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge")
+BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge", "geneval", "imagereward", "hpsv2",
+                          "hpsv3", "unifiedreward", "vqascore", "deqa")
 
 for _module in BUILTIN_REWARD_MODULES:
     if importlib.util.find_spec(f"{__name__}.{_module}") is not None:

@@ -22,7 +22,13 @@ and text embeddings (``get_image_features`` / ``get_text_features``).
   [0, 1]). Model ``yuvalkirstain/PickScore_v1`` with the processor of
   ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``.
 
-Text longer than the text encoder's context (77 tokens for CLIP) is truncated.
+* ``pickscore_rank``: group-wise ranks of PickScore, ``k / n`` for the ``k``-th smallest of a group of ``n``
+  (Flow-Factory's; robust to the reward's scale). See `PickScoreRank`.
+* ``image_similarity``: ``cos(e_img(generated), e_img(source))`` against the row's source ``image`` (editing), CLIP
+  ViT-L/14 with Flow-GRPO's preprocessing, no scale. See `ImageSimilarity`.
+
+Text longer than the text encoder's context (77 tokens for CLIP) is truncated. Every scorer has ``to(device)`` and
+``offload()`` (see `flowgrpo.rewards.placement`) for ``reward_offload``.
 """
 
 from __future__ import annotations
@@ -35,11 +41,13 @@ from typing import Any
 
 from PIL import Image
 
+from .placement import pick_device
 from .registry import register_reward
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AestheticScorer", "CLIPScore", "PickScore", "build_aesthetic_mlp", "load_aesthetic_mlp"]
+__all__ = ["AestheticScorer", "CLIPScore", "ImageSimilarity", "PickScore", "PickScoreRank", "build_aesthetic_mlp",
+           "load_aesthetic_mlp", "reference_clip_pixels"]
 
 DEFAULT_CLIP_L14 = "openai/clip-vit-large-patch14"
 DEFAULT_PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
@@ -121,12 +129,13 @@ class _CLIPScorer:
         device: str | None = None,
         dtype: Any = None,
         batch_size: int = 32,
+        reward_device: str | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model_id = model_id
         self.processor_id = processor_id
-        self.device_name = device
+        self.device_name = pick_device(device, reward_device)
         self.dtype_name = dtype
         self.batch_size = int(batch_size)
         self._lock = threading.Lock()
@@ -144,6 +153,18 @@ class _CLIPScorer:
     @property
     def device(self) -> Any:
         return self.load()[0].device
+
+    def to(self, device: Any = None) -> _CLIPScorer:
+        """Move the CLIP weights to ``device`` (default: the scorer's device); see `flowgrpo.rewards.placement`.
+        A model shared with another scorer (same model id, device and dtype) moves for both."""
+        model, _ = self.load()
+        model.to(_resolve_device(device if device is not None else self.device_name))
+        return self
+
+    def offload(self) -> None:
+        """Move the CLIP weights to the CPU (nothing to do before the first load)."""
+        if self._model is not None:
+            self._model.to("cpu")
 
     def image_embeddings(self, images: Sequence[Any]) -> Any:
         """L2-normalised projected image embeddings, float32, shape ``(n, projection_dim)``."""
@@ -267,7 +288,7 @@ class AestheticScorer(_CLIPScorer):
             ``"owner/repo/filename"`` on the hub.
         model_id: the CLIP model (``CLIPModel.from_pretrained``); must match the MLP's training embeddings.
         processor_id: where the ``CLIPProcessor`` comes from (default: ``model_id``).
-        device, dtype, batch_size: placement and chunking of the CLIP forward passes.
+        device / reward_device, dtype, batch_size: placement and chunking of the CLIP forward passes.
     """
 
     def __init__(
@@ -278,6 +299,7 @@ class AestheticScorer(_CLIPScorer):
         device: str | None = None,
         dtype: Any = None,
         batch_size: int = 32,
+        reward_device: str | None = None,
     ):
         if mlp_path is None:
             raise ValueError(
@@ -285,7 +307,7 @@ class AestheticScorer(_CLIPScorer):
                 "reward_kwargs={'aesthetic': {'mlp_path': '/path/to/sac+logos+ava1-l14-linearMSE.pth'}} "
                 "(from github.com/christophschuhmann/improved-aesthetic-predictor) or an 'owner/repo/file' hub path"
             )
-        super().__init__(model_id, processor_id, device, dtype, batch_size)
+        super().__init__(model_id, processor_id, device, dtype, batch_size, reward_device)
         self.mlp_path = mlp_path
         self._mlp: Any = None
 
@@ -310,7 +332,7 @@ class CLIPScore(_CLIPScorer):
         model_id: the CLIP model (``CLIPModel.from_pretrained``).
         processor_id: where the ``CLIPProcessor`` comes from (default: ``model_id``).
         scale: 100 (default, torchmetrics' CLIPScore) or 2.5 (Hessel et al.'s CLIP-S).
-        device, dtype, batch_size: placement and chunking of the CLIP forward passes.
+        device / reward_device, dtype, batch_size: placement and chunking of the CLIP forward passes.
     """
 
     def __init__(
@@ -321,8 +343,9 @@ class CLIPScore(_CLIPScorer):
         device: str | None = None,
         dtype: Any = None,
         batch_size: int = 32,
+        reward_device: str | None = None,
     ):
-        super().__init__(model_id, processor_id, device, dtype, batch_size)
+        super().__init__(model_id, processor_id, device, dtype, batch_size, reward_device)
         self.scale = float(scale)
 
     def _score(self, prompts: list[str], images: list[Any]) -> Any:
@@ -341,7 +364,7 @@ class PickScore(_CLIPScorer):
         model_id: the PickScore model (default ``yuvalkirstain/PickScore_v1``).
         processor_id: its processor (default ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``).
         divide_by: divide the score by this (1 = PickScore's own scale; 26 = Flow-GRPO's reference).
-        device, dtype, batch_size: placement and chunking of the CLIP forward passes.
+        device / reward_device, dtype, batch_size: placement and chunking of the CLIP forward passes.
     """
 
     def __init__(
@@ -352,13 +375,156 @@ class PickScore(_CLIPScorer):
         device: str | None = None,
         dtype: Any = None,
         batch_size: int = 32,
+        reward_device: str | None = None,
     ):
         if divide_by == 0:
             raise ValueError("divide_by must be non-zero")
-        super().__init__(model_id, processor_id, device, dtype, batch_size)
+        super().__init__(model_id, processor_id, device, dtype, batch_size, reward_device)
         self.divide_by = float(divide_by)
 
     def _score(self, prompts: list[str], images: list[Any]) -> Any:
         model, _ = self.load()
         cos = (self.image_embeddings(images) * self.text_embeddings(prompts)).sum(-1)
         return model.logit_scale.exp().float() * cos / self.divide_by
+
+
+# ---- pickscore_rank --------------------------------------------------------------------------------
+
+
+@register_reward("pickscore_rank")
+class PickScoreRank(PickScore):
+    """Group-wise PickScore ranks (Flow-Factory's ``pickscore_rank``): within each group of ``n`` samples (the
+    images of one prompt), the sample whose PickScore is the ``k``-th smallest (``k = 0 .. n - 1``) gets ``k / n``,
+    so rewards lie in ``[0, (n - 1) / n]`` whatever the scale of PickScore. Ties keep the samples' order (stable
+    sort: the earlier sample ranks lower); unscored samples (``None``) stay ``None`` and the others are ranked among
+    themselves, divided by the group's full size.
+
+    A direct call ranks within the groups of the ``group_ids`` column (the whole batch is one group without it); in
+    training, `flowgrpo.rewards.RewardSet.finish_groupwise` ranks over complete groups gathered from every process.
+
+    Args: as `PickScore`.
+    """
+
+    groupwise = True
+
+    def score_samples(self, prompts: Sequence[str], images: Sequence[Any], **columns: Any) -> list[float | None]:
+        """Raw PickScores, one per sample."""
+        return PickScore.__call__(self, prompts, images)
+
+    @staticmethod
+    def combine_group(scores: Sequence[float | None]) -> list[float | None]:
+        """One group's ranks ``k / n`` (see the class docstring)."""
+        n = len(scores)
+        valid = sorted((i for i, s in enumerate(scores) if s is not None), key=lambda i: scores[i])
+        out: list[float | None] = [None] * n
+        for rank, i in enumerate(valid):
+            out[i] = rank / n
+        return out
+
+    def __call__(self, prompts: Sequence[str], images: Sequence[Any], **columns: Any) -> list[float | None]:
+        from .composition import GROUP_IDS_COLUMN, combine_in_groups
+
+        return combine_in_groups(self, self.score_samples(prompts, images), columns.get(GROUP_IDS_COLUMN))
+
+
+# ---- image_similarity ------------------------------------------------------------------------------
+
+
+def reference_clip_pixels(image: Any, size: int, crop: int, mean: Sequence[float], std: Sequence[float]) -> Any:
+    """Flow-GRPO's CLIP preprocessing of a ``[0, 1]`` float image tensor: torchvision's ``Resize(size)`` on a tensor
+    (bilinear, antialiased; short side ``size``, long side ``int(size * long / short)``), ``CenterCrop(crop)``
+    (offsets ``int(round((s - crop) / 2))``) and ``Normalize(mean, std)``; a float32 tensor ``(3, crop, crop)``."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    pil = _as_pil(image)
+    x = torch.from_numpy(np.asarray(pil, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 255.0
+    h, w = x.shape[1:]
+    new_h, new_w = (int(size * h / w), size) if w <= h else (size, int(size * w / h))
+    if (new_h, new_w) != (h, w):
+        x = F.interpolate(x[None], size=(new_h, new_w), mode="bilinear", align_corners=False, antialias=True)[0]
+    top, left = int(round((new_h - crop) / 2.0)), int(round((new_w - crop) / 2.0))
+    x = x[:, top:top + crop, left:left + crop]
+    return (x - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1)
+
+
+def _size_field(value: Any, key: str) -> int:
+    """``value[key]`` of an image processor's size (a dict, a ``SizeDict`` or a plain int)."""
+    if isinstance(value, dict):
+        return int(value[key])
+    if getattr(value, key, None) is not None:
+        return int(getattr(value, key))
+    return int(value)
+
+
+@register_reward("image_similarity")
+class ImageSimilarity(_CLIPScorer):
+    """CLIP image-to-image cosine between each generated image and its row's source image (editing), as Flow-GRPO's
+    ``image_similarity``: ``cos(e_img(generated), e_img(source))`` with L2-normalised projected CLIP ViT-L/14
+    image embeddings, no scale (about 0.5-1 for edits of the same picture). Prompts are ignored.
+
+    Args:
+        model_id: the CLIP model (default ``openai/clip-vit-large-patch14``, the reference's).
+        processor_id: where the ``CLIPProcessor`` (sizes, mean/std) comes from (default: ``model_id``).
+        reference_column: the column of source images (default ``image``, the editing datasets' column).
+        preprocessing: ``"reference"`` (default: Flow-GRPO's tensor pipeline, `reference_clip_pixels`, with the
+            processor's sizes and mean/std) or ``"processor"`` (the ``CLIPProcessor`` itself: PIL bicubic).
+        device / reward_device, dtype, batch_size: placement and chunking of the CLIP forward passes.
+    """
+
+    def __init__(
+        self,
+        model_id: str = DEFAULT_CLIP_L14,
+        processor_id: str | None = None,
+        reference_column: str = "image",
+        preprocessing: str = "reference",
+        device: str | None = None,
+        dtype: Any = None,
+        batch_size: int = 32,
+        reward_device: str | None = None,
+    ):
+        if preprocessing not in ("reference", "processor"):
+            raise ValueError(f"preprocessing must be 'reference' or 'processor', got {preprocessing!r}")
+        super().__init__(model_id, processor_id, device, dtype, batch_size, reward_device)
+        self.reference_column = reference_column
+        self.preprocessing = preprocessing
+
+    def _pixel_embeddings(self, images: Sequence[Any]) -> Any:
+        import torch
+
+        if self.preprocessing == "processor":
+            return self.image_embeddings(images)
+        model, processor = self.load()
+        ip = processor.image_processor
+        size, crop = _size_field(ip.size, "shortest_edge"), _size_field(ip.crop_size, "height")
+        chunks = []
+        for start in range(0, len(images), self.batch_size):
+            pixels = torch.stack([reference_clip_pixels(im, int(size), int(crop), ip.image_mean, ip.image_std)
+                                  for im in images[start:start + self.batch_size]])
+            feats = _features(model.get_image_features(pixel_values=pixels.to(model.device, model.dtype))).float()
+            chunks.append(feats / feats.norm(dim=-1, keepdim=True))
+        return torch.cat(chunks)
+
+    def __call__(self, prompts: Sequence[str], images: Sequence[Any], **columns: Any) -> list[float | None]:
+        sources = columns.get(self.reference_column)
+        if sources is None:
+            raise ValueError(f"image_similarity compares each image with its source image in the "
+                             f"{self.reference_column!r} column, which this batch lacks (columns: {sorted(columns)}); "
+                             f"use an editing dataset or set reference_column")
+        sources = list(sources)
+        if len(sources) != len(images):
+            raise ValueError(f"{len(images)} images but {len(sources)} source images")
+        keep = [i for i, s in enumerate(sources) if s is not None]
+        out: list[float | None] = [None] * len(images)
+        if not keep:
+            return out
+        import torch
+
+        with self._lock, torch.inference_mode():
+            generated = self._pixel_embeddings([images[i] for i in keep])
+            reference = self._pixel_embeddings([sources[i] for i in keep])
+            cos = (generated * reference).sum(-1).cpu().tolist()
+        for i, c in zip(keep, cos):
+            out[i] = float(c)
+        return out

@@ -10,6 +10,12 @@ returns a `RewardSet`. Calling it scores a batch with every reward and returns a
 ``None`` is "could not score": it is excluded from the statistics (`reward_statistics`) and never counted as 0.
 A reward that returns NaN (or +-inf) for an image gets ``None`` there, with a warning.
 
+A reward may return a `RewardOutput` instead of a plain list: still the list of scores, plus per-image ``notes``
+(a short text per image, e.g. why GenEval failed it; shown with the logged sample images) and per-image
+``metrics`` (``{key: [value or None per image]}``, e.g. the per-task accuracy of GenEval, logged as
+``rewards/<name>/<key>``, the mean over the images that have a value). They land in ``RewardResult.notes`` and
+``RewardResult.metrics``.
+
 A reward that raises is handled by its ``on_failure`` policy (see `flowgrpo.rewards.failures`): ``"raise"`` (the
 default) lets the exception through; ``"skip"`` scores the batch ``None`` for that reward and counts the samples
 in ``RewardResult.failed[name]``.
@@ -27,6 +33,17 @@ the accelerator. The pool has ``num_workers`` threads (1 by default: batches are
 order and one at a time, which keeps GPU scorers from competing with each other). Rewards called from the
 pool must be thread-safe with respect to the caller's thread; the built-in ones are. The pool is created on
 first use and shut down by `RewardSet.close` (also on ``with RewardSet(...)`` exit and at garbage collection).
+
+Group-wise rewards (``pickscore_rank``) score a sample relative to the other samples of its group (the images of
+one prompt). Such a reward has ``groupwise = True`` and two methods: ``score_samples(prompts, images, **columns)``
+(one raw score per sample) and ``combine_group(scores)`` (one group's raw scores -> its rewards). A direct call of
+the `RewardSet` combines within the groups of the ``group_ids`` column (the whole batch is one group without it).
+The trainer scores micro-batches, whose groups are incomplete: it calls with ``defer_groupwise=True`` (raw scores)
+and, once every process's scores are gathered, `RewardSet.finish_groupwise` combines each full group and recomputes
+the totals.
+
+Offloading: with ``offload=True``, every reward that supports it (`flowgrpo.rewards.placement.OffloadableReward`)
+has its weights moved to its device for each call and back to the CPU after it.
 """
 
 from __future__ import annotations
@@ -43,11 +60,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .failures import collect_failed_samples, resolve_on_failure
+from .placement import scoring_on_device
 from .registry import get_reward, list_rewards
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RewardResult", "RewardSet", "accepts_video", "resolve_reward_funcs", "reward_statistics"]
+__all__ = ["GROUP_IDS_COLUMN", "RewardOutput", "RewardResult", "RewardSet", "accepts_video", "combine_in_groups",
+           "is_groupwise", "resolve_reward_funcs", "reward_statistics"]
+
+#: the column that tells a group-wise reward which samples belong together
+GROUP_IDS_COLUMN = "group_ids"
 
 RewardSpec = str | Callable[..., Any]
 
@@ -74,6 +96,38 @@ def reward_statistics(
     return out
 
 
+class RewardOutput(list):
+    """What a reward may return instead of a plain list: the scores (it *is* that list), plus
+
+    * ``notes``: one short text (or ``None``) per image, shown with the logged sample images;
+    * ``metrics``: ``{key: [float | None per image]}``, logged as ``rewards/<reward name>/<key>``: the mean over the
+      images with a value (``None`` = this image does not count for that metric).
+    """
+
+    def __init__(self, scores: Sequence[float | None], notes: Sequence[str | None] | None = None,
+                 metrics: Mapping[str, Sequence[float | None]] | None = None):
+        super().__init__(scores)
+        n = len(self)
+        self.notes: list[str | None] = list(notes) if notes is not None else [None] * n
+        self.metrics: dict[str, list[float | None]] = {k: list(v) for k, v in (metrics or {}).items()}
+        if len(self.notes) != n:
+            raise ValueError(f"RewardOutput has {n} scores but {len(self.notes)} notes")
+        for key, values in self.metrics.items():
+            if len(values) != n:
+                raise ValueError(f"RewardOutput metric {key!r} has {len(values)} values for {n} scores")
+
+
+def metric_means(sums: Sequence[Mapping[str, tuple[float, int]]]) -> dict[str, float]:
+    """Merge ``{key: (sum, count)}`` of several batches or processes (`RewardResult.metric_sums`) into means."""
+    total: dict[str, list[float]] = {}
+    for part in sums:
+        for key, (value, count) in part.items():
+            acc = total.setdefault(key, [0.0, 0])
+            acc[0] += value
+            acc[1] += count
+    return {key: (value / count if count else math.nan) for key, (value, count) in total.items()}
+
+
 @dataclass
 class RewardResult:
     """Scores of one batch: every component (``per_reward``) and the weighted ``total``."""
@@ -83,6 +137,10 @@ class RewardResult:
     weights: dict[str, float] = field(default_factory=dict)
     #: samples per reward whose scoring failed and were scored None under ``on_failure="skip"``
     failed: dict[str, int] = field(default_factory=dict)
+    #: per-image notes of the rewards that give them (`RewardOutput`), by reward name
+    notes: dict[str, list[str | None]] = field(default_factory=dict)
+    #: per-image metric values of the rewards that give them, keyed ``"<reward name>/<key>"``
+    metrics: dict[str, list[float | None]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.total)
@@ -98,7 +156,26 @@ class RewardResult:
         total = reward_statistics({"total": self.total}, "")
         stats["reward"] = total["total/mean"]
         stats["reward_std"] = total["total/std"]
+        for key, mean in metric_means([self.metric_sums()]).items():
+            stats[f"{head}{key}"] = mean
         return stats
+
+    def metric_sums(self) -> dict[str, tuple[float, int]]:
+        """``{"<reward>/<key>": (sum, count)}`` of the reward-defined metrics, ``None``/NaN left out (merge the sums of
+        several processes with `metric_means`)."""
+        out = {}
+        for key, values in self.metrics.items():
+            valid = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+            out[key] = (math.fsum(valid), len(valid))
+        return out
+
+    def image_notes(self) -> list[str]:
+        """One text per image joining the rewards' notes (``"<reward>: <note>"``), ``""`` where none has one."""
+        out = []
+        for i in range(len(self.total)):
+            parts = [f"{name}: {notes[i]}" for name, notes in self.notes.items() if i < len(notes) and notes[i]]
+            out.append(" | ".join(parts))
+        return out
 
     @classmethod
     def concatenate(cls, results: Sequence[RewardResult]) -> RewardResult:
@@ -114,6 +191,10 @@ class RewardResult:
             total=[v for r in results for v in r.total],
             weights=dict(results[0].weights),
             failed={n: sum(r.failed.get(n, 0) for r in results) for n in names},
+            notes={n: [v for r in results for v in r.notes.get(n, [None] * len(r))]
+                   for n in dict.fromkeys(k for r in results for k in r.notes)},
+            metrics={k: [v for r in results for v in r.metrics.get(k, [None] * len(r))]
+                     for k in dict.fromkeys(k for r in results for k in r.metrics)},
         )
 
 
@@ -125,6 +206,46 @@ def accepts_video(fn: Any) -> bool:
         if not hasattr(fn, "func"):
             return False
         fn = fn.func
+
+
+def is_groupwise(fn: Any) -> bool:
+    """Whether the reward ``fn`` is group-wise (``fn.groupwise = True``, also through functools.partial)."""
+    while True:
+        if getattr(fn, "groupwise", False):
+            return True
+        if not hasattr(fn, "func"):
+            return False
+        fn = fn.func
+
+
+def _unwrap_groupwise(fn: Any) -> Any:
+    while not getattr(fn, "groupwise", False) and hasattr(fn, "func"):
+        fn = fn.func
+    return fn
+
+
+def combine_in_groups(fn: Any, scores: Sequence[float | None], group_ids: Sequence[Any] | None
+                      ) -> list[float | None]:
+    """Apply the group-wise reward ``fn``'s ``combine_group`` to the scores of each group (samples with the same
+    ``group_ids`` value, in their order; all samples form one group when ``group_ids`` is None)."""
+    fn = _unwrap_groupwise(fn)
+    scores = list(scores)
+    if group_ids is None:
+        return list(fn.combine_group(scores))
+    group_ids = list(group_ids)
+    if len(group_ids) != len(scores):
+        raise ValueError(f"{len(group_ids)} group ids for {len(scores)} scores")
+    members: dict[Any, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        members.setdefault(g, []).append(i)
+    out: list[float | None] = [None] * len(scores)
+    for idx in members.values():
+        combined = list(fn.combine_group([scores[i] for i in idx]))
+        if len(combined) != len(idx):
+            raise ValueError(f"combine_group returned {len(combined)} rewards for a group of {len(idx)}")
+        for i, v in zip(idx, combined):
+            out[i] = v
+    return out
 
 
 def _is_video(sample: Any) -> bool:
@@ -199,6 +320,7 @@ def resolve_reward_funcs(
     reward_kwargs: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str, Any] | None] | None = None,
     num_workers: int = 1,
     on_failure: str | Mapping[str, str] | None = None,
+    offload: bool = False,
 ) -> RewardSet:
     """Turn reward specifications into a `RewardSet`.
 
@@ -215,6 +337,7 @@ def resolve_reward_funcs(
         num_workers: threads of the background pool used by `RewardSet.submit`.
         on_failure: what a reward that raises does to a batch: ``"raise"`` (default) or ``"skip"`` (``"none"``
             is the same), one policy for all or a ``{name: policy}`` mapping (see `flowgrpo.rewards.failures`).
+        offload: keep the weights of every reward that supports it on the CPU between calls (``reward_offload``).
 
     Raises:
         ValueError: empty list, unknown name (the message lists the registered ones), bad path, weights or
@@ -225,6 +348,8 @@ def resolve_reward_funcs(
             raise ValueError("reward_weights / reward_kwargs cannot be applied to an already built RewardSet")
         if on_failure is not None:
             reward_funcs.on_failure = resolve_on_failure(on_failure, reward_funcs.names)
+        if offload:
+            reward_funcs.offload = True
         return reward_funcs
     specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not specs:
@@ -296,7 +421,7 @@ def resolve_reward_funcs(
                 funcs.append(get_reward(s, **kw))
         else:
             funcs.append(_instantiate(s, kw, _callable_name(s)))
-    return RewardSet(funcs, names, weights, num_workers=num_workers, on_failure=policies)
+    return RewardSet(funcs, names, weights, num_workers=num_workers, on_failure=policies, offload=offload)
 
 
 def _shutdown_pool(pool: ThreadPoolExecutor) -> None:
@@ -318,8 +443,10 @@ class RewardSet:
         weights: Sequence[float] | None = None,
         num_workers: int = 1,
         on_failure: str | Mapping[str, str] | None = None,
+        offload: bool = False,
     ):
         self.funcs = list(funcs)
+        self.offload = bool(offload)
         self.names = list(names)
         self.weights = [1.0] * len(self.funcs) if weights is None else [float(w) for w in weights]
         if not (len(self.funcs) == len(self.names) == len(self.weights)):
@@ -344,9 +471,16 @@ class RewardSet:
 
     # ---- scoring ---------------------------------------------------------------------------------
 
-    def __call__(self, prompts: Sequence[str], images: Sequence[Any], **columns: Sequence[Any]) -> RewardResult:
+    @property
+    def has_groupwise(self) -> bool:
+        """Whether a reward of the set is group-wise."""
+        return any(is_groupwise(fn) for fn in self.funcs)
+
+    def __call__(self, prompts: Sequence[str], images: Sequence[Any], *, defer_groupwise: bool = False,
+                 **columns: Sequence[Any]) -> RewardResult:
         """Score a batch of images (or of videos: lists of frames) with every reward; see the module docstring for
-        videos, ``None`` and the total."""
+        videos, ``None``, the total and group-wise rewards (``defer_groupwise=True``: their raw per-sample scores,
+        to be combined later by `finish_groupwise`)."""
         prompts = list(prompts)
         images = list(images)
         n = len(prompts)
@@ -364,14 +498,19 @@ class RewardSet:
             raise ValueError("a batch mixes images and videos (lists of frames); score them in separate batches")
         per_reward: dict[str, list[float | None]] = {}
         failed: dict[str, int] = {}
+        notes: dict[str, list[str | None]] = {}
+        metrics: dict[str, list[float | None]] = {}
         for name, fn in zip(self.names, self.funcs):
+            groupwise = is_groupwise(fn)
+            scorer = _unwrap_groupwise(fn).score_samples if groupwise else fn
             with collect_failed_samples() as reported:
                 try:
                     frame_scores = None
-                    if is_video and not accepts_video(fn):
-                        frame_scores = self._score_frames(name, fn, prompts, images, cols)
-                    else:
-                        raw = fn(prompts, images, **cols)
+                    with scoring_on_device(_unwrap_groupwise(fn), self.offload):
+                        if is_video and not accepts_video(fn):
+                            frame_scores = self._score_frames(name, scorer, prompts, images, cols)
+                        else:
+                            raw = scorer(prompts, images, **cols)
                 except Exception as e:
                     if self.on_failure.get(name, "raise") != "skip":
                         if hasattr(e, "add_note"):  # Python >= 3.11
@@ -383,7 +522,18 @@ class RewardSet:
                     failed[name] = n
                     continue
             per_reward[name] = frame_scores if frame_scores is not None else self._check_scores(name, raw, n)
+            if groupwise and not defer_groupwise:
+                per_reward[name] = self._check_scores(
+                    name, combine_in_groups(fn, per_reward[name], cols.get(GROUP_IDS_COLUMN)), n)
             failed[name] = min(n, sum(reported))
+            if frame_scores is None and isinstance(raw, RewardOutput):
+                notes[name] = list(raw.notes)
+                metrics.update({f"{name}/{key}": list(values) for key, values in raw.metrics.items()})
+        return RewardResult(per_reward=per_reward, total=self.weighted_total(per_reward, n),
+                            weights=dict(zip(self.names, self.weights)), failed=failed, notes=notes, metrics=metrics)
+
+    def weighted_total(self, per_reward: Mapping[str, Sequence[float | None]], n: int) -> list[float | None]:
+        """``sum_k weight_k * score_k`` per sample; None where a component with a non-zero weight is None."""
         total: list[float | None] = []
         for i in range(n):
             acc = 0.0
@@ -396,8 +546,24 @@ class RewardSet:
                     break
                 acc += w * v
             total.append(acc)
-        return RewardResult(per_reward=per_reward, total=total, weights=dict(zip(self.names, self.weights)),
-                            failed=failed)
+        return total
+
+    def finish_groupwise(self, per_reward: Mapping[str, Sequence[float | None]], group_ids: Sequence[Any]
+                         ) -> tuple[dict[str, list[float | None]], list[float | None]]:
+        """Combine the deferred raw scores of the group-wise rewards within complete groups.
+
+        ``per_reward`` holds every reward's scores of whole groups (e.g. gathered from all processes) and
+        ``group_ids`` the group of each sample. Returns the per-reward scores (group-wise ones combined, others
+        unchanged) and the recomputed weighted totals.
+        """
+        group_ids = list(group_ids)
+        out: dict[str, list[float | None]] = {}
+        for name, fn in zip(self.names, self.funcs):
+            values = [None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+                      for v in per_reward[name]]
+            out[name] = self._check_scores(name, combine_in_groups(fn, values, group_ids), len(values)) \
+                if is_groupwise(fn) else values
+        return out, self.weighted_total(out, len(group_ids))
 
     @classmethod
     def _score_frames(cls, name: str, fn: Callable, prompts: list[str], videos: list[Sequence[Any]],
@@ -455,15 +621,17 @@ class RewardSet:
                 self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
             return self._pool
 
-    def submit(self, prompts: Sequence[str], images: Sequence[Any], **columns: Sequence[Any]) -> Future[RewardResult]:
-        """Score in the background pool; returns a Future of the `RewardResult`.
+    def submit(self, prompts: Sequence[str], images: Sequence[Any], *, defer_groupwise: bool = False,
+               **columns: Sequence[Any]) -> Future[RewardResult]:
+        """Score in the background pool; returns a Future of the `RewardResult` (``defer_groupwise``: see
+        ``__call__``).
 
         The arguments are copied into new lists at once, so the caller may reuse its buffers. Exceptions
         raised by a reward surface from ``future.result()``.
         """
         args = (list(prompts), list(images))
         cols = {k: list(v) for k, v in columns.items()}
-        return self._executor().submit(self.__call__, *args, **cols)
+        return self._executor().submit(self.__call__, *args, defer_groupwise=defer_groupwise, **cols)
 
     def close(self, wait: bool = True) -> None:
         """Shut the background pool down (pending batches are cancelled when ``wait=False``)."""

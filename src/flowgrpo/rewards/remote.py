@@ -9,6 +9,8 @@ Protocol (JSON only; nothing received over the network is ever unpickled)::
     POST /score   <- {"prompts": [str], "images": [base64 str], "image_format": "png" | "jpeg",
                       "columns": {name: [value, ...]}, "reward": str | null}
                   -> {"scores": [float | null], "reward": "ocr"}
+                     (+ "notes": [str | null], "metrics": {key: [float | null]} when the served reward gives them;
+                      the client then returns a `flowgrpo.rewards.RewardOutput`)
 
 When the server has a token configured, both endpoints require ``Authorization: Bearer <token>``.
 ``"reward": null`` selects the server's default reward (the first one it serves).
@@ -513,7 +515,17 @@ class RemoteReward:
             if isinstance(exc, RemoteRewardHTTPError) and exc.status == 413:
                 raise RemoteRewardHTTPError(f"{exc} (this request held {len(prompts)} images)", 413) from exc
             raise
-        return _validate_scores(obj, len(prompts), url, self.reward_name)
+        scores = _validate_scores(obj, len(prompts), url, self.reward_name)
+        if isinstance(obj.get("notes"), list) or isinstance(obj.get("metrics"), dict):
+            from .composition import RewardOutput
+
+            notes = obj.get("notes") if isinstance(obj.get("notes"), list) else None
+            metrics = obj.get("metrics") if isinstance(obj.get("metrics"), dict) else None
+            try:
+                return RewardOutput(scores, notes=notes, metrics=metrics)
+            except ValueError as exc:
+                raise RemoteRewardProtocolError(f"{url}: {exc}") from None
+        return scores
 
     def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **columns: Any) -> list[float | None]:
         prompts, images = list(prompts), list(images)
@@ -524,8 +536,15 @@ class RemoteReward:
             return []
         cols = self._columns_payload(columns, n)
         step = self.batch_size or n
-        scores: list[float | None] = []
-        for start in range(0, n, step):
-            sl = slice(start, start + step)
-            scores.extend(self._score_chunk(prompts[sl], images[sl], {k: v[sl] for k, v in cols.items()}))
+        chunks = [self._score_chunk(prompts[s:s + step], images[s:s + step], {k: v[s:s + step] for k, v in cols.items()})
+                  for s in range(0, n, step)]
+        scores: list[float | None] = [v for chunk in chunks for v in chunk]
+        if any(hasattr(chunk, "notes") for chunk in chunks):
+            from .composition import RewardOutput
+
+            notes = [note for chunk in chunks for note in getattr(chunk, "notes", [None] * len(chunk))]
+            keys = dict.fromkeys(k for chunk in chunks for k in getattr(chunk, "metrics", {}))
+            metrics = {k: [v for chunk in chunks for v in getattr(chunk, "metrics", {}).get(k, [None] * len(chunk))]
+                       for k in keys}
+            return RewardOutput(scores, notes=notes, metrics=metrics)
         return scores

@@ -11,7 +11,8 @@ Endpoints (see `flowgrpo.rewards.remote` for the full protocol):
 
 * ``GET /health`` -> ``{"status": "ok", "rewards": [...], "default": name}``
 * ``POST /score`` with ``{"prompts", "images" (base64 PNG/JPEG), "image_format", "columns", "reward"}``
-  -> ``{"scores": [float | null], "reward": name}``
+  -> ``{"scores": [float | null], "reward": name}``, plus ``"notes"`` and ``"metrics"`` when the reward returns a
+  `flowgrpo.rewards.RewardOutput` (per-image notes and metric values, e.g. GenEval's reasons and per-task accuracy)
 
 Errors are JSON ``{"error": message}`` with status 400 (bad request), 401 (missing/wrong token),
 404 (unknown path or reward), 411/413 (no or too large ``Content-Length``) or 500 (the reward raised or
@@ -252,16 +253,22 @@ class RewardServer(ThreadingHTTPServer):
         start = time.perf_counter()
         try:
             with self._locks[name]:
-                raw_scores = self.rewards[name](prompts, decoded, **columns)
+                raw_scores_obj = self.rewards[name](prompts, decoded, **columns)
         except Exception as exc:
             logger.exception("reward %r raised", name)
             raise _HTTPError(500, f"reward {name!r} raised {type(exc).__name__}: {exc}") from None
-        raw_scores = list(raw_scores)
+        raw_scores = list(raw_scores_obj)
         if len(raw_scores) != len(prompts):
             raise _HTTPError(500, f"reward {name!r} returned {len(raw_scores)} scores for {len(prompts)} images")
         scores = [_to_score(s, name, i) for i, s in enumerate(raw_scores)]
         logger.info("scored %d images with %r in %.3f s", len(scores), name, time.perf_counter() - start)
-        return {"scores": scores, "reward": name}
+        answer: dict[str, Any] = {"scores": scores, "reward": name}
+        if isinstance(getattr(raw_scores_obj, "notes", None), list):
+            answer["notes"] = [None if n is None else str(n) for n in raw_scores_obj.notes]
+        if isinstance(getattr(raw_scores_obj, "metrics", None), dict):
+            answer["metrics"] = {str(k): [_to_score(v, name, i) for i, v in enumerate(vals)]
+                                 for k, vals in raw_scores_obj.metrics.items()}
+        return answer
 
     def start(self) -> RewardServer:
         """Serve from a background daemon thread; returns ``self`` (call `shutdown` to stop)."""

@@ -151,7 +151,8 @@ class VLMJudgeReward:
         max_concurrency: requests in flight at once.
         timeout, max_retries, backoff: per-request deadline (s), retries and first retry delay (s).
         image_format: ``"png"`` or ``"jpeg"`` for the data URL.
-        max_tokens, temperature: generation settings; ``extra_body`` is merged into every request.
+        max_tokens, temperature: generation settings (``max_tokens=None`` leaves the length to the server);
+            ``extra_body`` is merged into every request.
         on_failure: ``"skip"`` (default, also spelled ``"none"``: the image scores ``None``) or ``"raise"``
             when a request keeps failing after the retries.
         health_check: ``GET {base_url}/models`` at construction: an unreachable server is a clear error,
@@ -172,7 +173,7 @@ class VLMJudgeReward:
         max_retries: int = 2,
         backoff: float = 0.5,
         image_format: str = "png",
-        max_tokens: int = 64,
+        max_tokens: int | None = 64,
         temperature: float = 0.0,
         extra_body: dict | None = None,
         on_failure: str = "skip",
@@ -210,7 +211,9 @@ class VLMJudgeReward:
         self.image_format = "jpeg" if image_format.lower() in ("jpg", "jpeg") else image_format.lower()
         if self.image_format not in ("png", "jpeg"):
             raise ValueError(f"image_format must be 'png' or 'jpeg', got {image_format!r}")
-        self.max_tokens = int(max_tokens)
+        if max_tokens is not None and int(max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None (the server's default), got {max_tokens}")
+        self.max_tokens = None if max_tokens is None else int(max_tokens)
         self.temperature = float(temperature)
         self.extra_body = dict(extra_body or {})
         self.on_failure = on_failure
@@ -280,7 +283,9 @@ class VLMJudgeReward:
                 ],
             }
         )
-        body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens, "temperature": self.temperature}
+        body = {"model": self.model, "messages": messages, "temperature": self.temperature}
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
         body.update(self.extra_body)
         return body
 

@@ -212,12 +212,26 @@ class OnlineRLConfig(TrainingArguments):
                           "steps (0 = never)."},
     )
     num_log_images: int = field(default=8, metadata={"help": "Images (or videos) per logged panel."})
+    print_full_logs: bool = field(
+        default=False,
+        metadata={"help": "Also print every logged dictionary (all metrics) on the terminal. By default the terminal "
+                          "shows one progress bar with the reward, its std, each reward's mean, the loss and s/step, "
+                          "and a short table at each evaluation (flowgrpo.trainer.console); the full dictionaries "
+                          "always go to the report_to loggers and trainer_state.json."},
+    )
     log_video_fps: float = field(
         default=16.0, metadata={"help": "Frame rate of the logged sample videos (Wan generates 16 fps)."},
     )
     reward_num_workers: int = field(
         default=1,
         metadata={"help": "Background threads that score decoded images while the next chunk is sampled."},
+    )
+    reward_offload: bool = field(
+        default=False,
+        metadata={"help": "Keep reward models (imagereward, hpsv2, the CLIP scorers...) on the CPU between scorings: "
+                          "moved to their reward device for each scoring call and back after it, so the policy has "
+                          "the accelerator's memory while it samples and trains (one host-device copy of the weights "
+                          "per call). Rewards without weights are unaffected."},
     )
     cpu_threads: str = field(
         default="auto",

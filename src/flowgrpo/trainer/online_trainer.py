@@ -47,6 +47,8 @@ from ..models import PromptEmbeds, get_family_adapter
 from ..rewards import RewardSet, resolve_reward_funcs
 from ..schedulers import FlowMatchSDEScheduler
 from .base import FlowBaseTrainer
+from .console import install_training_console
+from .data.condition_images import IMAGE_COLUMN
 from .data.datasets import INDEX_COLUMN, IndexedPromptDataset
 from .data.prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
 from .data.sampler import RepeatSampler
@@ -127,7 +129,7 @@ class _StepHooks(TrainerCallback):
             t.ema.update(t._trainable_parameters(), state.global_step)
         t._on_optimizer_step_end(state.global_step)
         if args.log_images_steps and state.global_step % args.log_images_steps == 0 and t._last_samples:
-            t._log_images(*t._last_samples, step=state.global_step)
+            t._log_images(*t._last_samples, step=state.global_step, notes=t._last_sample_notes)
 
 
 
@@ -177,7 +179,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         # Cheap validation first: rewards and datasets fail before any model is loaded.
         self.reward_set: RewardSet = resolve_reward_funcs(reward_funcs, args.reward_weights, args.reward_kwargs,
                                                           num_workers=args.reward_num_workers,
-                                                          on_failure=args.reward_on_failure)
+                                                          on_failure=args.reward_on_failure,
+                                                          offload=args.reward_offload)
         train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
         eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
         check_prompt_cache_capacity(args, train_dataset, eval_dataset)
@@ -201,8 +204,11 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
             peft_config.target_modules = set(self.adapter.default_lora_target_modules)
         self._card_base_model = model if isinstance(model, str) else getattr(pipeline, "name_or_path", None)
         self._card_rewards = list(self.reward_set.names)
-        self._card_pipeline_tag = "text-to-video" if self.adapter.is_video else (
-            "image-to-image" if self.adapter.accepts_images else "text-to-image")
+        # FLUX.2's reference images are optional: its card says image-to-image only when the data holds images.
+        edits = self.adapter.accepts_images and (not self.adapter.images_optional or (
+            train_dataset is not None and len(train_dataset) > 0 and IMAGE_COLUMN in train_dataset[0]))
+        self._card_pipeline_tag = ("image-to-video" if edits else "text-to-video") if self.adapter.is_video else (
+            "image-to-image" if edits else "text-to-image")
         if len(self.adapter.transformers()) > 1:
             self._card_second_expert_lora = EXPERT_LORA_WEIGHTS_NAMES["transformer_2"]
 
@@ -242,6 +248,7 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         self._buffer: list[dict] | None = None
         self._micro_step = 0
         self._last_samples: tuple | None = None
+        self._last_sample_notes: list[str] | None = None
         self._last_eval: dict | None = None
         self._eval_baseline = EvaluationBaseline()
         if args.ddp_find_unused_parameters is None:  # read by Trainer when it builds the accelerator, just below
@@ -258,6 +265,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if fsdp_plugin is not None:  # a config shared by several families names some blocks this model lacks
             keep_present_wrap_classes(fsdp_plugin, self.model)
+        # One bar with the key figures and a table per evaluation, instead of every logged dictionary.
+        self.console = install_training_console(self)
 
         device = self.accelerator.device
         model_parameters = sum(p.numel() for module in self.adapter.transformers() for p in module.parameters())
@@ -421,8 +430,10 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
         super().log(logs, start_time)
         self._metrics[mode].clear()
 
-    def _log_images(self, images: list, prompts: list[str], rewards: list[float], step: int) -> None:
-        """Sample images (or videos) with prompts and rewards to every image-capable ``report_to`` backend.
+    def _log_images(self, images: list, prompts: list[str], rewards: list[float], step: int,
+                    notes: list[str] | None = None) -> None:
+        """Sample images (or videos) with prompts, rewards and the rewards' notes (e.g. why GenEval failed an image)
+        to every image-capable ``report_to`` backend.
 
         TensorBoard: a contact sheet (``samples``; videos show their first, middle and last frame), the captions, and
         for videos all samples tiled into one animated GIF (``samples/video``). wandb: ``samples`` holds one image, or
@@ -434,7 +445,8 @@ class OnlineRLTrainer(RolloutPipeline, Evaluation, PipelineLoading, FlowBaseTrai
 
         from transformers.integrations import TensorBoardCallback, WandbCallback
 
-        captions = [f"{p[:120]} | reward={r:.3f}" for p, r in zip(prompts, rewards)]
+        notes = notes or [""] * len(prompts)
+        captions = [f"{p[:120]} | reward={r:.3f}" + (f" | {n}" if n else "") for p, r, n in zip(prompts, rewards, notes)]
         videos = all(is_video(im) for im in images)
         fps = self.args.log_video_fps
         for cb in self.callback_handler.callbacks:

@@ -30,7 +30,8 @@ class Evaluation:
         step count and guidance with fixed seeds; rewards on the eval set.
 
         Logs ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/<name>/{mean,std,count}`` (``count``: the images
-        the reward scored, so that ``std / sqrt(count)`` is the standard error of the mean) and, from the second
+        the reward scored, so that ``std / sqrt(count)`` is the standard error of the mean), the rewards' own metrics
+        ``eval_rewards/<name>/<key>`` (e.g. GenEval's accuracy per task) and, from the second
         evaluation of the same prompts on, ``eval_rewards/<name>/{change,change_se}``: the change since the first
         evaluation and its standard error, paired image by image (same prompts and seeds; ``eval_change.py``);
         writes a contact sheet of
@@ -68,7 +69,8 @@ class Evaluation:
                 result = self.reward_set(prompts, pil, **cols)
                 for j, i in enumerate(idx):
                     records.append((i, prompts[j], pil[j], result.total[j],
-                                    {n: result.per_reward[n][j] for n in self.reward_set.names}))
+                                    {n: result.per_reward[n][j] for n in self.reward_set.names},
+                                    {k: v[j] for k, v in result.metrics.items()}))
         gathered = self.accelerator.gather_for_metrics(records, use_gather_object=True) if world > 1 else records
         gathered = sorted(gathered, key=lambda r: r[0])
 
@@ -84,6 +86,8 @@ class Evaluation:
             metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = mean
             metrics[f"{metric_key_prefix}_rewards/{name}/std"] = std
             metrics[f"{metric_key_prefix}_rewards/{name}/count"] = float(count)
+        for key in dict.fromkeys(k for r in gathered for k in r[5]):  # reward-defined (RewardOutput.metrics)
+            metrics[f"{metric_key_prefix}_rewards/{key}"] = stat([r[5].get(key) for r in gathered])[0]
         # Paired with the first evaluation of the same prompts and seeds (eval_change.py).
         changes = self._eval_baseline.compare(metric_key_prefix, [r[1] for r in gathered],
                                               {name: [r[4][name] for r in gathered] for name in self.reward_set.names})

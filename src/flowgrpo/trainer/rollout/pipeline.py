@@ -26,10 +26,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from accelerate.utils import gather_object
 
 from ...cpu_threads import limit_worker_threads
 from ...models import PromptEmbeds
+from ...rewards import RewardResult
+from ...rewards.composition import metric_means
 from ...schedulers import FlowODESolver, rollout_steps, sde_step_from_sigmas
+from ..console import rollout_progress
 from ..data.condition_images import IMAGE_COLUMN, image_key, load_condition_image
 from ..data.datasets import INDEX_COLUMN
 from .advantages import compute_reward_advantages
@@ -233,10 +237,7 @@ class RolloutPipeline:
         t0 = self._clock()
         timing = defaultdict(float)
         jobs, samples = [], []
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=len(chunks) * args.num_inference_steps, desc="rollout", leave=False,
-                        disable=args.disable_tqdm or not self.is_local_process_zero())
+        progress = rollout_progress(getattr(self, "console", None), len(chunks) * args.num_inference_steps)
         overlap_decode = self._overlap_decode
         with self._generation_context() as model:
             tic = self._clock()
@@ -280,7 +281,8 @@ class RolloutPipeline:
             pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
                                            self.args.vae_decode_batch_size))
         seconds = self._clock() - tic
-        return pil, self.reward_set.submit(prompts, pil, **columns), seconds
+        # group-wise rewards (pickscore_rank) give raw scores here; they are combined over whole groups below
+        return pil, self.reward_set.submit(prompts, pil, defer_groupwise=True, **columns), seconds
 
     def _resolve_scoring(self) -> None:
         """Wait for the pending rollout's rewards; gather them, compute advantages into its buffers, log metrics."""
@@ -314,6 +316,13 @@ class RolloutPipeline:
         g_totals = self.accelerator.gather(totals).cpu()
         g_groups = self.accelerator.gather(group_ids.to(device)).cpu()
         g_per_reward = {n: self.accelerator.gather(t).cpu() for n, t in per_reward.items()}
+        if self.reward_set.has_groupwise:  # every group is complete once gathered: combine, recompute the totals
+            combined, g_total_list = self.reward_set.finish_groupwise(
+                {n: t.tolist() for n, t in g_per_reward.items()}, g_groups.tolist())
+            g_per_reward = {n: as_tensor(v).cpu() for n, v in combined.items()}
+            g_totals = as_tensor(g_total_list).cpu()
+            n_local, rank = len(prompts), self.accelerator.process_index
+            totals = g_totals[rank * n_local:(rank + 1) * n_local]
         advantages, stats = compute_reward_advantages(
             g_totals, g_per_reward, dict(zip(self.reward_set.names, self.reward_set.weights)), g_groups,
             args.scale_rewards, args.adv_clip_max, args.reward_aggregation,
@@ -334,6 +343,11 @@ class RolloutPipeline:
             m[f"rewards/{name}/mean"].append(float(valid.mean()) if valid.numel() else math.nan)
             m[f"rewards/{name}/std"].append(float(valid.std(unbiased=False)) if valid.numel() else math.nan)
             m[f"rewards/{name}/failed"].append(float(g_failed[k]))  # samples scored None by on_failure="skip"
+        # Metrics a reward defines itself (RewardOutput.metrics, e.g. GenEval's accuracy per task), over all processes.
+        metric_sums = RewardResult.concatenate(results).metric_sums() if results else {}
+        for key, mean in metric_means(gather_object([metric_sums]) if self.accelerator.num_processes > 1
+                                      else [metric_sums]).items():
+            m[f"rewards/{key}"].append(mean)
         # sampling: the rollout phase (text encoding, sampling, decoding unless it runs in the background);
         # reward: the time spent waiting for decoding and rewards that did not overlap anything.
         m["timing/sampling"].append(timing["sampling_total"])
@@ -346,6 +360,7 @@ class RolloutPipeline:
         totals_list = totals.cpu().tolist()
         self._last_samples = (flat_images[: args.num_log_images], prompts[: args.num_log_images],
                               totals_list[: args.num_log_images])
+        self._last_sample_notes = [note for r in results for note in r.image_notes()][: args.num_log_images]
         for sl, traj in zip(chunks, samples):
             traj["advantages"] = local_adv[sl]
 
