@@ -5,8 +5,9 @@
     python scripts/make_tiny_pipeline.py --family wan --variant two_experts --output /tmp/tiny-wan22
 
 Families: sd3, flux, qwenimage, wan, flux_kontext, qwenimage_edit, flux2_klein, zimage, flux2, qwenimage_edit_plus,
-qwenimage21 (``flowgrpo.testing.TINY_FAMILIES``); variants: ``flowgrpo.testing.TINY_VARIANTS`` (``wan``:
-``two_experts``, Wan 2.2 A14B's layout; ``flux2_klein``: ``distilled``). The folder loads with stock
+qwenimage21, wan_i2v (``flowgrpo.testing.TINY_FAMILIES``); variants: ``flowgrpo.testing.TINY_VARIANTS`` (``wan``:
+``two_experts``, Wan 2.2 A14B's layout; ``flux2_klein``: ``distilled``; ``wan_i2v``: ``two_experts``, Wan 2.2
+I2V-A14B, and ``ti2v``, Wan 2.2 TI2V-5B's image conditioning). The folder loads with stock
 ``DiffusionPipeline.from_pretrained(DIR)`` (``qwenimage_edit``, ``qwenimage_edit_plus`` and ``qwenimage21``: after
 ``import flowgrpo.testing``, which defines their image-only processors); see ``flowgrpo.testing.tiny_pipelines`` for
 the architectures.

@@ -31,12 +31,18 @@ class FamilyCase:
     def images_per_row(self) -> int:
         if self.source_images is not None:
             return self.source_images
-        return 1 if self.family in ("flux_kontext", "qwenimage_edit") else 0
+        return 1 if self.family in ("flux_kontext", "qwenimage_edit", "wan_i2v") else 0
 
     @property
     def edits(self) -> bool:
         return self.images_per_row > 0
 
+    @property
+    def video(self) -> bool:
+        return self.family in VIDEO_FAMILIES
+
+
+VIDEO_FAMILIES = ("wan", "wan_i2v", "ltx2", "hunyuanvideo15")
 
 CASES = (
     FamilyCase("qwenimage", "qwenimage"),
@@ -49,6 +55,12 @@ CASES = (
     FamilyCase("flux2", "flux2", guidance_scale=3.5, source_images=2, max_sequence_length=128),
     FamilyCase("qwenimage_edit_plus", "qwenimage_edit_plus", source_images=2),
     FamilyCase("qwenimage21", "qwenimage21"),
+    # Wan 2.1 I2V: its cross-attention assumes 512 text tokens next to the CLIP image tokens.
+    FamilyCase("wan_i2v", "wan_i2v", num_frames=5, max_sequence_length=512),
+    FamilyCase("wan_i2v_two_experts", "wan_i2v", "two_experts", num_frames=5),
+    FamilyCase("wan_i2v_ti2v", "wan_i2v", "ti2v", num_frames=5),
+    FamilyCase("ltx2", "ltx2", num_frames=5),
+    FamilyCase("hunyuanvideo15", "hunyuanvideo15", num_frames=5),
 )
 CASE_IDS = [c.name for c in CASES]
 

@@ -24,12 +24,17 @@ EXPECTED = {
     "fsdp8_flux.yaml": (DistributedType.FSDP, 8),
     "fsdp8_qwenimage.yaml": (DistributedType.FSDP, 8),
     "fsdp8_wan.yaml": (DistributedType.FSDP, 8),
+    "fsdp8_video.yaml": (DistributedType.FSDP, 8),
     "fsdp8_flux2.yaml": (DistributedType.FSDP, 8),
     "zero2.yaml": (DistributedType.DEEPSPEED, 8),
     "zero3.yaml": (DistributedType.DEEPSPEED, 8),
     "multi_node.yaml": (DistributedType.MULTI_GPU, 16),
     "cpu_ddp.yaml": (DistributedType.MULTI_GPU, 2),
 }
+
+
+VIDEO_UNITS = {"WanTransformerBlock", "WanTransformer3DModel", "LTX2VideoTransformerBlock", "LTX2VideoTransformer3DModel",
+               "HunyuanVideo15TransformerBlock", "HunyuanVideo15Transformer3DModel"}
 
 
 def launch_args(name: str):
@@ -92,14 +97,17 @@ def test_multi_gpu_launch_environments(monkeypatch):
 
 
 def _wrapped_class_names(plugin, family: str) -> set[str]:
-    """Class names of the modules accelerate's FSDP2 preparation would shard as their own units."""
+    """Class names of the modules accelerate's FSDP2 preparation would shard as their own units (after the trainer
+    keeps the configured classes its model has)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from peft import LoraConfig, get_peft_model
 
     from flowgrpo.testing import build_tiny_pipeline
+    from flowgrpo.trainer.fsdp_units import keep_present_wrap_classes
 
     model = get_peft_model(build_tiny_pipeline(family, seed=0).transformer,
                            LoraConfig(r=2, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"]))
+    keep_present_wrap_classes(plugin, model)
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
     return {type(m).__name__ for m in model.modules() if policy(m)}
 
@@ -109,6 +117,9 @@ def _wrapped_class_names(plugin, family: str) -> set[str]:
     ("fsdp8_flux.yaml", "flux", {"FluxTransformerBlock", "FluxSingleTransformerBlock", "FluxTransformer2DModel"}),
     ("fsdp8_qwenimage.yaml", "qwenimage", {"QwenImageTransformerBlock", "QwenImageTransformer2DModel"}),
     ("fsdp8_wan.yaml", "wan", {"WanTransformerBlock", "WanTransformer3DModel"}),
+    ("fsdp8_video.yaml", "wan_i2v", {"WanTransformerBlock", "WanTransformer3DModel"}),
+    ("fsdp8_video.yaml", "ltx2", {"LTX2VideoTransformerBlock", "LTX2VideoTransformer3DModel"}),
+    ("fsdp8_video.yaml", "hunyuanvideo15", {"HunyuanVideo15TransformerBlock", "HunyuanVideo15Transformer3DModel"}),
     ("fsdp8_flux2.yaml", "flux2_klein", {"Flux2TransformerBlock", "Flux2SingleTransformerBlock",
                                           "Flux2Transformer2DModel"}),
 ])
@@ -123,7 +134,10 @@ def test_fsdp_configs_build_the_fsdp2_plugin_and_wrap_the_transformer(monkeypatc
     assert plugin.reshard_after_forward is True
     assert "FULL_STATE_DICT" in str(plugin.state_dict_type)
     assert plugin.auto_wrap_policy is transformer_auto_wrap_policy
-    assert set(plugin.transformer_cls_names_to_wrap) == units
+    if name == "fsdp8_video.yaml":  # every video family's classes; the trainer keeps those of its model
+        assert set(plugin.transformer_cls_names_to_wrap) == VIDEO_UNITS
+    else:
+        assert set(plugin.transformer_cls_names_to_wrap) == units
     assert not plugin.cpu_ram_efficient_loading
     # the transformer itself and every block become units (the root PeftModel is sharded last by accelerate)
     assert _wrapped_class_names(plugin, family) == units
@@ -169,3 +183,14 @@ def test_deepspeed_accepts_the_filled_config(monkeypatch, name, stage):
     filled = hf_config.config
     assert filled["train_micro_batch_size_per_gpu"] == 8
     assert DeepSpeedZeroConfig(**filled["zero_optimization"]).stage == stage
+
+
+def test_a_config_naming_none_of_the_models_blocks_is_refused():
+    from types import SimpleNamespace
+
+    from flowgrpo.testing import build_tiny_pipeline
+    from flowgrpo.trainer.fsdp_units import keep_present_wrap_classes
+
+    plugin = SimpleNamespace(transformer_cls_names_to_wrap=["LTX2VideoTransformerBlock"])
+    with pytest.raises(ValueError, match=r"none of which is in this model.*WanTransformerBlock"):
+        keep_present_wrap_classes(plugin, build_tiny_pipeline("wan", seed=0).transformer)

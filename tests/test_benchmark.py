@@ -326,13 +326,15 @@ def test_gpu_presets_match_the_issue():
 def test_gpu_presets_fail_clearly_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name in ("sd35m-random", "flux-random", "qwenimage-random", "wan-random", "flux2-klein-random", "flux2-random",
-                 "zimage-random", "qwenimage21-random", "qwenimage-edit-plus-random"):
+                 "zimage-random", "qwenimage21-random", "qwenimage-edit-plus-random",
+                 "wan-i2v-random"):
         with pytest.raises(RuntimeError, match=r"CUDA GPU.*small-cpu"):
             build_preset_pipeline(get_preset(name))
 
 
 @pytest.mark.parametrize("name", ["sd35m-random", "flux-random", "qwenimage-random", "wan-random", "flux2-klein-random",
-                                  "flux2-random", "zimage-random", "qwenimage21-random", "qwenimage-edit-plus-random"])
+                                  "flux2-random", "zimage-random", "qwenimage21-random", "qwenimage-edit-plus-random",
+                                  "wan-i2v-random"])
 def test_full_size_pipelines_build_on_the_meta_device(name):
     """The GPU presets' build code, on the meta device: the configs make valid pipelines of the real sizes."""
     from flowgrpo.benchmarking.presets import _build_full_size
@@ -356,6 +358,11 @@ def test_full_size_pipelines_build_on_the_meta_device(name):
         assert 31 < sizes["transformer"] < 33 and 23.5 < sizes["text_encoder"] < 24.5
     elif name == "zimage-random":  # Z-Image Turbo 6.2 B, Qwen3-4B (the model, without the LM head), the FLUX.1 VAE
         assert 6.0 < sizes["transformer"] < 6.3 and 3.9 < sizes["text_encoder"] < 4.1 and 0.08 < sizes["vae"] < 0.09
+    elif name == "wan-i2v-random":  # Wan 2.1 I2V-14B (16.4 B with the image keys / values), ViT-H/14, UMT5-XXL
+        assert 16.0 < sizes["transformer"] < 16.8 and 0.6 < sizes["image_encoder"] < 0.7
+        assert 5.5 < sizes["text_encoder"] < 5.9 and 0.1 < sizes["vae"] < 0.15
+        adapter = get_family_adapter(pipe, num_frames=33)
+        assert adapter.uses_image_encoder and adapter.sde_scheduler_config()["shift"] == 3.0
     elif name == "qwenimage21-random":  # Qwen-Image 2.1 7.1 B, Qwen3-VL-8B (with its vision tower)
         assert 7.0 < sizes["transformer"] < 7.2 and 8.5 < sizes["text_encoder"] < 9.0
     elif name == "qwenimage-edit-plus-random":  # the Qwen-Image model and encoder, with the processor
@@ -364,7 +371,7 @@ def test_full_size_pipelines_build_on_the_meta_device(name):
         assert 1.3 < sizes["transformer"] < 1.5 and 5.5 < sizes["text_encoder"] < 5.9 and 0.1 < sizes["vae"] < 0.15
         adapter = get_family_adapter(pipe, num_frames=33)
         assert adapter.sde_scheduler_config()["shift"] == 3.0
-    if name not in ("wan-random", "qwenimage21-random"):
+    if name not in ("wan-random", "qwenimage21-random", "wan-i2v-random"):
         assert pipe.vae_scale_factor == 8
 
 
@@ -423,3 +430,66 @@ def test_tiny_preset_smoke(tmp_path, capsys):
     assert flops["rollout_forwards"] == 2 * 4 and flops["training_passes"] == 2 * 2
     assert flops["total"] == flops["rollout"] + flops["training"] + flops["reference"]
     assert result["achieved_flops_per_s"] == pytest.approx(flops["total"] / step)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+@pytest.mark.parametrize("variant", [None, "ti2v"], ids=["wan21_i2v", "ti2v"])
+def test_analytic_flops_match_torch_counter_on_tiny_wan_i2v(variant, full, tiny_pipeline_path):
+    """Wan image-to-video through its adapter (36 input channels; Wan 2.1: CLIP image tokens with their own keys and
+    values in every cross-attention), forward and backward, LoRA on the family's default targets or full fine-tuning.
+    TI2V (per-token timesteps) runs its time embedding on every token: not in the per-sample count, so only the
+    block-level counts are compared there (the embedder rows are checked to be the difference)."""
+    from diffusers import DiffusionPipeline
+    from peft import LoraConfig, get_peft_model
+    from PIL import Image
+
+    from flowgrpo.models import get_family_adapter
+
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_pipeline_path("wan_i2v", variant)))
+    adapter = get_family_adapter(pipe, num_frames=5)
+    targets = list(adapter.default_lora_target_modules)
+    cpu = torch.device("cpu")
+    sources = [Image.new("RGB", (32, 32), (200, 30, 30)), Image.new("RGB", (32, 32), (30, 30, 200))]
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(["a cat", "a dog"], 512, cpu, images=sources, height=32, width=32)
+    latents = adapter.prepare_latents(2, 32, 32, torch.Generator().manual_seed(0), cpu, torch.float32)
+    n_img, n_txt = adapter.sequence_lengths(embeds, latents)
+    assert n_img == 8 and n_txt == (512 + 17 if variant is None else 512)  # 2 frames of 2x2; 17 CLIP tokens
+    config = dict(pipe.transformer.config)
+    if full:
+        model, expected = pipe.transformer.requires_grad_(True), transformer_forward_flops("wan_i2v", config, n_img,
+                                                                                            n_txt)
+    else:
+        model = get_peft_model(pipe.transformer, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        expected = transformer_forward_flops("wan_i2v", config, n_img, n_txt, lora_rank=4, lora_targets=targets)
+        assert expected.lora > 0
+    extra = 0
+    if variant == "ti2v":  # the time embedding's three linears run on all n_img tokens instead of once
+        d = config["num_attention_heads"] * config["attention_head_dim"]
+        extra = 2 * (n_img - 1) * (config["freq_dim"] * d + d * d + d * 6 * d)
+    with sdpa_kernel(SDPBackend.MATH):
+        out = {}
+        assert count_flops(lambda: out.setdefault("v", adapter.predict_velocity(
+            model, latents, torch.full((2,), 500.0), embeds, 1.0, None, 32, 32))) == 2 * (expected.total + extra)
+        backward = count_flops(lambda: out["v"].float().square().mean().backward())
+    if variant is None:  # (TI2V's per-token conditioning changes what the backward reaches)
+        assert backward == 2 * expected.backward(full_finetune=full)
+
+
+def test_analytic_flops_match_torch_counter_on_full_size_wan_i2v():
+    """Wan 2.1 I2V-14B at full size on the meta device: 33 frames of 480x832, 257 CLIP tokens and 512 text tokens."""
+    from diffusers import WanTransformer3DModel
+
+    from flowgrpo.benchmarking.full_size_video import WAN_I2V_14B_TRANSFORMER
+
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**WAN_I2V_14B_TRANSFORMER)
+    n_img, n_txt = 9 * 30 * 52, 257 + 512
+    kwargs = dict(hidden_states=torch.empty(1, 36, 9, 60, 104, device="meta"), timestep=torch.empty(1, device="meta"),
+                  encoder_hidden_states=torch.empty(1, 512, 4096, device="meta"),
+                  encoder_hidden_states_image=torch.empty(1, 257, 1280, device="meta"))
+    expected = transformer_forward_flops("wan_i2v", dict(model.config), n_img, n_txt)
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        assert count_flops(model, **kwargs) == expected.total
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    assert 16.0 < params < 16.8, params  # 14B blocks plus the image keys / values: 16.4 B

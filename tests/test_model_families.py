@@ -72,12 +72,28 @@ def stock_call(pipe, case: FamilyCase, prompts, images, output_type, monkeypatch
         kwargs.update(image=list(images))
     if case.family == "qwenimage_edit_plus":
         return _edit_plus_stock_call_per_row(pipe, case, kwargs, images, monkeypatch)
+    if case.family == "wan_i2v":
+        kwargs.update(guidance_scale=case.guidance_scale, num_frames=case.num_frames)
+        return _wan_i2v_stock_call_per_row(pipe, kwargs, images)
+    if case.family == "hunyuanvideo15":  # its guider carries the guidance scale; its VAE decodes one video per call
+        from diffusers.guiders import ClassifierFreeGuidance
+
+        pipe.guider = ClassifierFreeGuidance(guidance_scale=case.guidance_scale)
+        kwargs.pop("max_sequence_length")
+        kwargs.update(negative_prompt=negative, num_frames=case.num_frames)
+        if output_type != "latent":
+            return _hunyuanvideo15_stock_call_per_row(pipe, kwargs)
+    if case.family == "ltx2":  # CFG only (no spatio-temporal / modality guidance, no rescale), the same on the audio
+        kwargs.update(guidance_scale=case.guidance_scale, negative_prompt=negative, num_frames=case.num_frames,
+                      frame_rate=24.0, stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0,
+                      audio_guidance_scale=case.guidance_scale, audio_stg_scale=0.0, audio_modality_scale=1.0,
+                      audio_guidance_rescale=0.0)
     if case.family in ("flux2", "flux2_klein", "zimage"):
         kwargs.update(guidance_scale=case.guidance_scale)
     if case.family in ("flux2", "flux2_klein") and images is not None:
         return _flux2_stock_call_per_row(pipe, kwargs, images, monkeypatch)
     out = pipe(**kwargs)
-    return out.frames if case.family == "wan" else out.images
+    return out.frames if case.video else out.images
 
 
 def _edit_plus_stock_call_per_row(pipe, case, kwargs, images, monkeypatch):
@@ -115,6 +131,35 @@ def _flux2_stock_call_per_row(pipe, kwargs, images, monkeypatch):
     return np.concatenate(outs) if isinstance(outs[0], np.ndarray) else torch.cat(outs)
 
 
+def _hunyuanvideo15_stock_call_per_row(pipe, kwargs):
+    """HunyuanVideo 1.5 decoding: this diffusers version's VAE fails on a batch of several videos, so each row is its
+    own call on its share of the batch's noise."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    prompts, generator = kwargs.pop("prompt"), kwargs.pop("generator")
+    kwargs.pop("negative_prompt")
+    frames = (kwargs["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
+    side = SIZE // pipe.vae_scale_factor_spatial
+    noise = randn_tensor((len(prompts), pipe.vae.config.latent_channels, frames, side, side), generator=generator)
+    outs = [pipe(prompt=[p], negative_prompt=[""], latents=noise[i:i + 1], **kwargs).frames
+            for i, p in enumerate(prompts)]
+    return np.concatenate(outs) if isinstance(outs[0], np.ndarray) else torch.cat(outs)
+
+
+def _wan_i2v_stock_call_per_row(pipe, kwargs, images):
+    """Wan image-to-video: the stock pipeline encodes one image per call (and repeats it over the prompts), so each row
+    is its own call on its share of the batch's noise (drawn as one batch, as the adapter draws it)."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    prompts, generator = kwargs.pop("prompt"), kwargs.pop("generator")
+    frames = (kwargs["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
+    side = SIZE // pipe.vae_scale_factor_spatial
+    noise = randn_tensor((len(prompts), pipe.vae.config.z_dim, frames, side, side), generator=generator)
+    outs = [pipe(prompt=[p], image=image, negative_prompt=[""], latents=noise[i:i + 1], **kwargs).frames
+            for i, (p, image) in enumerate(zip(prompts, images))]
+    return np.concatenate(outs) if isinstance(outs[0], np.ndarray) else torch.cat(outs)
+
+
 def lora_params(module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters() if "lora_" in n}
 
@@ -140,6 +185,8 @@ def assert_sampling_matches_stock(trainer, case: FamilyCase, path, monkeypatch) 
         pixels = trainer.adapter.decode(final, SIZE, SIZE)
     ref_latents = stock_call(stock, case, prompts, images, "latent", monkeypatch)
     ref_pixels = stock_call(stock, case, prompts, images, "pt", monkeypatch)
+    if case.family == "ltx2":  # the state holds video and audio tokens; the stock latents are the video's
+        final = trainer.adapter.unpack_video_latents(final, SIZE, SIZE)
     if case.family == "flux2_klein":  # its "latent" output is unpacked, denormalised and unpatchified
         final = trainer.adapter.unpack_latents(final, SIZE, SIZE)
     if case.family == "qwenimage21":  # the VAE decodes RGBA; the adapter hands the rewards RGB
@@ -175,20 +222,22 @@ def test_sampling_matches_stock_pipeline_and_first_pass_is_on_policy(case, tiny_
         return [float(np.mean([np.asarray(f, dtype=np.float32).mean() for f in v]) / 255) for v in videos]
 
     video_reward.accepts_video = True
-    rewards = [image_reward, video_reward] if case.family == "wan" else image_reward
+    rewards = [image_reward, video_reward] if case.video else image_reward
     # No target modules: the trainer takes the family's default (Wan: attn1 / attn2).
     trainer = make_trainer(path, case, tmp_path / "out", reward=rewards, beta=0.04,
                            peft_config=LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian"))
     targets = trainer.accelerator.unwrap_model(trainer.model).peft_config["default"].target_modules
     assert set(targets) == set(trainer.adapter.default_lora_target_modules)
     # the model card's task: FLUX.2's reference images are optional (image-to-image only with an image column)
-    assert trainer._card_pipeline_tag == ("text-to-video" if case.family == "wan" else
+    assert trainer._card_pipeline_tag == (("image-to-video" if case.edits else "text-to-video") if case.video else
                                           "image-to-image" if case.edits else "text-to-image")
     if case.family == "wan":
         assert set(targets) == set(WAN_LORA_TARGET_MODULES)
+    if case.family == "wan_i2v":  # Wan 2.1 I2V: the image tokens' keys and values too
+        assert set(targets) == set(WAN_LORA_TARGET_MODULES) | {"attn2.add_k_proj", "attn2.add_v_proj"}
 
     pixels = assert_sampling_matches_stock(trainer, case, path, monkeypatch)
-    if case.family == "wan":
+    if case.video:
         assert pixels.shape == (4, case.num_frames, 3, SIZE, SIZE)
 
     before = lora_params(trainer.accelerator.unwrap_model(trainer.model))
@@ -203,21 +252,22 @@ def test_sampling_matches_stock_pipeline_and_first_pass_is_on_policy(case, tiny_
     if case.variant == "two_experts":  # each expert took its own steps and was trained on them
         assert any(n.startswith("base_model.model.transformer.") for n in changed)
         assert any(n.startswith("base_model.model.transformer_2.") for n in changed)
-    if case.family == "wan":  # image rewards score every frame, a video reward gets the videos
+    if case.video:  # image rewards score every frame, a video reward gets the videos
         assert seen["frames"] == [4 * case.num_frames] and seen["videos"] == [case.num_frames] * 4
         assert "rewards/video_reward/mean" in log
     if case.edits:  # the rewards see the source images, as PIL images (a list per row where rows hold several)
         def flat(values):
             return [im for v in values for im in (v if isinstance(v, list) else [v])]
 
-        assert len(seen["sources"]) == 4 and len(flat(seen["sources"])) == 4 * case.images_per_row
+        rows = 4 * (case.num_frames if case.video else 1)  # an image reward gets a video's columns per frame
+        assert len(seen["sources"]) == rows and len(flat(seen["sources"])) == rows * case.images_per_row
         assert all(isinstance(s, Image.Image) for s in flat(seen["sources"]))
         assert {s.tobytes() for s in flat(seen["sources"])} <= {im.tobytes() for im in flat(dataset_rows(case)["image"])}
 
     metrics = trainer.evaluate(Dataset.from_dict(dataset_rows(case, 2)))
     assert np.isfinite(metrics["eval_reward"])
     sheet = Image.open(tmp_path / "out" / "eval_step_1.png")
-    assert sheet.width == 2 * 192 * (3 if case.family == "wan" else 1)  # videos: first, middle and last frame
+    assert sheet.width == 2 * 192 * (3 if case.video else 1)  # videos: first, middle and last frame
 
 
 def test_each_distinct_prompt_and_source_image_is_encoded_once(tiny_pipeline_path, tmp_path):
@@ -270,7 +320,10 @@ def test_resume_is_exact_and_lora_export_loads_in_stock_pipeline(case, tiny_pipe
     rows = dataset_rows(case, 1)
     call_case = case if case.family == "flux_kontext" else dataclasses.replace(case, guidance_scale=1.0)
     base = stock_call(stock, call_case, rows["prompt"], rows.get("image"), "np", monkeypatch, steps=2)
-    stock.load_lora_weights(str(export))  # the family's own loader
+    if case.family == "hunyuanvideo15":  # no pipeline-level LoRA loader in this diffusers version
+        stock.transformer.load_lora_adapter(str(export), prefix="transformer", weight_name=LORA_WEIGHTS_NAME)
+    else:
+        stock.load_lora_weights(str(export))  # the family's own loader
     tuned = stock_call(stock, call_case, rows["prompt"], rows.get("image"), "np", monkeypatch, steps=2)
     assert np.abs(tuned - base).max() > 0
     trained = lora_params(straight.accelerator.unwrap_model(straight.model))
@@ -397,6 +450,8 @@ def test_wan_unipc_checkpoint_schedule_keeps_its_flow_shift(tiny_pipeline_path):
 @pytest.mark.parametrize("recipe, pipeline_class", [
     ("qwenimage_ocr.yaml", "QwenImagePipeline"), ("wan_t2v.yaml", "WanPipeline"),
     ("kontext_edit.yaml", "FluxKontextPipeline"), ("qwenimage_edit.yaml", "QwenImageEditPipeline"),
+    ("wan_i2v.yaml", "WanImageToVideoPipeline"), ("ltx2_t2v.yaml", "LTX2Pipeline"),
+    ("hunyuanvideo15_t2v.yaml", "HunyuanVideo15Pipeline"),
     ("flux2_klein_ocr.yaml", "Flux2KleinPipeline"), ("flux2_dev_pickscore.yaml", "Flux2Pipeline"),
     ("zimage_turbo_ocr.yaml", "ZImagePipeline"), ("qwenimage21_ocr.yaml", "QwenImage21Pipeline"),
     ("qwenimage_edit_plus.yaml", "QwenImageEditPlusPipeline")])
@@ -416,6 +471,10 @@ def test_family_recipes_suit_their_family(recipe, pipeline_class):
         assert args.max_sequence_length <= QWEN_MAX_SEQUENCE_LENGTH and args.guidance_scale > 1
     if adapter_cls.accepts_images and not adapter_cls.images_optional:
         assert script_args.dataset_name == "data/ocr_edit" and script_args.reward_funcs == ["ocr"]
+    if adapter_cls.family == "wan_i2v":
+        from flowgrpo.models.wan_i2v import WAN_I2V_TEXT_TOKENS
+
+        assert args.max_sequence_length == WAN_I2V_TEXT_TOKENS
     if adapter_cls.family == "zimage":  # Turbo: its distilled few-step schedule, no CFG, exact-noise CPS steps
         assert args.guidance_scale == 0
         assert args.num_inference_steps == args.eval_num_inference_steps == 8 and args.sde_type == "cps"

@@ -382,12 +382,19 @@ def qwenimage_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text
     return mm
 
 
+#: The text length Wan's image-to-video cross-attention assumes (the tokens before it are CLIP image tokens).
+WAN_TEXT_CONTEXT = 512
+
+
 def wan_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_tokens: int) -> list[Matmul]:
     """The matmuls of one ``WanTransformer3DModel`` forward for one sample (text-to-video, one timestep per sample).
 
     ``image_tokens`` = F' x (H / 16) x (W / 16) latent patches of all frames; ``text_tokens`` = the (zero-padded)
     UMT5 length, ``max_sequence_length``. The patch embedding is a 3-D convolution counted like a linear over the
-    patches.
+    patches. Image-to-video (Wan 2.1 I2V, ``image_dim`` set): ``text_tokens`` is the whole cross-attention context,
+    the CLIP image tokens first; as in the model, the last 512 are text and the rest image tokens, which pass the
+    image embedder (a two-layer MLP) and get their own keys / values (``attn2.add_k_proj`` / ``add_v_proj``) and
+    attention core in every block. The 36 input channels of I2V come from ``in_channels``.
     """
     heads, head_dim = int(_cfg(config, "num_attention_heads")), int(_cfg(config, "attention_head_dim"))
     d = heads * head_dim
@@ -396,6 +403,13 @@ def wan_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_token
     c_out = int(_cfg(config, "out_channels", None) or c_in)
     ffn = int(_cfg(config, "ffn_dim"))
     n_i, n_t = int(image_tokens), int(text_tokens)
+    image_dim = _cfg(config, "image_dim", None)
+    n_clip = 0
+    if image_dim is not None:  # Wan 2.1 I2V: CLIP image tokens ahead of the 512 text tokens
+        n_clip, n_t = n_t - WAN_TEXT_CONTEXT, WAN_TEXT_CONTEXT
+        if n_clip <= 0:
+            raise ValueError(f"text_tokens={text_tokens}: a Wan image-to-video context is the CLIP image tokens plus "
+                             f"{WAN_TEXT_CONTEXT} text tokens.")
     volume = patch[0] * patch[1] * patch[2]
     mm = [
         _linear("patch_embedding", n_i, c_in * volume, d),
@@ -405,6 +419,9 @@ def wan_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_token
         _linear("condition_embedder.text_embedder.linear_1", n_t, int(_cfg(config, "text_dim")), d),
         _linear("condition_embedder.text_embedder.linear_2", n_t, d, d),
     ]
+    if n_clip:
+        mm.append(_linear("condition_embedder.image_embedder.ff.net.0.proj", n_clip, int(image_dim), int(image_dim)))
+        mm.append(_linear("condition_embedder.image_embedder.ff.net.2", n_clip, int(image_dim), d))
     for i in range(int(_cfg(config, "num_layers"))):
         b = f"blocks.{i}"
         for proj in ("to_q", "to_k", "to_v"):
@@ -415,6 +432,12 @@ def wan_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_token
         mm.append(_linear(f"{b}.attn2.to_k", n_t, d, d))
         mm.append(_linear(f"{b}.attn2.to_v", n_t, d, d))
         mm.append(_attention(f"{b}.attn2", n_i, n_t, d))
+        if n_clip:
+            added = int(_cfg(config, "added_kv_proj_dim"))
+            mm.append(_linear(f"{b}.attn2.add_k_proj", n_clip, added, d))
+            mm.append(_linear(f"{b}.attn2.add_v_proj", n_clip, added, d))
+            mm.append(_attention(f"{b}.attn2_img", n_i, n_clip, d, sources=(
+                (f"{b}.attn2.to_q",), (f"{b}.attn2.add_k_proj",), (f"{b}.attn2.add_v_proj",))))
         mm.append(_linear(f"{b}.attn2.to_out.0", n_i, d, d))
         mm.append(_linear(f"{b}.ffn.net.0.proj", n_i, d, ffn))
         mm.append(_linear(f"{b}.ffn.net.2", n_i, ffn, d))
@@ -427,6 +450,7 @@ _FAMILIES = {
     "sd3": sd3_forward_matmuls, "flux": flux_forward_matmuls, "flux_kontext": flux_forward_matmuls,
     "qwenimage": qwenimage_forward_matmuls, "qwenimage_edit": qwenimage_forward_matmuls, "wan": wan_forward_matmuls,
     "flux2": flux2_forward_matmuls, "flux2_klein": flux2_forward_matmuls, "zimage": zimage_forward_matmuls,
+    "wan_i2v": wan_forward_matmuls,
     "qwenimage_edit_plus": qwenimage_forward_matmuls, "qwenimage21": qwenimage21_forward_matmuls,
 }
 
@@ -444,7 +468,7 @@ _NO_INPUT_GRAD = re.compile(
     r"|condition_embedder\..*|time_guidance_embed\..*|all_x_embedder\..*|cap_embedder\..*|t_embedder\..*"
     r"|(noise|context)_refiner\.0\.attention\.(to_q|to_k|to_v)|txt_in\..*|modulation\.1|norm_out\.linear"
     r"|transformer_blocks\.0\.attn2?\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)"
-    r"|blocks\.0\.attn1\.(to_q|to_k|to_v)|blocks\.\d+\.attn2\.(to_k|to_v))$"
+    r"|blocks\.0\.attn1\.(to_q|to_k|to_v)|blocks\.\d+\.attn2\.(to_k|to_v|add_k_proj|add_v_proj))$"
 )
 
 

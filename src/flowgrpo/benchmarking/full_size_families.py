@@ -195,3 +195,8 @@ FULL_SIZE_BUILDERS: dict[str, Callable[[int, str], Any]] = {
     "qwen-image-2.1": _build_qwenimage21,
     "qwen-image-edit-plus": _build_qwenimage_edit_plus,
 }
+
+# The video families' full-size builders (flowgrpo.benchmarking.full_size_video) share the presets' lookup.
+from .full_size_video import VIDEO_FULL_SIZE_BUILDERS  # noqa: E402
+
+FULL_SIZE_BUILDERS.update(VIDEO_FULL_SIZE_BUILDERS)

@@ -271,6 +271,7 @@ def build_trainer(preset: BenchmarkPreset, max_steps: int, output_dir: str, seed
     from datasets import Dataset
     from peft import LoraConfig
 
+    from ..models import family_adapter_class
     from ..trainer.registry import config_class, trainer_class
 
     pipeline = build_preset_pipeline(preset, seed=seed)
@@ -287,8 +288,14 @@ def build_trainer(preset: BenchmarkPreset, max_steps: int, output_dir: str, seed
     else:
         prompts = OCR_PROMPTS[: max(preset.num_prompts, min(len(OCR_PROMPTS), 2 * preset.num_prompts))]
     reward = preset.reward if isinstance(preset.reward, str) else list(preset.reward)
+    columns = {"prompt": prompts}
+    adapter_cls = family_adapter_class(pipeline)
+    if adapter_cls.accepts_images and not adapter_cls.images_optional:  # editing / image-to-video: a plain source
+        from PIL import Image
+
+        columns["image"] = [Image.new("RGB", (args.image_size[1], args.image_size[0]), (128, 128, 128))] * len(prompts)
     return trainer_class(preset.trainer)(model=pipeline, reward_funcs=reward, args=args,
-                                         train_dataset=Dataset.from_dict({"prompt": prompts}), peft_config=lora)
+                                         train_dataset=Dataset.from_dict(columns), peft_config=lora)
 
 
 def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, warmup_steps: int | None = None,

@@ -55,6 +55,11 @@ preset             device   what it runs
                             VAE; the released UniPC configuration with flow_shift 3.0, converted), bf16, 33 frames
                             of 480x832, 2 prompts x G=4 (micro-batches of 2), 10 steps, SDE window 3, CFG 5.0, LoRA
                             r=32 on attn1 / attn2, gradient checkpointing, JPEG-compressibility reward on frames.
+``wan-i2v-random`` CUDA     Wan 2.1 I2V-14B at full size (40 blocks, 40 heads of 128, 36 input channels, CLIP
+                            image tokens through attn2's added keys / values; UMT5-XXL; open-clip ViT-H/14; the Wan
+                            VAE; UniPC flow_shift 3.0), bf16, 33 frames of 480x832 from a first frame, 1 prompt x G=4
+                            (micro-batches of 1), 10 steps, SDE window 2, CFG 5.0, LoRA r=32 on attn1 / attn2 and the
+                            image keys / values, gradient checkpointing, JPEG-compressibility reward on frames.
 =================  =======  ======================================================================================
 
 The tokenizers are always the small locally made ones of :mod:`flowgrpo.testing.tiny_tokenizers` (their ids
@@ -74,6 +79,7 @@ import torch
 
 from ..models.flux2 import FLUX2_LORA_TARGET_MODULES
 from ..models.qwenimage21 import QWENIMAGE21_LORA_TARGET_MODULES
+from ..models.wan_i2v import WAN_I2V_LORA_TARGET_MODULES
 from ..models.zimage import ZIMAGE_LORA_TARGET_MODULES
 from ..toy.learning import TOY_LORA_TARGET_MODULES
 
@@ -319,6 +325,15 @@ PRESETS: dict[str, BenchmarkPreset] = {
         num_generations=8, per_device_train_batch_size=8, num_inference_steps=8, sde_window_size=2,
         guidance_scale=0.0, max_sequence_length=512, lora_rank=32, lora_targets=ZIMAGE_LORA_TARGET_MODULES,
         gradient_checkpointing=True, default_steps=5,
+    ),
+    "wan-i2v-random": BenchmarkPreset(
+        name="wan-i2v-random", description="Wan 2.1 I2V-14B architecture, random weights, bf16, 33x480x832, 1x4, "
+                                           "10 steps, CFG 5",
+        family="wan_i2v", architecture="wan-i2v-14b", device="cuda", dtype="bfloat16", resolution=480, num_prompts=1,
+        num_generations=4, per_device_train_batch_size=1, num_inference_steps=10, sde_window_size=2,
+        guidance_scale=5.0, max_sequence_length=512, reward="jpeg_compressibility", lora_rank=32,
+        lora_targets=WAN_I2V_LORA_TARGET_MODULES, gradient_checkpointing=True, default_steps=2,
+        extra_args={"width": 832, "num_frames": 33},
     ),
     "qwenimage21-random": BenchmarkPreset(
         name="qwenimage21-random", description="Qwen-Image 2.1 architecture, random weights, bf16, 512 px, 4x8, "

@@ -32,7 +32,7 @@ LORA_INITS = {
 #: ``build_tiny_pipeline_if_missing`` values: the random tiny pipelines of ``flowgrpo.testing`` and the pretrained
 #: toy world of ``flowgrpo.toy`` (a small SD3 pipeline that follows shape prompts).
 TINY_PIPELINE_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "flux2_klein", "zimage",
-                          "flux2", "qwenimage_edit_plus", "qwenimage21", "toy")
+                          "flux2", "qwenimage_edit_plus", "qwenimage21", "wan_i2v", "ltx2", "hunyuanvideo15", "toy")
 
 
 @dataclass

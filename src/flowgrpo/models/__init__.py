@@ -8,17 +8,21 @@ from .base import MMDIT_LORA_TARGET_MODULES, ModelFamilyAdapter, PromptEmbeds
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
 from .flux_kontext import FluxKontextAdapter
+from .hunyuanvideo15 import HunyuanVideo15Adapter
+from .ltx2 import LTX2Adapter
 from .qwenimage import QwenImageAdapter
 from .qwenimage21 import QwenImage21Adapter
 from .qwenimage_edit import QwenImageEditAdapter
 from .qwenimage_edit_plus import QwenImageEditPlusAdapter
 from .sd3 import SD3Adapter
 from .wan import WanAdapter, WanExperts
+from .wan_i2v import WanImageToVideoAdapter
 from .zimage import ZImageAdapter
 
 ADAPTERS: list[type[ModelFamilyAdapter]] = [
     SD3Adapter, FluxAdapter, FluxKontextAdapter, QwenImageAdapter, QwenImageEditAdapter, WanAdapter,
     Flux2Adapter, Flux2KleinAdapter, ZImageAdapter, QwenImageEditPlusAdapter, QwenImage21Adapter,
+    WanImageToVideoAdapter, LTX2Adapter, HunyuanVideo15Adapter,
 ]
 
 
@@ -45,7 +49,7 @@ def get_family_adapter(pipeline: DiffusionPipeline, num_frames: int = 1) -> Mode
 
 
 __all__ = [
-    "ADAPTERS", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter", "FluxKontextAdapter", "MMDIT_LORA_TARGET_MODULES", "ModelFamilyAdapter", "PromptEmbeds",
-    "QwenImage21Adapter", "QwenImageAdapter", "QwenImageEditAdapter", "QwenImageEditPlusAdapter", "SD3Adapter", "WanAdapter", "WanExperts", "ZImageAdapter", "family_adapter_class",
+    "ADAPTERS", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter", "FluxKontextAdapter", "HunyuanVideo15Adapter", "LTX2Adapter", "MMDIT_LORA_TARGET_MODULES", "ModelFamilyAdapter", "PromptEmbeds",
+    "QwenImage21Adapter", "QwenImageAdapter", "QwenImageEditAdapter", "QwenImageEditPlusAdapter", "SD3Adapter", "WanAdapter", "WanExperts", "WanImageToVideoAdapter", "ZImageAdapter", "family_adapter_class",
     "get_family_adapter",
 ]

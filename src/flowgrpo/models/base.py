@@ -206,6 +206,15 @@ class ModelFamilyAdapter(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not report its sequence lengths.")
 
+    def lora_writer(self) -> Any:
+        """The class whose ``save_lora_weights`` writes this family's diffusers-format LoRA: the pipeline's own."""
+        return type(self.pipeline)
+
+    def final_latents(self, latents: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+        """The sample the pipeline decodes from the last step's ``latents`` (Wan 2.2 TI2V image-to-video: the
+        first latent frame is the source image's latents); ``latents`` unchanged for most families."""
+        return latents
+
     # --- pixels -----------------------------------------------------------------------------------
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -142,20 +142,24 @@ class WanAdapter(ModelFamilyAdapter):
             return torch.zeros(timestep.shape[0], dtype=torch.long, device=timestep.device)
         return (timestep < self.boundary_timestep).long()
 
-    def _call(self, transformer, hidden, timestep, prompt_embeds, expert: int | None):
+    def _call(self, transformer, latents, timestep, cond: dict[str, torch.Tensor], expert: int | None):
+        """One transformer call on ``latents`` with the conditioning ``cond`` of the same rows."""
         if self.expand_timesteps:
-            tokens = hidden.shape[2] * (hidden.shape[3] // 2) * (hidden.shape[4] // 2)
+            tokens = latents.shape[2] * (latents.shape[3] // 2) * (latents.shape[4] // 2)
             timestep = timestep[:, None].expand(timestep.shape[0], tokens)
-        kwargs = dict(hidden_states=hidden, timestep=timestep, encoder_hidden_states=prompt_embeds, return_dict=False)
+        kwargs = dict(hidden_states=latents, timestep=timestep, encoder_hidden_states=cond["prompt_embeds"],
+                      return_dict=False)
         if expert is not None:
             kwargs["expert"] = expert
         return transformer(**kwargs)[0]
 
     def _velocity(self, transformer, latents, timestep, cond, neg, guidance_scale, expert: int | None):
         if neg is None:
-            return self._call(transformer, latents, timestep, cond["prompt_embeds"], expert)
-        out = self._call(transformer, torch.cat([latents, latents]), torch.cat([timestep, timestep]),
-                         torch.cat([neg["prompt_embeds"], cond["prompt_embeds"]]), expert)
+            return self._call(transformer, latents, timestep, cond, expert)
+        # The unconditional pass swaps only the text: every other conditioning (a source image) is the sample's own.
+        both = {k: torch.cat([v, v]) for k, v in cond.items()}
+        both["prompt_embeds"] = torch.cat([neg["prompt_embeds"], cond["prompt_embeds"]])
+        out = self._call(transformer, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both, expert)
         uncond, text = out.chunk(2)
         return uncond + guidance_scale * (text - uncond)
 

@@ -36,7 +36,9 @@ with ``max_area=height * width, _auto_resize=False`` to keep a small source imag
 ``"qwenimage"`` / ``"qwenimage_edit"`` / ``"qwenimage_edit_plus"``: see :mod:`flowgrpo.testing.tiny_qwenimage`;
 ``"qwenimage21"``: see :mod:`flowgrpo.testing.tiny_qwenimage21`; ``"wan"`` (and its variant
 ``"two_experts"``, Wan 2.2 A14B's layout): see :mod:`flowgrpo.testing.tiny_wan`; ``"flux2"``, ``"flux2_klein"`` (and its
-variant ``"distilled"``) and ``"zimage"``: see :mod:`flowgrpo.testing.tiny_flux2`.
+variant ``"distilled"``) and ``"zimage"``: see :mod:`flowgrpo.testing.tiny_flux2`; ``"wan_i2v"`` (Wan 2.1 I2V, variants
+``"two_experts"`` and ``"ti2v"``): see :mod:`flowgrpo.testing.tiny_wan`; ``"ltx2"``: see
+:mod:`flowgrpo.testing.tiny_ltx2`; ``"hunyuanvideo15"``: see :mod:`flowgrpo.testing.tiny_hunyuanvideo15`.
 
 Any image side that is a multiple of 16 px works (32, 64, 128, ..., non-square too; SD3 up to 512 px). The SD3 pipeline
 defaults to 64 px; ``FluxPipeline`` hard-codes a 1024 px default, so pass ``height``/``width`` to it. Four 64 px
@@ -76,6 +78,8 @@ from .tiny_flux2 import (
     build_tiny_flux2_klein,
     build_tiny_zimage,
 )
+from .tiny_hunyuanvideo15 import HUNYUANVIDEO15_CONFIGS, build_tiny_hunyuanvideo15
+from .tiny_ltx2 import LTX2_CONFIGS, build_tiny_ltx2
 from .tiny_qwenimage import (
     QWEN_CONFIGS,
     build_tiny_qwenimage,
@@ -94,15 +98,16 @@ from .tiny_tokenizers import (
     qwen2_vocab_and_merges,
     t5_sentencepiece_model,
 )
-from .tiny_wan import WAN_CONFIGS, WAN_VARIANTS, build_tiny_wan
+from .tiny_wan import WAN_CONFIGS, WAN_I2V_CONFIGS, WAN_I2V_VARIANTS, WAN_VARIANTS, build_tiny_wan, build_tiny_wan_i2v
 
 __all__ = ["TINY_FAMILIES", "TINY_VARIANTS", "build_tiny_pipeline", "save_tiny_pipeline", "cached_tiny_pipeline_path"]
 
 TINY_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "flux2_klein", "zimage",
-                 "flux2", "qwenimage_edit_plus", "qwenimage21")
+                 "flux2", "qwenimage_edit_plus", "qwenimage21", "wan_i2v", "ltx2", "hunyuanvideo15")
 
 #: Variants a family can be built in besides its default layout.
-TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS, "flux2_klein": FLUX2_KLEIN_VARIANTS}
+TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS, "flux2_klein": FLUX2_KLEIN_VARIANTS,
+                                             "wan_i2v": WAN_I2V_VARIANTS}
 
 #: Settings of the later families, fingerprinted only for their own folders (the earlier folders keep their names).
 _FAMILY_CONFIGS: dict[str, list] = {
@@ -110,6 +115,9 @@ _FAMILY_CONFIGS: dict[str, list] = {
     "flux2": [FLUX2_CONFIGS, MISTRAL_CHAT_TEMPLATE, {"revision": 2}],  # 2: a plain tokenizer, no processor
     "qwenimage21": [QWEN21_CONFIGS],
     "zimage": [ZIMAGE_CONFIGS, QWEN3_CHAT_TEMPLATE],
+    "wan_i2v": [WAN_I2V_CONFIGS],
+    "ltx2": [LTX2_CONFIGS],
+    "hunyuanvideo15": [HUNYUANVIDEO15_CONFIGS, QWEN3_CHAT_TEMPLATE],
 }
 
 # Bump when the build changes in a way the configs below do not show (e.g. initialisation), to refresh caches.
@@ -294,6 +302,7 @@ _BUILDERS: dict[str, Callable[[int], DiffusionPipeline]] = {
     "flux_kontext": _build_flux_kontext, "qwenimage_edit": build_tiny_qwenimage_edit,
     "flux2_klein": build_tiny_flux2_klein, "zimage": build_tiny_zimage, "flux2": build_tiny_flux2,
     "qwenimage_edit_plus": build_tiny_qwenimage_edit_plus, "qwenimage21": build_tiny_qwenimage21,
+    "wan_i2v": build_tiny_wan_i2v, "ltx2": build_tiny_ltx2, "hunyuanvideo15": build_tiny_hunyuanvideo15,
 }
 
 

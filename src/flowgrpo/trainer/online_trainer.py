@@ -54,6 +54,7 @@ from .data.prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
 from .data.sampler import RepeatSampler
 from .evaluation.eval_change import EvaluationBaseline
 from .evaluation.evaluator import Evaluation
+from .fsdp_units import keep_present_wrap_classes
 from .health.guards import HealthGuards, needs_reference_copy, resolve_gold_rewards
 from .model_loading import _TWO_EXPERTS_FULL_FINETUNE, PipelineLoading, _import_own_components, _torch_dtype
 from .online_config import OnlineRLConfig
@@ -211,7 +212,7 @@ class OnlineRLTrainer(HealthGuards, RolloutPipeline, Evaluation, PipelineLoading
         # FLUX.2's reference images are optional: its card says image-to-image only when the data holds images.
         edits = self.adapter.accepts_images and (not self.adapter.images_optional or (
             train_dataset is not None and len(train_dataset) > 0 and IMAGE_COLUMN in train_dataset[0]))
-        self._card_pipeline_tag = "text-to-video" if self.adapter.is_video else (
+        self._card_pipeline_tag = ("image-to-video" if edits else "text-to-video") if self.adapter.is_video else (
             "image-to-image" if edits else "text-to-image")
         if len(self.adapter.transformers()) > 1:
             self._card_second_expert_lora = EXPERT_LORA_WEIGHTS_NAMES["transformer_2"]
@@ -266,6 +267,9 @@ class OnlineRLTrainer(HealthGuards, RolloutPipeline, Evaluation, PipelineLoading
         # callbacks (tensorboard, wandb) read ``model.config``.
         self.callback_handler.callbacks.insert(0, _StepHooks(self))
         self.callback_handler.model = _CallbackModelView(self.model)
+        fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if fsdp_plugin is not None:  # a config shared by several families names some blocks this model lacks
+            keep_present_wrap_classes(fsdp_plugin, self.model)
         # One bar with the key figures and a table per evaluation, instead of every logged dictionary.
         self.console = install_training_console(self)
 
@@ -515,7 +519,7 @@ class OnlineRLTrainer(HealthGuards, RolloutPipeline, Evaluation, PipelineLoading
         ema_ctx = ema_ctx if state_dict is None else nullcontext()
         with ema_ctx:
             if self.is_peft:
-                save_diffusers_lora(type(self.pipeline), output_dir, unwrapped, state_dict=state_dict)
+                save_diffusers_lora(self.adapter.lora_writer(), output_dir, unwrapped, state_dict=state_dict)
             elif state_dict is not None:
                 from safetensors.torch import save_file
 

@@ -212,7 +212,7 @@ class RolloutPipeline:
         if progress is not None and len(plan) < num_steps:
             progress.update(num_steps - len(plan))
         stacked = {k: torch.stack(v, dim=1) for k, v in traj.items()} if record else None
-        return latents, stacked
+        return self.adapter.final_latents(latents, embeds), stacked
 
     def _final_sample_rollout(self, model, embeds: PromptEmbeds, generator: torch.Generator, progress,
                               solver: str) -> tuple[torch.Tensor, dict]:

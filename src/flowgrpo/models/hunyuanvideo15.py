@@ -1,0 +1,137 @@
+"""HunyuanVideo 1.5 (``HunyuanVideo15Pipeline``), text-to-video: an MMDiT-style video transformer with two text
+encoders and the pipeline's own guider.
+
+* Text: Qwen2.5-VL's text model reads the prompt inside a chat template (system message describing a video) padded to
+  ``1000 + 108`` tokens, its third-from-last hidden state is kept after the template's first 108 tokens, with a mask;
+  ByT5 reads the prompt's quoted glyph text (zeros and a zero mask when there is none). Both come from the pipeline's
+  ``encode_prompt``; ``max_sequence_length`` is not used (the lengths are the pipeline's).
+* Latents: ``(B, C, F', H / 16, W / 16)`` (released VAE: 32 channels, 16x in space, 4x in time); the transformer reads
+  ``cat([x_t, zeros(C), zeros(1)])`` (the image-to-video condition latents and mask, empty in text-to-video) and
+  zero SigLIP image embeddings (729 tokens), as the pipeline does; ``timestep`` is the raw 0..1000 value.
+* Schedule: ``sigmas = linspace(1, 0, N + 1)[:-1]`` with the scheduler's fixed ``shift`` (7 in the released 480p
+  model), as the pipeline passes them.
+* Guidance: the pipeline combines its passes with its ``guider`` component (``ClassifierFreeGuidance``, whose own
+  ``guidance_scale`` sets the stock call's guidance). Here the trainer's ``guidance_scale`` is used in the same form,
+  ``v_u + w (v_c - v_u)``, two passes when ``w > 1``; a guider with ``guidance_rescale`` or the original formulation
+  is refused (clear error) because the trainer's SDE needs the plain combination.
+* Decode: ``x / scaling_factor``, decoded one video at a time (this diffusers version's VAE attention breaks on a
+  batch of several), frames ``(B, F, 3, H, W)``.
+* LoRA: the MMDiT names (``attn.to_q/k/v/out.0``, ``attn.add_q/k/v_proj``; not ``attn.to_add_out``, unused in the
+  last block) of the double-stream blocks and the text refiner's attention; both text encoders and the VAE are frozen. The pipeline class has no
+  ``load_lora_weights`` in diffusers 0.42.1: the export is written in the diffusers transformer format and loads with
+  ``pipeline.transformer.load_lora_adapter(folder, prefix="transformer")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from .base import ModelFamilyAdapter, PromptEmbeds
+
+#: The joint attention's projections of both streams (and the text refiner's ``attn.to_*``); not ``attn.to_add_out``:
+#: the last block's text output is discarded, so its adapter would never get a gradient.
+HUNYUANVIDEO15_LORA_TARGET_MODULES = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+)
+
+
+class HunyuanVideo15Adapter(ModelFamilyAdapter):
+    family = "hunyuanvideo15"
+    pipeline_class_names = ("HunyuanVideo15Pipeline",)
+    is_video = True
+    default_lora_target_modules = HUNYUANVIDEO15_LORA_TARGET_MODULES
+
+    def __init__(self, pipeline, num_frames: int = 1):
+        super().__init__(pipeline, num_frames)
+        guider = getattr(pipeline, "guider", None)
+        if guider is not None and (getattr(guider, "guidance_rescale", 0.0) or
+                                   getattr(guider, "use_original_formulation", False)):
+            raise ValueError("This HunyuanVideo 1.5 guider rescales the guided prediction or uses the original "
+                             "formulation; RL sampling uses plain CFG v_u + w (v_c - v_u). Give the pipeline "
+                             "ClassifierFreeGuidance(guidance_rescale=0.0, use_original_formulation=False).")
+
+    @classmethod
+    def check_num_frames(cls, num_frames: int) -> None:
+        if num_frames < 1:
+            raise ValueError(f"num_frames={num_frames}: HunyuanVideo 1.5 videos have 4k + 1 frames (e.g. 121).")
+
+    def _latent_dims(self, height: int, width: int) -> tuple[int, int, int]:
+        pipe = self.pipeline
+        temporal, spatial = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
+        if (self.num_frames - 1) % temporal:
+            lower = (self.num_frames - 1) // temporal * temporal + 1
+            raise ValueError(f"num_frames={self.num_frames}: this HunyuanVideo 1.5 VAE compresses time {temporal}x, so "
+                             f"videos have {temporal}k + 1 frames; use {lower} or {lower + temporal}.")
+        if height % spatial or width % spatial:
+            raise ValueError(f"{height} x {width}: HunyuanVideo 1.5 needs sides divisible by {spatial}.")
+        return (self.num_frames - 1) // temporal + 1, height // spatial, width // spatial
+
+    # --- conditioning -----------------------------------------------------------------------------
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
+                       images: Sequence[Any] | None = None, *, height: int | None = None,
+                       width: int | None = None) -> PromptEmbeds:
+        pipe = self.pipeline
+        embeds, mask, embeds_2, mask_2 = pipe.encode_prompt(prompt=list(prompts), device=device,
+                                                            dtype=pipe.transformer.dtype, batch_size=len(prompts))
+        return PromptEmbeds({"prompt_embeds": embeds, "prompt_embeds_mask": mask, "prompt_embeds_2": embeds_2,
+                             "prompt_embeds_mask_2": mask_2})
+
+    # --- latents ----------------------------------------------------------------------------------
+    def prepare_latents(self, batch_size, height, width, generator, device, dtype) -> torch.Tensor:
+        frames, h, w = self._latent_dims(height, width)
+        shape = (batch_size, self.pipeline.vae.config.latent_channels, frames, h, w)
+        return randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+
+    def set_timesteps(self, scheduler: Any, num_inference_steps: int, height: int, width: int,
+                      device: torch.device) -> None:
+        sigmas = np.linspace(1.0, 0.0, num_inference_steps + 1)[:-1]
+        scheduler.set_timesteps(num_inference_steps, device=device, sigmas=sigmas)
+
+    # --- the transformer call ---------------------------------------------------------------------
+    def _call(self, transformer, latents, timestep, cond: dict[str, torch.Tensor]):
+        pipe = self.pipeline
+        batch = latents.shape[0]
+        condition = latents.new_zeros(latents.shape)
+        mask = latents.new_zeros(batch, 1, *latents.shape[2:])
+        image_embeds = latents.new_zeros(batch, pipe.vision_num_semantic_tokens, pipe.vision_states_dim)
+        return transformer(hidden_states=torch.cat([latents, condition, mask], dim=1), image_embeds=image_embeds,
+                           timestep=timestep.to(latents.dtype), encoder_hidden_states=cond["prompt_embeds"],
+                           encoder_attention_mask=cond["prompt_embeds_mask"],
+                           encoder_hidden_states_2=cond["prompt_embeds_2"],
+                           encoder_attention_mask_2=cond["prompt_embeds_mask_2"], return_dict=False)[0]
+
+    def predict_velocity(self, transformer: Callable[..., Any], latents, timestep, embeds, guidance_scale,
+                         negative_embeds, height, width) -> torch.Tensor:
+        cond = embeds.tensors
+        if not self.uses_cfg(guidance_scale):
+            return self._call(transformer, latents, timestep, cond)
+        if negative_embeds is None:
+            raise ValueError("guidance_scale > 1 needs negative prompt embeddings for HunyuanVideo 1.5")
+        both = {k: torch.cat([negative_embeds.tensors[k], v]) for k, v in cond.items()}
+        out = self._call(transformer, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both)
+        uncond, text = out.chunk(2)
+        return uncond + guidance_scale * (text - uncond)
+
+    def lora_writer(self) -> Any:
+        """``HunyuanVideo15Pipeline`` has no LoRA loader in this diffusers version; HunyuanVideo's mixin writes the
+        same transformer-only format (``transformer.<module>.lora_A/B.weight``), which
+        ``pipeline.transformer.load_lora_adapter(folder, prefix="transformer")`` loads."""
+        from diffusers.loaders.lora_pipeline import HunyuanVideoLoraLoaderMixin
+
+        return HunyuanVideoLoraLoaderMixin
+
+    def sequence_lengths(self, embeds: PromptEmbeds, latents: torch.Tensor) -> tuple[int, int]:
+        raise NotImplementedError("HunyuanVideo 1.5's FLOP model is not written yet.")
+
+    # --- pixels -----------------------------------------------------------------------------------
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        vae = self.pipeline.vae
+        latents = latents.to(vae.dtype) / vae.config.scaling_factor
+        # One video at a time: the VAE's causal attention mask does not broadcast over a batch in this version.
+        video = torch.cat([vae.decode(latents[i:i + 1], return_dict=False)[0] for i in range(latents.shape[0])])
+        return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
