@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowgrpo.trainer.algorithms.awm_config import AWMConfig
-from flowgrpo.trainer.algorithms.awm_loss import awm_loss, ema_adapter_decay, sample_train_timesteps
+from flowgrpo.trainer.algorithms.awm_loss import awm_loss, elbo_std, ema_adapter_decay, sample_train_timesteps
 
 T, B = 2, 2  # two noise levels, two samples: rows are level-major (k * B + b)
 
@@ -83,6 +83,22 @@ def test_loss_matches_the_formulas_on_and_off_policy(weighting, loss_type, kl_we
     out = awm_loss(d["v"], d["noise"], d["x0"], d["t"], d["adv"], old, **common)
     expected, _ = by_hand(d, old.numpy(), weighting, loss_type, 0.2, 0.01, 0.5, kl_weight)
     assert float(out.loss) == pytest.approx(expected, rel=1e-12)
+
+
+def test_gardo_gate_keeps_the_kl_of_the_gated_samples_only():
+    """regularizer: gardo: the KL term is the mean over the gated samples' rows (level-major T * B), 0 with none."""
+    d = batch()
+    common = dict(train_timesteps=T, weighting="Uniform", loss_type="exp_first", clip_range=0.2, adv_clip_max=5.0,
+                  advantage_max=1.0, v_ref=d["v_ref"], beta=0.01, kl_weight="ELBO")
+    per_row = ((d["v"] - d["v_ref"]) ** 2).mean(dim=(1, 2, 3)) / (2 * elbo_std(d["t"]) ** 2)
+    for gate, expected in ((torch.tensor([True, False]), per_row.view(T, B)[:, 0].mean()),
+                           (torch.tensor([False, True]), per_row.view(T, B)[:, 1].mean()),
+                           (torch.tensor([False, False]), torch.tensor(0.0, dtype=torch.float64)),
+                           (None, per_row.mean())):
+        out = awm_loss(d["v"], d["noise"], d["x0"], d["t"], d["adv"], None, kl_gate=gate, **common)
+        assert float(out.kl) == pytest.approx(float(expected), rel=1e-12, abs=1e-15)
+        ungated = awm_loss(d["v"], d["noise"], d["x0"], d["t"], d["adv"], None, **common)
+        assert float(out.loss - out.kl * 0.01) == pytest.approx(float(ungated.loss - ungated.kl * 0.01), rel=1e-12)
 
 
 def test_gradient_on_policy_is_the_advantage_weighted_flow_matching_gradient():

@@ -80,3 +80,6 @@ def test_offline_mode_needs_chosen_and_rejected_columns(tmp_path):
                            per_device_train_batch_size=2, gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match="dpo_mode='both'"):
         DiffusionDPOConfig(output_dir=str(tmp_path), report_to=[], dpo_mode="both")
+    with pytest.raises(ValueError, match="Diffusion-DPO's loss has none"):  # no KL penalty for GARDO to gate
+        DiffusionDPOConfig(output_dir=str(tmp_path), report_to=[], regularizer="gardo", beta=0.01,
+                           gardo_auxiliary_rewards=["aux"])

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..health.gardo import gated_mean
 from .flow_matching import flow_matching_error
 
 #: AWM's std of the ``ELBO`` KL weight: 0.7 sqrt(t / (1 - min(t, 0.99))) (Flow-GRPO's SDE std at noise level 0.7)
@@ -149,16 +150,20 @@ def elbo_std(t: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(t / (1 - torch.clamp(t, 0, 0.99))) * ELBO_NOISE_LEVEL
 
 
-def velocity_kl(v: torch.Tensor, v_other: torch.Tensor, t: torch.Tensor, weight: str) -> torch.Tensor:
+def velocity_kl(v: torch.Tensor, v_other: torch.Tensor, t: torch.Tensor, weight: str,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
     """mean over rows of mean((v - sg(v_other))^2) (``Uniform``), each row divided by 2 elbo_std(t)^2 (``ELBO``);
-    computed in float64."""
+    computed in float64. ``gate`` (GARDO, ``(B,)`` booleans for level-major rows ``T * B``): the mean over the gated
+    samples' rows only (0 when none is gated)."""
     diff = (v.to(torch.float64) - v_other.detach().to(torch.float64)) ** 2
     per_row = diff.mean(dim=tuple(range(1, diff.ndim)))
     if weight == "ELBO":
         per_row = per_row / (2 * elbo_std(t.reshape(-1).to(per_row)) ** 2)
     elif weight != "Uniform":
         raise ValueError(f"kl weight {weight!r} is not valid; choose 'Uniform' or 'ELBO'.")
-    return per_row.mean()
+    if gate is not None:
+        gate = gate.reshape(-1).to(device=per_row.device, dtype=torch.bool).repeat(per_row.numel() // gate.numel())
+    return gated_mean(per_row, gate)
 
 
 def ema_adapter_decay(step: int, kl_ema_decay: float, decay_type: str) -> float:
@@ -186,16 +191,17 @@ def awm_loss(v: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor, t: torch.Te
              ghuber_power: float = 0.25, loss_type: str = "exp_first", clip_range: float = 1.0,
              adv_clip_max: float = 5.0, advantage_max: float | None = 1.0, v_ref: torch.Tensor | None = None,
              beta: float = 0.0, kl_weight: str = "Uniform", v_ema: torch.Tensor | None = None, ema_beta: float = 0.0,
-             kl_ema_weight: str = "Uniform") -> AWMLoss:
+             kl_ema_weight: str = "Uniform", kl_gate: torch.Tensor | None = None) -> AWMLoss:
     """AWM's loss for one micro-batch: rows of ``v``, ``noise``, ``x0`` and ``t`` are level-major (``T * B``);
-    ``advantages`` ``(B,)``; ``old_log_prob`` ``(T, B)`` or ``None`` (on-policy: the current values, detached)."""
+    ``advantages`` ``(B,)``; ``old_log_prob`` ``(T, B)`` or ``None`` (on-policy: the current values, detached);
+    ``kl_gate`` ``(B,)`` or ``None``: GARDO's gate on the KL to the reference (``regularizer: gardo``)."""
     log_prob = awm_log_prob(v, noise, x0, t, weighting, ghuber_power).reshape(train_timesteps, -1)
     old = log_prob.detach() if old_log_prob is None else old_log_prob.reshape(log_prob.shape).to(log_prob)
     adv = scale_advantages(advantages, adv_clip_max, advantage_max)
     policy_loss, ratio = awm_policy_loss(log_prob, old, adv, clip_range, loss_type)
     loss, kl, ema_kl = policy_loss, None, None
     if beta > 0 and v_ref is not None:
-        kl = velocity_kl(v, v_ref, t, kl_weight)
+        kl = velocity_kl(v, v_ref, t, kl_weight, kl_gate)
         loss = loss + beta * kl
         if ema_beta > 0 and v_ema is not None:
             ema_kl = velocity_kl(v, v_ema, t, kl_ema_weight)

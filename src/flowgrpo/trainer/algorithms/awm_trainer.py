@@ -128,7 +128,8 @@ class AWMTrainer(OnlineRLTrainer):
                        train_timesteps=args.train_timesteps, weighting=args.weighting, ghuber_power=args.ghuber_power,
                        loss_type=args.loss_type, clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
                        advantage_max=args.advantage_max, v_ref=v_ref, beta=args.beta, kl_weight=args.kl_weight,
-                       v_ema=v_ema, ema_beta=args.ema_beta, kl_ema_weight=args.kl_ema_weight)
+                       v_ema=v_ema, ema_beta=args.ema_beta, kl_ema_weight=args.kl_ema_weight,
+                       kl_gate=batch.get("kl_gate"))  # GARDO: the gated samples only
         tac = self._clock()
         self.accelerator.backward(out.loss * scale, **self._backward_kwargs())
         toc = self._clock()

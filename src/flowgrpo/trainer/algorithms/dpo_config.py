@@ -64,6 +64,10 @@ class DiffusionDPOConfig(OnlineRLConfig):
             raise ValueError(f"beta_dpo={self.beta_dpo} must be > 0 (Diffusion-DPO: 5000 for SD1.5, 2500 for SDXL).")
         if not self.time_shift > 0:
             raise ValueError(f"time_shift={self.time_shift} must be > 0 (1.0: uniform noise levels).")
+        if self.regularizer == "gardo":
+            raise ValueError("regularizer='gardo' gates a KL penalty to the reference, and Diffusion-DPO's loss has "
+                             "none (its reference enters the preference margin); leave regularizer unset, or use "
+                             "GARDO with flow_grpo, diffusion_nft or awm.")
 
     def _derive_generation_batch(self) -> None:
         if self.dpo_mode == "offline":
