@@ -100,6 +100,12 @@ class _CallbackModelView:
         return getattr(self._model, name)
 
 
+def _finite_mean(values: list[float]) -> float:
+    """The mean of the values that are not NaN (NaN when none is: e.g. a metric every sample of a step lacked)."""
+    kept = [v for v in values if not math.isnan(v)]
+    return float(np.mean(kept)) if kept else math.nan
+
+
 class _StepHooks(TrainerCallback):
     """Keeps the trainer's micro-step counter, EMA and per-step hook in step with Trainer's loop (also after
     resuming)."""
@@ -451,7 +457,7 @@ class OnlineRLTrainer(HealthGuards, RolloutPipeline, Evaluation, PipelineLoading
     # ------------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
-        metrics = {k: float(np.nanmean(v)) if len(v) else math.nan for k, v in self._metrics[mode].items()}
+        metrics = {k: _finite_mean(v) for k, v in self._metrics[mode].items()}
         if mode == "eval":
             metrics = {f"eval_{k}": v for k, v in metrics.items()}
         logs = {**logs, **metrics}
