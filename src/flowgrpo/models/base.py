@@ -206,6 +206,11 @@ class ModelFamilyAdapter(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not report its sequence lengths.")
 
+    def audio_sequence_length(self, latents: torch.Tensor) -> int:
+        """The audio tokens of one transformer call of one sample (FLOP counts); 0 for families without an audio
+        stream (LTX-2 has one)."""
+        return 0
+
     def lora_writer(self) -> Any:
         """The class whose ``save_lora_weights`` writes this family's diffusers-format LoRA: the pipeline's own."""
         return type(self.pipeline)

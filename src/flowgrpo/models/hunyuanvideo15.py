@@ -126,7 +126,15 @@ class HunyuanVideo15Adapter(ModelFamilyAdapter):
         return HunyuanVideoLoraLoaderMixin
 
     def sequence_lengths(self, embeds: PromptEmbeds, latents: torch.Tensor) -> tuple[int, int]:
-        raise NotImplementedError("HunyuanVideo 1.5's FLOP model is not written yet.")
+        """``(video tokens, context tokens)``: the latent patches, and the joint attention's whole context, the
+        pipeline's SigLIP image tokens (zeros in text-to-video, still attended over), the ByT5 tokens and the
+        Qwen2.5-VL tokens."""
+        config = self.pipeline.transformer.config
+        tokens = (latents.shape[2] // config.patch_size_t) * (latents.shape[3] // config.patch_size) \
+            * (latents.shape[4] // config.patch_size)
+        context = self.pipeline.vision_num_semantic_tokens + embeds.tensors["prompt_embeds_2"].shape[1] \
+            + embeds.tensors["prompt_embeds"].shape[1]
+        return int(tokens), int(context)
 
     # --- pixels -----------------------------------------------------------------------------------
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -89,11 +89,16 @@ class LTX2Adapter(ModelFamilyAdapter):
                              f"{temporal}k + 1 frames; use {lower} or {lower + temporal}.")
         frames = (self.num_frames - 1) // temporal + 1
         spatial = pipe.vae_spatial_compression_ratio
+        return (frames, height // spatial, width // spatial, pipe.transformer.config.in_channels,
+                *self._audio_dims())
+
+    def _audio_dims(self) -> tuple[int, int, int]:
+        """(audio latent frames, audio latent channels, mel bins) of a clip of ``num_frames / frame_rate`` seconds."""
+        pipe = self.pipeline
         per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
         audio_frames = round(self.num_frames / self.frame_rate * per_second)
         mel = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
-        return (frames, height // spatial, width // spatial, pipe.transformer.config.in_channels, audio_frames,
-                pipe.audio_vae.config.latent_channels, mel)
+        return audio_frames, pipe.audio_vae.config.latent_channels, mel
 
     def _split(self, latents: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The flat state as packed video ``(B, F' h w, C)`` and audio ``(B, L, C_a M)`` tokens."""
@@ -168,7 +173,17 @@ class LTX2Adapter(ModelFamilyAdapter):
         return torch.cat([v_video.reshape(latents.shape[0], -1), v_audio.reshape(latents.shape[0], -1)], dim=1)
 
     def sequence_lengths(self, embeds: PromptEmbeds, latents: torch.Tensor) -> tuple[int, int]:
-        raise NotImplementedError("LTX-2's FLOP model (two streams) is not written yet.")
+        """``(video tokens, context tokens)``: the flat state minus its audio part, over the video channels; the
+        connectors' context length (both streams' contexts have it). The audio tokens:
+        :meth:`audio_sequence_length`."""
+        audio_frames, audio_channels, mel = self._audio_dims()
+        video_size = int(latents.shape[1]) - audio_frames * audio_channels * mel
+        return video_size // int(self.pipeline.transformer.config.in_channels), \
+            int(embeds.tensors["video_context"].shape[1])
+
+    def audio_sequence_length(self, latents: torch.Tensor) -> int:
+        """The audio latent frames of one call (the audio stream's tokens, patch size 1)."""
+        return self._audio_dims()[0]
 
     # --- pixels and sound -------------------------------------------------------------------------
     def unpack_video_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

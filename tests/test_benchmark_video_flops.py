@@ -1,0 +1,136 @@
+"""Analytic FLOPs of LTX-2 and HunyuanVideo 1.5 against torch's counter: the tiny pipelines through their adapters
+(forward and backward, LoRA on the family's default targets and full fine-tuning) and the full-size transformers on
+the meta device (forward, one short clip)."""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flowgrpo.benchmarking import transformer_forward_flops
+from flowgrpo.benchmarking.flops import count_flops
+
+
+def _check_adapter_flops(family, pipe, adapter, embeds, latents, full, audio_tokens=0):
+    """Forward and backward of ``predict_velocity`` (batch 2, no CFG) against the analytic count."""
+    from peft import LoraConfig, get_peft_model
+
+    n_img, n_txt = adapter.sequence_lengths(embeds, latents)
+    config = dict(pipe.transformer.config)
+    targets = list(adapter.default_lora_target_modules)
+    if full:
+        model = pipe.transformer.requires_grad_(True)
+        expected = transformer_forward_flops(family, config, n_img, n_txt, audio_tokens=audio_tokens)
+    else:
+        model = get_peft_model(pipe.transformer, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        expected = transformer_forward_flops(family, config, n_img, n_txt, lora_rank=4, lora_targets=targets,
+                                             audio_tokens=audio_tokens)
+        assert expected.lora > 0
+    out = {}
+    with sdpa_kernel(SDPBackend.MATH):
+        forward = count_flops(lambda: out.setdefault("v", adapter.predict_velocity(
+            model, latents, torch.full((2,), 500.0), embeds, 1.0, None, 32, 32)))
+        backward = count_flops(lambda: out["v"].float().square().mean().backward())
+    assert forward == 2 * expected.total
+    assert backward == 2 * expected.backward(full_finetune=full)
+    return n_img, n_txt
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+def test_analytic_flops_match_torch_counter_on_tiny_ltx2(full, tiny_pipeline_path):
+    """LTX-2: both streams, the text, audio-to-video and video-to-audio attention; LoRA on the video stream only (the
+    audio stream's first-block layers get no gradient until the video-to-audio attention)."""
+    from diffusers import DiffusionPipeline
+
+    from flowgrpo.models import get_family_adapter
+
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_pipeline_path("ltx2")))
+    adapter = get_family_adapter(pipe, num_frames=9)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(["a cat", "a dog"], 32, cpu)
+    latents = adapter.prepare_latents(2, 32, 32, torch.Generator().manual_seed(0), cpu, torch.float32)
+    audio_tokens = adapter.audio_sequence_length(latents)
+    n_img, n_txt = _check_adapter_flops("ltx2", pipe, adapter, embeds, latents, full, audio_tokens)
+    frames, h, w, _, audio_frames, _, _ = adapter._latent_dims(32, 32)
+    assert (n_img, n_txt, audio_tokens) == (frames * h * w, 32, audio_frames) and audio_tokens > 0
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+def test_analytic_flops_match_torch_counter_on_tiny_hunyuanvideo15(full, tiny_pipeline_path):
+    """HunyuanVideo 1.5: the token refiner, the ByT5 and image projections, the joint blocks over the 729 + 256 + 1000
+    context tokens (the last block's text outputs computed and discarded)."""
+    from diffusers import DiffusionPipeline
+
+    from flowgrpo.models import get_family_adapter
+
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_pipeline_path("hunyuanvideo15")))
+    adapter = get_family_adapter(pipe, num_frames=5)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(["a cat", 'a sign saying "hi"'], 32, cpu)
+    latents = adapter.prepare_latents(2, 32, 32, torch.Generator().manual_seed(0), cpu, torch.float32)
+    n_img, n_txt = _check_adapter_flops("hunyuanvideo15", pipe, adapter, embeds, latents, full)
+    assert (n_img, n_txt) == (3 * 8 * 8, 729 + 256 + 1000)
+
+
+def test_analytic_flops_match_torch_counter_on_full_size_ltx2():
+    """LTX-2 (19B) at full size on the meta device: 9 frames of 256 x 256 (2 x 8 x 8 video tokens), their 9 audio
+    latent frames, 64 context tokens."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from flowgrpo.benchmarking.full_size_video import LTX2_TRANSFORMER
+
+    with torch.device("meta"):
+        model = LTX2VideoTransformer3DModel(**LTX2_TRANSFORMER)
+    n_img, n_audio, n_txt = 2 * 8 * 8, 9, 64
+    meta = dict(device="meta")
+    kwargs = dict(hidden_states=torch.empty(1, n_img, 128, **meta), audio_hidden_states=torch.empty(1, n_audio, 128, **meta),
+                  encoder_hidden_states=torch.empty(1, n_txt, 3840, **meta),
+                  audio_encoder_hidden_states=torch.empty(1, n_txt, 3840, **meta),
+                  timestep=torch.empty(1, **meta), sigma=torch.empty(1, **meta),
+                  encoder_attention_mask=torch.ones(1, n_txt, **meta),
+                  audio_encoder_attention_mask=torch.ones(1, n_txt, **meta),
+                  num_frames=2, height=8, width=8, fps=24.0, audio_num_frames=n_audio, use_cross_timestep=True,
+                  return_dict=False)
+    expected = transformer_forward_flops("ltx2", dict(model.config), n_img, n_txt, audio_tokens=n_audio)
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        assert count_flops(model, **kwargs) == expected.total
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    assert 18.5 < params < 19.5, params
+
+
+def test_analytic_flops_match_torch_counter_on_full_size_hunyuanvideo15():
+    """HunyuanVideo 1.5 (8.3B, 480p text-to-video) at full size on the meta device: 5 frames of 256 x 256 (2 x 16 x 16
+    video tokens) and the pipeline's 729 + 256 + 1000 context tokens.
+
+    The model's forward checks whether the image embeddings are all zero and reorders the context by its masks (Python
+    branches on tensor values, which the meta device cannot take); that step has no matmul, so its submodules run here
+    in the forward's order on a context of the reordered length, with the real blocks, refiner and embedders.
+    """
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    from flowgrpo.benchmarking.full_size_video import HUNYUANVIDEO15_480P_T2V_TRANSFORMER
+
+    with torch.device("meta"):
+        model = HunyuanVideo15Transformer3DModel(**HUNYUANVIDEO15_480P_T2V_TRANSFORMER)
+    n_img, n_ctx = 2 * 16 * 16, 729 + 256 + 1000
+
+    def forward():
+        with torch.device("meta"):
+            latents, timestep = torch.empty(1, 65, 2, 16, 16), torch.empty(1)
+            text, text_mask = torch.empty(1, 1000, 3584), torch.ones(1, 1000)
+            rotary = model.rope(latents)
+            temb = model.time_embed(timestep)
+            hidden = model.x_embedder(latents)
+            parts = [model.image_embedder(torch.empty(1, 729, 1152)), model.context_embedder_2(torch.empty(1, 256, 1472)),
+                     model.context_embedder(text, timestep, text_mask)]
+            context, mask = torch.cat(parts, dim=1), torch.ones(1, n_ctx)
+            for block in model.transformer_blocks:
+                hidden, context = block(hidden, context, temb, mask, rotary)
+            return model.proj_out(model.norm_out(hidden, temb))
+
+    expected = transformer_forward_flops("hunyuanvideo15", dict(model.config), n_img, n_ctx)
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        assert count_flops(forward) == expected.total
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    assert 8.0 < params < 8.6, params
