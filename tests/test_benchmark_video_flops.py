@@ -134,3 +134,31 @@ def test_analytic_flops_match_torch_counter_on_full_size_hunyuanvideo15():
         assert count_flops(forward) == expected.total
     params = sum(p.numel() for p in model.parameters()) / 1e9
     assert 8.0 < params < 8.6, params
+
+
+@pytest.mark.parametrize("name", ["ltx2-random", "hunyuanvideo15-random"])
+def test_full_size_video_presets_build_on_the_meta_device(name, monkeypatch):
+    """The presets' build code on the meta device: valid pipelines of the released sizes, adapters that accept the
+    preset's clip, and a clear error without CUDA."""
+    from flowgrpo.benchmarking import get_preset
+    from flowgrpo.benchmarking.presets import _build_full_size, build_preset_pipeline
+    from flowgrpo.models import get_family_adapter
+
+    preset = get_preset(name)
+    pipe = _build_full_size(preset, seed=0, device="meta")
+    sizes = {k: sum(p.numel() for p in getattr(pipe, k).parameters()) / 1e9
+             for k in ("transformer", "text_encoder", "vae")}
+    kwargs = preset.config_kwargs()
+    adapter = get_family_adapter(pipe, num_frames=kwargs["num_frames"])
+    assert adapter.family == preset.family and preset.lora_targets == adapter.default_lora_target_modules
+    if name == "ltx2-random":  # 19 B transformer, Gemma 3 12B (with SigLIP), the video VAE; 8k + 1 frames, 32x sizes
+        assert 18.5 < sizes["transformer"] < 19.5 and 11.5 < sizes["text_encoder"] < 12.5, sizes
+        assert pipe.vae_spatial_compression_ratio == 32 and pipe.vae_temporal_compression_ratio == 8
+        frames, h, w, *_ = adapter._latent_dims(preset.resolution, kwargs["width"])
+        assert (frames, h, w, adapter.audio_sequence_length(None)) == (5, 16, 24, 34)
+    else:  # 8.3 B transformer, Qwen2.5-VL-7B's text model, the 16x VAE; 4k + 1 frames
+        assert 8.0 < sizes["transformer"] < 8.6 and 7.0 < sizes["text_encoder"] < 7.8, sizes
+        assert adapter._latent_dims(preset.resolution, kwargs["width"]) == (9, 30, 52)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"CUDA GPU.*small-cpu"):
+        build_preset_pipeline(preset)
