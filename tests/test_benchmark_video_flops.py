@@ -162,3 +162,28 @@ def test_full_size_video_presets_build_on_the_meta_device(name, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"CUDA GPU.*small-cpu"):
         build_preset_pipeline(preset)
+
+
+@pytest.mark.parametrize("family, bad, message", [
+    ("ltx2", dict(num_frames=4), r"num_frames=4: this LTX-2 VAE compresses time 2x.*use 3 or 5"),
+    ("ltx2", dict(resolution=48), r"divisible by 32, got 48 x 48; use e.g. 32 x 32"),
+    ("hunyuanvideo15", dict(num_frames=4), r"num_frames=4: this HunyuanVideo 1.5 VAE compresses time 2x.*use 3 or 5"),
+    # (the config already wants multiples of 16, the released VAE's factor: a 32x VAE config shows the check)
+    ("hunyuanvideo15", dict(resolution=48), r"48 x 48: HunyuanVideo 1.5 needs sides divisible by 32; use e.g. 32 x 32"),
+])
+def test_video_frames_and_sizes_are_checked_before_loading(family, bad, message, tiny_pipeline_path, tmp_path):
+    """The frame count and the size against the folder's VAE config (the tiny VAEs compress time 2x; LTX-2's pipeline
+    wants sides divisible by 32, HunyuanVideo 1.5's its VAE's spatial factor), from the folder's configs alone."""
+    from flowgrpo.trainer.model_loading import PipelineLoading
+    from flowgrpo.trainer.online_config import OnlineRLConfig
+
+    path = str(tiny_pipeline_path(family))
+    index = PipelineLoading._pipeline_index(path, {})
+    assert index["_vae_config"]["_class_name"].startswith("AutoencoderKL")
+    if family == "hunyuanvideo15" and "resolution" in bad:
+        index["_vae_config"]["spatial_compression_ratio"] = 32
+    good = dict(num_frames=5, resolution=32)
+    PipelineLoading._check_family_settings(index, OnlineRLConfig(output_dir=str(tmp_path), **good), None, (None,))
+    args = OnlineRLConfig(output_dir=str(tmp_path), **{**good, **bad})
+    with pytest.raises(ValueError, match=message):
+        PipelineLoading._check_family_settings(index, args, None, (None,))

@@ -135,6 +135,11 @@ class ModelFamilyAdapter(ABC):
             raise ValueError(f"num_frames={num_frames}, but {cls.family} ({', '.join(cls.pipeline_class_names)}) "
                              "generates images; set num_frames=1 (the default).")
 
+    @classmethod
+    def check_video_settings(cls, num_frames: int, height: int, width: int, vae_config: dict | None = None) -> None:
+        """Raise a clear error, before any weight is loaded, when the frame count or the size does not suit the
+        family's VAE (``vae_config``: its ``config.json``, when readable); nothing to check for most families."""
+
     # --- conditioning -----------------------------------------------------------------------------
     @abstractmethod
     def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
