@@ -187,3 +187,22 @@ def test_video_frames_and_sizes_are_checked_before_loading(family, bad, message,
     args = OnlineRLConfig(output_dir=str(tmp_path), **{**good, **bad})
     with pytest.raises(ValueError, match=message):
         PipelineLoading._check_family_settings(index, args, None, (None,))
+
+
+@pytest.mark.parametrize("recipe, family", [("ltx2_t2v.yaml", "ltx2"), ("hunyuanvideo15_t2v.yaml", "hunyuanvideo15")])
+def test_video_recipes_suit_the_released_vaes(recipe, family):
+    """The shipped recipes' frames and sizes pass the checks against the released VAEs' configs (LTX-2: 8x in time;
+    HunyuanVideo 1.5: 4x in time, 16x in space), and a frame count off the grid is refused."""
+    from pathlib import Path
+
+    import yaml
+
+    from flowgrpo.benchmarking.full_size_video import LTX2_VAE
+    from flowgrpo.models import family_adapter_class
+
+    settings = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / recipe).read_text())
+    vae = dict(LTX2_VAE) if family == "ltx2" else {"temporal_compression_ratio": 4, "spatial_compression_ratio": 16}
+    adapter_cls = family_adapter_class("LTX2Pipeline" if family == "ltx2" else "HunyuanVideo15Pipeline")
+    adapter_cls.check_video_settings(settings["num_frames"], settings["height"], settings["width"], vae)
+    with pytest.raises(ValueError, match="k \\+ 1 frames"):
+        adapter_cls.check_video_settings(settings["num_frames"] + 2, settings["height"], settings["width"], vae)

@@ -1,5 +1,5 @@
-"""Analytic matmul FLOPs of the SD3, FLUX.1, FLUX.2, Z-Image, Qwen-Image and Wan transformers, from their configs and
-the token counts.
+"""Analytic matmul FLOPs of the SD3, FLUX.1, FLUX.2, Z-Image, Qwen-Image, Wan, LTX-2 and HunyuanVideo 1.5 transformers,
+from their configs and the token counts.
 
 A forward pass is enumerated layer by layer as the matmuls diffusers runs (``SD3Transformer2DModel``,
 ``FluxTransformer2DModel``, ``Flux2Transformer2DModel``, ``ZImageTransformer2DModel``, ``QwenImageTransformer2DModel``,
@@ -8,7 +8,9 @@ and the attention core as ``4 * tokens_q * tokens_kv * inner_dim`` (Q K^T and A 
 (norms, activations, RoPE, softmax) is not counted, as is customary for model FLOPs. Per-sample layers (timestep /
 pooled-text embeddings, adaLN modulation) have one row per sample; per-token layers one row per token. The editing
 families (FLUX.1 Kontext, Qwen-Image-Edit) count their source-image tokens as image tokens (they run through every
-image-stream layer); Wan's image tokens are all latent frames' patches ``F' * H/16 * W/16``.
+image-stream layer); Wan's image tokens are all latent frames' patches ``F' * H/16 * W/16``. LTX-2 has a second,
+audio stream: its token count is passed as ``audio_tokens``. HunyuanVideo 1.5's text tokens are its whole joint
+context (SigLIP image tokens, ByT5 tokens, Qwen2.5-VL tokens).
 
 LoRA adds ``2 * rows * r * (in + out)`` to each adapted linear; which linears are adapted follows peft's rule for a
 list of target names (the module's name equals the target or ends with ``"." + target``) or a regex string (full
@@ -21,7 +23,10 @@ With a frozen base (LoRA): the embedders, the per-sample adaLN modulation linear
 no trained weight), the first block's q/k/v projections (they read embedder outputs) and Wan's cross-attention keys
 and values (they read the text embedding, which no block changes). With full fine-tuning: only
 the layers that read raw model inputs (patch / latent embedding, context embedder, the embedders' first linears).
-Gradient checkpointing recomputes one more forward.
+Families whose module names the shared rules do not fit (LTX-2, HunyuanVideo 1.5) have their own (``_GRADIENT_RULES``):
+with LoRA on LTX-2's video stream, the audio stream's first-block layers get no gradient until the video-to-audio
+attention; HunyuanVideo 1.5's first double block's text projections read the refined tokens, which the refiner's LoRA
+changes. Gradient checkpointing recomputes one more forward.
 
 ``tests/test_benchmark.py`` checks these counts against ``torch.utils.flop_counter.FlopCounterMode`` on the tiny
 models and on the full-size architectures (built on the meta device, where nothing is computed).
@@ -46,6 +51,8 @@ __all__ = [
     "qwenimage21_forward_matmuls",
     "qwenimage_forward_matmuls",
     "wan_forward_matmuls",
+    "ltx2_forward_matmuls",
+    "hunyuanvideo15_forward_matmuls",
     "step_flops",
     "count_flops",
 ]

@@ -139,6 +139,7 @@ class ModelFamilyAdapter(ABC):
     def check_video_settings(cls, num_frames: int, height: int, width: int, vae_config: dict | None = None) -> None:
         """Raise a clear error, before any weight is loaded, when the frame count or the size does not suit the
         family's VAE (``vae_config``: its ``config.json``, when readable); nothing to check for most families."""
+        return None
 
     # --- conditioning -----------------------------------------------------------------------------
     @abstractmethod
