@@ -206,3 +206,25 @@ def test_video_recipes_suit_the_released_vaes(recipe, family):
     adapter_cls.check_video_settings(settings["num_frames"], settings["height"], settings["width"], vae)
     with pytest.raises(ValueError, match="k \\+ 1 frames"):
         adapter_cls.check_video_settings(settings["num_frames"] + 2, settings["height"], settings["width"], vae)
+
+
+def test_harness_counts_ltx2_audio_tokens(tmp_path):
+    """One measured step of a tiny LTX-2 preset through the harness: the FLOP record carries the audio tokens and its
+    per-sample forward is the analytic count of both streams."""
+    import dataclasses
+
+    from flowgrpo.benchmarking import get_preset
+    from flowgrpo.benchmarking.harness import run_benchmark
+    from flowgrpo.models.ltx2 import LTX2_LORA_TARGET_MODULES
+    from flowgrpo.testing import build_tiny_pipeline
+
+    preset = dataclasses.replace(get_preset("tiny"), name="tiny-ltx2", family="ltx2", resolution=32,
+                                 reward="jpeg_compressibility", lora_targets=LTX2_LORA_TARGET_MODULES,
+                                 guidance_scale=2.0, max_sequence_length=32, extra_args={"num_frames": 5})
+    result = run_benchmark(preset, steps=1, warmup_steps=0, output_dir=str(tmp_path), log=None)
+    flops = result["flops"]
+    assert (flops["image_tokens"], flops["text_tokens"], flops["audio_tokens"]) == (3 * 16 * 16, 32, 5)
+    config = dict(build_tiny_pipeline("ltx2").transformer.config)
+    expected = transformer_forward_flops("ltx2", config, 768, 32, preset.lora_rank, list(LTX2_LORA_TARGET_MODULES),
+                                         audio_tokens=5)
+    assert flops["forward_per_sample"] == expected.total and flops["batch_per_call"] == 4
