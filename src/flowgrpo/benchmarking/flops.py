@@ -1,5 +1,5 @@
-"""Analytic matmul FLOPs of the SD3, FLUX.1, FLUX.2, Z-Image, Qwen-Image and Wan transformers, from their configs and
-the token counts.
+"""Analytic matmul FLOPs of the SD3, FLUX.1, FLUX.2, Z-Image, Qwen-Image, Wan, LTX-2 and HunyuanVideo 1.5 transformers,
+from their configs and the token counts.
 
 A forward pass is enumerated layer by layer as the matmuls diffusers runs (``SD3Transformer2DModel``,
 ``FluxTransformer2DModel``, ``Flux2Transformer2DModel``, ``ZImageTransformer2DModel``, ``QwenImageTransformer2DModel``,
@@ -8,7 +8,9 @@ and the attention core as ``4 * tokens_q * tokens_kv * inner_dim`` (Q K^T and A 
 (norms, activations, RoPE, softmax) is not counted, as is customary for model FLOPs. Per-sample layers (timestep /
 pooled-text embeddings, adaLN modulation) have one row per sample; per-token layers one row per token. The editing
 families (FLUX.1 Kontext, Qwen-Image-Edit) count their source-image tokens as image tokens (they run through every
-image-stream layer); Wan's image tokens are all latent frames' patches ``F' * H/16 * W/16``.
+image-stream layer); Wan's image tokens are all latent frames' patches ``F' * H/16 * W/16``. LTX-2 has a second,
+audio stream: its token count is passed as ``audio_tokens``. HunyuanVideo 1.5's text tokens are its whole joint
+context (SigLIP image tokens, ByT5 tokens, Qwen2.5-VL tokens).
 
 LoRA adds ``2 * rows * r * (in + out)`` to each adapted linear; which linears are adapted follows peft's rule for a
 list of target names (the module's name equals the target or ends with ``"." + target``) or a regex string (full
@@ -21,7 +23,10 @@ With a frozen base (LoRA): the embedders, the per-sample adaLN modulation linear
 no trained weight), the first block's q/k/v projections (they read embedder outputs) and Wan's cross-attention keys
 and values (they read the text embedding, which no block changes). With full fine-tuning: only
 the layers that read raw model inputs (patch / latent embedding, context embedder, the embedders' first linears).
-Gradient checkpointing recomputes one more forward.
+Families whose module names the shared rules do not fit (LTX-2, HunyuanVideo 1.5) have their own (``_GRADIENT_RULES``):
+with LoRA on LTX-2's video stream, the audio stream's first-block layers get no gradient until the video-to-audio
+attention; HunyuanVideo 1.5's first double block's text projections read the refined tokens, which the refiner's LoRA
+changes. Gradient checkpointing recomputes one more forward.
 
 ``tests/test_benchmark.py`` checks these counts against ``torch.utils.flop_counter.FlopCounterMode`` on the tiny
 models and on the full-size architectures (built on the meta device, where nothing is computed).
@@ -46,6 +51,8 @@ __all__ = [
     "qwenimage21_forward_matmuls",
     "qwenimage_forward_matmuls",
     "wan_forward_matmuls",
+    "ltx2_forward_matmuls",
+    "hunyuanvideo15_forward_matmuls",
     "step_flops",
     "count_flops",
 ]
@@ -445,6 +452,156 @@ def wan_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_token
     return mm
 
 
+def _ltx2_attention(name: str, tokens_q: int, tokens_kv: int, query_dim: int, kv_dim: int, inner: int,
+                    heads: int, gated: bool) -> list[Matmul]:
+    """One ``LTX2Attention``: Q from ``tokens_q`` rows of width ``query_dim``, K / V from ``tokens_kv`` rows of width
+    ``kv_dim``, the core at ``inner`` width, ``to_out.0`` back to ``query_dim``; gated attention adds the per-head
+    gate logits (``to_gate_logits``) of the query rows."""
+    mm = [_linear(f"{name}.to_q", tokens_q, query_dim, inner), _linear(f"{name}.to_k", tokens_kv, kv_dim, inner),
+          _linear(f"{name}.to_v", tokens_kv, kv_dim, inner), _attention(name, tokens_q, tokens_kv, inner),
+          _linear(f"{name}.to_out.0", tokens_q, inner, query_dim)]
+    if gated:
+        mm.append(_linear(f"{name}.to_gate_logits", tokens_q, query_dim, heads))
+    return mm
+
+
+def ltx2_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_tokens: int,
+                         audio_tokens: int = 0) -> list[Matmul]:
+    """The matmuls of one ``LTX2VideoTransformer3DModel`` forward for one sample (video and audio streams).
+
+    ``image_tokens`` = F' x h x w video latent tokens (patch size 1); ``audio_tokens`` = the audio latent frames;
+    ``text_tokens`` = the connectors' context length (the same for both streams). Per sample, each of the six (eight
+    with LTX-2.3's prompt modulation) adaLN-single embedders runs its timestep MLP (256 -> dim -> dim) and its
+    modulation linear (dim -> k dim). Per block, with video width ``d`` and audio width ``d_a``: video and audio
+    self-attention, each stream's text cross-attention (keys / values from the projected caption), audio-to-video
+    attention (Q video, K / V audio, at the audio width ``d_a``) and video-to-audio attention (Q audio, K / V video),
+    and each stream's GELU feed-forward (4x). Gated attention (LTX-2.3) adds per-head gate logits of the queries.
+    """
+    heads, head_dim = int(_cfg(config, "num_attention_heads")), int(_cfg(config, "attention_head_dim"))
+    a_heads, a_head_dim = int(_cfg(config, "audio_num_attention_heads")), int(_cfg(config, "audio_attention_head_dim"))
+    d, d_a = heads * head_dim, a_heads * a_head_dim
+    c_in, a_in = int(_cfg(config, "in_channels", 128)), int(_cfg(config, "audio_in_channels", 128))
+    c_out = int(_cfg(config, "out_channels", None) or c_in)
+    a_out = int(_cfg(config, "audio_out_channels", None) or a_in)
+    caption = int(_cfg(config, "caption_channels"))
+    gated, a_gated = bool(_cfg(config, "gated_attn", False)), bool(_cfg(config, "audio_gated_attn", False))
+    video_mod = 9 if _cfg(config, "cross_attn_mod", False) else 6
+    audio_mod = 9 if _cfg(config, "audio_cross_attn_mod", False) else 6
+    prompt_mod = (bool(_cfg(config, "cross_attn_mod", False)) or bool(_cfg(config, "audio_cross_attn_mod", False))) \
+        and bool(_cfg(config, "use_prompt_adaln_single", True))
+    n_v, n_a, n_t = int(image_tokens), int(audio_tokens), int(text_tokens)
+    if n_a <= 0:
+        raise ValueError(f"audio_tokens={audio_tokens}: an LTX-2 forward always carries its audio stream; pass the "
+                         "audio latent frame count (the adapter's audio_sequence_length).")
+
+    mm = [_linear("proj_in", n_v, c_in, d), _linear("audio_proj_in", n_a, a_in, d_a)]
+    embedders = [("time_embed", d, video_mod), ("audio_time_embed", d_a, audio_mod),
+                 ("av_cross_attn_video_scale_shift", d, 4), ("av_cross_attn_video_a2v_gate", d, 1),
+                 ("av_cross_attn_audio_scale_shift", d_a, 4), ("av_cross_attn_audio_v2a_gate", d_a, 1)]
+    if prompt_mod:
+        embedders += [("prompt_adaln", d, 2), ("audio_prompt_adaln", d_a, 2)]
+    for name, width, params in embedders:
+        mm.append(_linear(f"{name}.emb.timestep_embedder.linear_1", 1, 256, width))
+        mm.append(_linear(f"{name}.emb.timestep_embedder.linear_2", 1, width, width))
+        mm.append(_linear(f"{name}.linear", 1, width, params * width))
+    if _cfg(config, "use_prompt_embeddings", True):
+        mm.append(_linear("caption_projection.linear_1", n_t, caption, d))
+        mm.append(_linear("caption_projection.linear_2", n_t, d, d))
+        mm.append(_linear("audio_caption_projection.linear_1", n_t, caption, d_a))
+        mm.append(_linear("audio_caption_projection.linear_2", n_t, d_a, d_a))
+    text_dim, a_text_dim = int(_cfg(config, "cross_attention_dim")), int(_cfg(config, "audio_cross_attention_dim"))
+    for i in range(int(_cfg(config, "num_layers"))):
+        b = f"transformer_blocks.{i}"
+        mm += _ltx2_attention(f"{b}.attn1", n_v, n_v, d, d, d, heads, gated)
+        mm += _ltx2_attention(f"{b}.audio_attn1", n_a, n_a, d_a, d_a, d_a, a_heads, a_gated)
+        mm += _ltx2_attention(f"{b}.attn2", n_v, n_t, d, text_dim, d, heads, gated)
+        mm += _ltx2_attention(f"{b}.audio_attn2", n_a, n_t, d_a, a_text_dim, d_a, a_heads, a_gated)
+        mm += _ltx2_attention(f"{b}.audio_to_video_attn", n_v, n_a, d, d_a, d_a, a_heads, gated)
+        mm += _ltx2_attention(f"{b}.video_to_audio_attn", n_a, n_v, d_a, d, d_a, a_heads, a_gated)
+        mm.append(_linear(f"{b}.ff.net.0.proj", n_v, d, 4 * d))
+        mm.append(_linear(f"{b}.ff.net.2", n_v, 4 * d, d))
+        mm.append(_linear(f"{b}.audio_ff.net.0.proj", n_a, d_a, 4 * d_a))
+        mm.append(_linear(f"{b}.audio_ff.net.2", n_a, 4 * d_a, d_a))
+    mm.append(_linear("proj_out", n_v, d, c_out))
+    mm.append(_linear("audio_proj_out", n_a, d_a, a_out))
+    return mm
+
+
+#: HunyuanVideo 1.5's fixed context parts ahead of the Qwen2.5-VL tokens: the SigLIP image tokens (zeros and masked
+#: out in text-to-video, but still attended over) and the ByT5 glyph tokens (the pipeline's lengths).
+HUNYUANVIDEO15_IMAGE_TOKENS = 729
+HUNYUANVIDEO15_BYT5_TOKENS = 256
+
+
+def hunyuanvideo15_forward_matmuls(config: Mapping[str, Any], image_tokens: int, text_tokens: int,
+                                   byt5_tokens: int = HUNYUANVIDEO15_BYT5_TOKENS,
+                                   image_embed_tokens: int = HUNYUANVIDEO15_IMAGE_TOKENS) -> list[Matmul]:
+    """The matmuls of one ``HunyuanVideo15Transformer3DModel`` forward for one sample.
+
+    ``image_tokens`` = F' x (h / p) x (w / p) latent patches; ``text_tokens`` = the whole joint-attention context:
+    ``image_embed_tokens`` SigLIP tokens (the image projection, a two-layer MLP), ``byt5_tokens`` ByT5 tokens (a
+    three-layer MLP to the model width) and the rest Qwen2.5-VL tokens, which pass the token refiner (``proj_in``, then
+    ``num_refiner_layers`` self-attention blocks with a SiLU MLP of 4x and a per-sample gate linear; its conditioning
+    is a timestep MLP plus a pooled-text MLP). The double-stream blocks are MMDiT blocks over the video tokens and the
+    whole context (GELU MLPs of ``mlp_ratio``); the last block's text outputs (``to_add_out``, ``ff_context``) are
+    computed and discarded. The patch embedding is a 3-D convolution counted like a linear over the patches.
+    """
+    heads, head_dim = int(_cfg(config, "num_attention_heads")), int(_cfg(config, "attention_head_dim"))
+    d = heads * head_dim
+    patch, patch_t = int(_cfg(config, "patch_size", 1)), int(_cfg(config, "patch_size_t", 1))
+    c_in, c_out = int(_cfg(config, "in_channels")), int(_cfg(config, "out_channels"))
+    text_dim, byt5_dim = int(_cfg(config, "text_embed_dim")), int(_cfg(config, "text_embed_2_dim"))
+    image_dim = int(_cfg(config, "image_embed_dim"))
+    mlp = int(d * float(_cfg(config, "mlp_ratio", 4.0)))
+    n_i, n_c = int(image_tokens), int(text_tokens)
+    n_b, n_s = int(byt5_tokens), int(image_embed_tokens)
+    n_q = n_c - n_b - n_s
+    if n_q <= 0:
+        raise ValueError(f"text_tokens={text_tokens}: a HunyuanVideo 1.5 context is {n_s} image tokens, {n_b} ByT5 "
+                         "tokens and the Qwen2.5-VL tokens.")
+    volume = patch_t * patch * patch
+    mm = [
+        _linear("time_embed.timestep_embedder.linear_1", 1, 256, d),
+        _linear("time_embed.timestep_embedder.linear_2", 1, d, d),
+        _linear("x_embedder.proj", n_i, c_in * volume, d),
+        _linear("context_embedder.time_text_embed.timestep_embedder.linear_1", 1, 256, d),
+        _linear("context_embedder.time_text_embed.timestep_embedder.linear_2", 1, d, d),
+        _linear("context_embedder.time_text_embed.text_embedder.linear_1", 1, text_dim, d),
+        _linear("context_embedder.time_text_embed.text_embedder.linear_2", 1, d, d),
+        _linear("context_embedder.proj_in", n_q, text_dim, d),
+    ]
+    for i in range(int(_cfg(config, "num_refiner_layers", 2))):
+        b = f"context_embedder.token_refiner.refiner_blocks.{i}"
+        mm += [_linear(f"{b}.attn.{proj}", n_q, d, d) for proj in ("to_q", "to_k", "to_v")]
+        mm.append(_attention(f"{b}.attn", n_q, n_q, d))
+        mm.append(_linear(f"{b}.attn.to_out.0", n_q, d, d))
+        mm.append(_linear(f"{b}.norm_out.linear", 1, d, 2 * d))
+        mm.append(_linear(f"{b}.ff.net.0.proj", n_q, d, 4 * d))
+        mm.append(_linear(f"{b}.ff.net.2", n_q, 4 * d, d))
+    mm += [
+        _linear("context_embedder_2.linear_1", n_b, byt5_dim, 2048),
+        _linear("context_embedder_2.linear_2", n_b, 2048, 2048),
+        _linear("context_embedder_2.linear_3", n_b, 2048, d),
+        _linear("image_embedder.linear_1", n_s, image_dim, image_dim),
+        _linear("image_embedder.linear_2", n_s, image_dim, d),
+    ]
+    layers = int(_cfg(config, "num_layers"))
+    for i in range(layers):
+        b = f"transformer_blocks.{i}"
+        last = i == layers - 1  # the last block's text stream is discarded
+        mm.append(_linear(f"{b}.norm1.linear", 1, d, 6 * d))
+        mm.append(_linear(f"{b}.norm1_context.linear", 1, d, 6 * d))
+        mm += _joint_attention(f"{b}.attn", n_i, n_c, d)
+        mm.append(_linear(f"{b}.attn.to_add_out", n_c, d, d, dead=last))
+        mm.append(_linear(f"{b}.ff.net.0.proj", n_i, d, mlp))
+        mm.append(_linear(f"{b}.ff.net.2", n_i, mlp, d))
+        mm.append(_linear(f"{b}.ff_context.net.0.proj", n_c, d, mlp, dead=last))
+        mm.append(_linear(f"{b}.ff_context.net.2", n_c, mlp, d, dead=last))
+    mm.append(_linear("norm_out.linear", 1, d, 2 * d))
+    mm.append(_linear("proj_out", n_i, d, volume * c_out))
+    return mm
+
+
 #: The FLOP model of each family (the editing families share their base model's).
 _FAMILIES = {
     "sd3": sd3_forward_matmuls, "flux": flux_forward_matmuls, "flux_kontext": flux_forward_matmuls,
@@ -452,6 +609,7 @@ _FAMILIES = {
     "flux2": flux2_forward_matmuls, "flux2_klein": flux2_forward_matmuls, "zimage": zimage_forward_matmuls,
     "wan_i2v": wan_forward_matmuls,
     "qwenimage_edit_plus": qwenimage_forward_matmuls, "qwenimage21": qwenimage21_forward_matmuls,
+    "ltx2": ltx2_forward_matmuls, "hunyuanvideo15": hunyuanvideo15_forward_matmuls,
 }
 
 
@@ -480,9 +638,44 @@ _READS_MODEL_INPUT = re.compile(
 )
 
 
-def _needs_input_grad(m: Matmul) -> bool:
+# LTX-2 with a frozen base and LoRA on the video stream: besides the embedders, the text keys / values of every block
+# read the projected caption, and in the first block the audio stream depends on no trained weight until the
+# video-to-audio attention (audio self- and text attention, the audio keys / values of audio-to-video attention, the
+# audio queries of video-to-audio attention).
+_LTX2_NO_INPUT_GRAD = re.compile(
+    r"^(proj_in|audio_proj_in|(audio_)?caption_projection\..*|(audio_)?time_embed\..*|av_cross_attn_\w+\..*"
+    r"|(audio_)?prompt_adaln\..*|transformer_blocks\.\d+\.(audio_)?attn2\.(to_k|to_v)"
+    r"|transformer_blocks\.0\.attn1\.(to_q|to_k|to_v|to_gate_logits)"
+    r"|transformer_blocks\.0\.audio_attn1\.(to_q|to_k|to_v|to_gate_logits|to_out\.0)"
+    r"|transformer_blocks\.0\.audio_attn2\.(to_q|to_gate_logits|to_out\.0)"
+    r"|transformer_blocks\.0\.audio_to_video_attn\.(to_k|to_v)"
+    r"|transformer_blocks\.0\.video_to_audio_attn\.(to_q|to_gate_logits))$"
+)
+_LTX2_READS_MODEL_INPUT = re.compile(
+    r"^(proj_in|audio_proj_in|(audio_)?caption_projection\.linear_1|\w+\.emb\.timestep_embedder\.linear_1)$")
+# HunyuanVideo 1.5 with a frozen base: the embedders and the first refiner block's and the first double block's image
+# q/k/v (the first block's text projections read the refined tokens, which the refiner's LoRA changes).
+_HUNYUANVIDEO15_NO_INPUT_GRAD = re.compile(
+    r"^(x_embedder\.proj|time_embed\..*|context_embedder\.(time_text_embed\..*|proj_in)|context_embedder_2\..*"
+    r"|image_embedder\..*|context_embedder\.token_refiner\.refiner_blocks\.0\.attn\.(to_q|to_k|to_v)"
+    r"|transformer_blocks\.0\.attn\.(to_q|to_k|to_v))$"
+)
+# With every weight trained: the ByT5 and image projections start with a LayerNorm whose affine weights train.
+_HUNYUANVIDEO15_READS_MODEL_INPUT = re.compile(
+    r"^(x_embedder\.proj|time_embed\.timestep_embedder\.linear_1|context_embedder\.proj_in"
+    r"|context_embedder\.time_text_embed\.(timestep_embedder|text_embedder)\.linear_1)$"
+)
+#: family -> (linears without an input gradient under LoRA, linears reading raw model inputs), where the shared
+#: patterns above do not fit the family's module names.
+_GRADIENT_RULES = {
+    "ltx2": (_LTX2_NO_INPUT_GRAD, _LTX2_READS_MODEL_INPUT),
+    "hunyuanvideo15": (_HUNYUANVIDEO15_NO_INPUT_GRAD, _HUNYUANVIDEO15_READS_MODEL_INPUT),
+}
+
+
+def _needs_input_grad(m: Matmul, no_input_grad: re.Pattern = _NO_INPUT_GRAD) -> bool:
     """Per-token linears whose input depends on trained weights (per-sample ones read the conditioning vector)."""
-    return m.is_linear and m.rows > 1 and _NO_INPUT_GRAD.match(m.name) is None
+    return m.is_linear and m.rows > 1 and no_input_grad.match(m.name) is None
 
 
 @dataclass(frozen=True)
@@ -533,7 +726,7 @@ def _attention_backward(m: Matmul, needs_grad: Callable[[str], bool]) -> int:
 
 def transformer_forward_flops(
     family: str, config: Mapping[str, Any], image_tokens: int, text_tokens: int, lora_rank: int = 0,
-    lora_targets: str | Iterable[str] | None = None,
+    lora_targets: str | Iterable[str] | None = None, audio_tokens: int = 0,
 ) -> ForwardFlops:
     """Matmul FLOPs of one forward of one sample of a ``family`` transformer (a key of the adapters' families).
 
@@ -543,11 +736,17 @@ def transformer_forward_flops(
     """
     if family not in _FAMILIES:
         raise ValueError(f"No FLOP model for family {family!r}; choose one of {', '.join(_FAMILIES)}.")
-    matmuls = _FAMILIES[family](config, image_tokens, text_tokens)
+    if audio_tokens:
+        if family != "ltx2":
+            raise ValueError(f"audio_tokens={audio_tokens}: family {family!r} has no audio stream.")
+        matmuls = _FAMILIES[family](config, image_tokens, text_tokens, audio_tokens=audio_tokens)
+    else:
+        matmuls = _FAMILIES[family](config, image_tokens, text_tokens)
+    no_input_grad, reads_model_input = _GRADIENT_RULES.get(family, (_NO_INPUT_GRAD, _READS_MODEL_INPUT))
     live = [m for m in matmuls if not m.dead]
     linear = sum(m.flops for m in matmuls if m.is_linear)
     attention = sum(m.flops for m in matmuls if not m.is_linear)
-    input_grad = sum(m.flops for m in live if _needs_input_grad(m))
+    input_grad = sum(m.flops for m in live if _needs_input_grad(m, no_input_grad))
     targets = (lora_targets if isinstance(lora_targets, str) else list(lora_targets)) \
         if lora_rank and lora_targets else None
     lora = lora_backward = 0
@@ -558,17 +757,17 @@ def transformer_forward_flops(
             a, b = 2 * m.rows * lora_rank * m.in_features, 2 * m.rows * lora_rank * m.out_features
             lora += a + b
             if not m.dead:
-                lora_backward += a + 2 * b + (a if _needs_input_grad(m) else 0)
+                lora_backward += a + 2 * b + (a if _needs_input_grad(m, no_input_grad) else 0)
     by_name = {m.name: m for m in matmuls if m.is_linear}
 
     def output_needs_grad(name: str) -> bool:  # with a frozen base: a LoRA on the layer, or an input needing one
         m = by_name[name]
         trained = targets is not None and _lora_targets_match(name, targets)
-        return trained or _needs_input_grad(m) or (m.rows > 1 and _NO_INPUT_GRAD.match(name) is None)
+        return trained or _needs_input_grad(m, no_input_grad)
 
     attention_backward = sum(_attention_backward(m, output_needs_grad) for m in live if not m.is_linear)
     attention_backward_full = sum(_attention_backward(m, lambda name: True) for m in live if not m.is_linear)
-    input_grad_full = sum(m.flops for m in live if m.is_linear and _READS_MODEL_INPUT.match(m.name) is None)
+    input_grad_full = sum(m.flops for m in live if m.is_linear and reads_model_input.match(m.name) is None)
     return ForwardFlops(linear=linear, attention=attention, lora=lora, linear_input_grad=input_grad,
                         lora_backward=lora_backward, linear_input_grad_full=input_grad_full,
                         attention_backward=attention_backward, attention_backward_full=attention_backward_full,

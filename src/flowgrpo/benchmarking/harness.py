@@ -132,6 +132,7 @@ class FloorRunner:
                                                     torch.float32).to(self.device, dtype)
         self.timestep = torch.full((self.rows,), 500.0, device=self.device)
         self.image_tokens, self.text_tokens = self.adapter.sequence_lengths(self.embeds, self.latents)
+        self.audio_tokens = self.adapter.audio_sequence_length(self.latents)
 
     def _pass(self, model):
         return self.adapter.predict_velocity(model, self.latents, self.timestep, self.embeds, self.pass_guidance,
@@ -400,7 +401,7 @@ def _summarize(preset: BenchmarkPreset, trainer, clock: _BenchmarkClock, warmup:
         args = trainer.args
         config = trainer.pipeline.transformer.config
         fwd = transformer_forward_flops(preset.family, config, floor.image_tokens, floor.text_tokens,
-                                        preset.lora_rank, list(preset.lora_targets))
+                                        preset.lora_rank, list(preset.lora_targets), audio_tokens=floor.audio_tokens)
         flops = step_flops(fwd, micro_batches=floor.micro_batches, micro_batch_size=args.per_device_train_batch_size,
                            num_inference_steps=args.num_inference_steps,
                            trained_steps=floor.trained_steps * args.num_iterations, cfg=floor.cfg, beta=args.beta,
@@ -408,6 +409,8 @@ def _summarize(preset: BenchmarkPreset, trainer, clock: _BenchmarkClock, warmup:
                            gradient_checkpointing=bool(preset.gradient_checkpointing),
                            old_policy=floor.old_policy is not None)
         result["flops"] = {**flops.as_dict(), "image_tokens": floor.image_tokens, "text_tokens": floor.text_tokens}
+        if floor.audio_tokens:
+            result["flops"]["audio_tokens"] = floor.audio_tokens
         result["achieved_flops_per_s"] = flops.total / step_time
         result["floor_flops_per_s"] = flops.total / floor_time
         if clock.ab_switches:

@@ -60,6 +60,17 @@ preset             device   what it runs
                             VAE; UniPC flow_shift 3.0), bf16, 33 frames of 480x832 from a first frame, 1 prompt x G=4
                             (micro-batches of 1), 10 steps, SDE window 2, CFG 5.0, LoRA r=32 on attn1 / attn2 and the
                             image keys / values, gradient checkpointing, JPEG-compressibility reward on frames.
+``ltx2-random``    CUDA     LTX-2 at full size (19 B: 48 blocks, video 32 heads of 128, audio 32 heads of 64,
+                            audio-video cross-attention; Gemma 3 12B with the text connectors; the video and audio
+                            VAEs and the vocoder; the dynamic shift), bf16, 33 frames of 512x768 with their audio,
+                            1 prompt x G=4 (micro-batches of 1), 10 steps, SDE window 2, CFG 4.0 on both streams,
+                            LoRA r=32 on the video stream's attention and feed-forward, gradient checkpointing,
+                            JPEG-compressibility reward on frames.
+``hunyuanvideo15-random`` CUDA  HunyuanVideo 1.5 480p text-to-video at full size (8.3 B: 54 double-stream blocks,
+                            16 heads of 128, a 2-block token refiner; Qwen2.5-VL-7B's text model and ByT5-small; the
+                            16x VAE; shift 7), bf16, 33 frames of 480x832, 1 prompt x G=4 (micro-batches of 1),
+                            10 steps, SDE window 2, CFG 6.0, LoRA r=32 on the joint attention, gradient
+                            checkpointing, JPEG-compressibility reward on frames.
 =================  =======  ======================================================================================
 
 The tokenizers are always the small locally made ones of :mod:`flowgrpo.testing.tiny_tokenizers` (their ids
@@ -78,6 +89,8 @@ from typing import Any
 import torch
 
 from ..models.flux2 import FLUX2_LORA_TARGET_MODULES
+from ..models.hunyuanvideo15 import HUNYUANVIDEO15_LORA_TARGET_MODULES
+from ..models.ltx2 import LTX2_LORA_TARGET_MODULES
 from ..models.qwenimage21 import QWENIMAGE21_LORA_TARGET_MODULES
 from ..models.wan_i2v import WAN_I2V_LORA_TARGET_MODULES
 from ..models.zimage import ZIMAGE_LORA_TARGET_MODULES
@@ -333,6 +346,24 @@ PRESETS: dict[str, BenchmarkPreset] = {
         num_generations=4, per_device_train_batch_size=1, num_inference_steps=10, sde_window_size=2,
         guidance_scale=5.0, max_sequence_length=512, reward="jpeg_compressibility", lora_rank=32,
         lora_targets=WAN_I2V_LORA_TARGET_MODULES, gradient_checkpointing=True, default_steps=2,
+        extra_args={"width": 832, "num_frames": 33},
+    ),
+    "ltx2-random": BenchmarkPreset(
+        name="ltx2-random", description="LTX-2 (19B) architecture with its audio stream, random weights, bf16, "
+                                        "33x512x768, 1x4, 10 steps, CFG 4",
+        family="ltx2", architecture="ltx2-19b", device="cuda", dtype="bfloat16", resolution=512, num_prompts=1,
+        num_generations=4, per_device_train_batch_size=1, num_inference_steps=10, sde_window_size=2,
+        guidance_scale=4.0, max_sequence_length=1024, reward="jpeg_compressibility", lora_rank=32,
+        lora_targets=LTX2_LORA_TARGET_MODULES, gradient_checkpointing=True, default_steps=2,
+        extra_args={"width": 768, "num_frames": 33},
+    ),
+    "hunyuanvideo15-random": BenchmarkPreset(
+        name="hunyuanvideo15-random", description="HunyuanVideo 1.5 480p T2V architecture, random weights, bf16, "
+                                                  "33x480x832, 1x4, 10 steps, CFG 6",
+        family="hunyuanvideo15", architecture="hunyuanvideo15-480p-t2v", device="cuda", dtype="bfloat16",
+        resolution=480, num_prompts=1, num_generations=4, per_device_train_batch_size=1, num_inference_steps=10,
+        sde_window_size=2, guidance_scale=6.0, max_sequence_length=1000, reward="jpeg_compressibility", lora_rank=32,
+        lora_targets=HUNYUANVIDEO15_LORA_TARGET_MODULES, gradient_checkpointing=True, default_steps=2,
         extra_args={"width": 832, "num_frames": 33},
     ),
     "qwenimage21-random": BenchmarkPreset(

@@ -135,6 +135,12 @@ class ModelFamilyAdapter(ABC):
             raise ValueError(f"num_frames={num_frames}, but {cls.family} ({', '.join(cls.pipeline_class_names)}) "
                              "generates images; set num_frames=1 (the default).")
 
+    @classmethod
+    def check_video_settings(cls, num_frames: int, height: int, width: int, vae_config: dict | None = None) -> None:
+        """Raise a clear error, before any weight is loaded, when the frame count or the size does not suit the
+        family's VAE (``vae_config``: its ``config.json``, when readable); nothing to check for most families."""
+        return None
+
     # --- conditioning -----------------------------------------------------------------------------
     @abstractmethod
     def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
@@ -205,6 +211,11 @@ class ModelFamilyAdapter(ABC):
         ``image_tokens`` counts every latent token of the call (target and, for editing families, source image).
         """
         raise NotImplementedError(f"{type(self).__name__} does not report its sequence lengths.")
+
+    def audio_sequence_length(self, latents: torch.Tensor) -> int:
+        """The audio tokens of one transformer call of one sample (FLOP counts); 0 for families without an audio
+        stream (LTX-2 has one)."""
+        return 0
 
     def lora_writer(self) -> Any:
         """The class whose ``save_lora_weights`` writes this family's diffusers-format LoRA: the pipeline's own."""

@@ -60,15 +60,28 @@ class HunyuanVideo15Adapter(ModelFamilyAdapter):
         if num_frames < 1:
             raise ValueError(f"num_frames={num_frames}: HunyuanVideo 1.5 videos have 4k + 1 frames (e.g. 121).")
 
+    @classmethod
+    def check_video_settings(cls, num_frames: int, height: int, width: int, vae_config: dict | None = None) -> None:
+        """``temporal k + 1`` frames and sides divisible by the VAE's spatial compression (4x and 16x in the released
+        VAE, the config's ``temporal_compression_ratio`` / ``spatial_compression_ratio``)."""
+        if vae_config is not None:
+            cls._check_shape(num_frames, height, width, int(vae_config.get("temporal_compression_ratio", 4)),
+                             int(vae_config.get("spatial_compression_ratio", 16)))
+
+    @staticmethod
+    def _check_shape(num_frames: int, height: int, width: int, temporal: int, spatial: int) -> None:
+        if (num_frames - 1) % temporal:
+            lower = (num_frames - 1) // temporal * temporal + 1
+            raise ValueError(f"num_frames={num_frames}: this HunyuanVideo 1.5 VAE compresses time {temporal}x, so "
+                             f"videos have {temporal}k + 1 frames; use {lower} or {lower + temporal}.")
+        if height % spatial or width % spatial:
+            raise ValueError(f"{height} x {width}: HunyuanVideo 1.5 needs sides divisible by {spatial}; use e.g. "
+                             f"{height // spatial * spatial or spatial} x {width // spatial * spatial or spatial}.")
+
     def _latent_dims(self, height: int, width: int) -> tuple[int, int, int]:
         pipe = self.pipeline
         temporal, spatial = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
-        if (self.num_frames - 1) % temporal:
-            lower = (self.num_frames - 1) // temporal * temporal + 1
-            raise ValueError(f"num_frames={self.num_frames}: this HunyuanVideo 1.5 VAE compresses time {temporal}x, so "
-                             f"videos have {temporal}k + 1 frames; use {lower} or {lower + temporal}.")
-        if height % spatial or width % spatial:
-            raise ValueError(f"{height} x {width}: HunyuanVideo 1.5 needs sides divisible by {spatial}.")
+        self._check_shape(self.num_frames, height, width, temporal, spatial)
         return (self.num_frames - 1) // temporal + 1, height // spatial, width // spatial
 
     # --- conditioning -----------------------------------------------------------------------------
@@ -126,7 +139,15 @@ class HunyuanVideo15Adapter(ModelFamilyAdapter):
         return HunyuanVideoLoraLoaderMixin
 
     def sequence_lengths(self, embeds: PromptEmbeds, latents: torch.Tensor) -> tuple[int, int]:
-        raise NotImplementedError("HunyuanVideo 1.5's FLOP model is not written yet.")
+        """``(video tokens, context tokens)``: the latent patches, and the joint attention's whole context, the
+        pipeline's SigLIP image tokens (zeros in text-to-video, still attended over), the ByT5 tokens and the
+        Qwen2.5-VL tokens."""
+        config = self.pipeline.transformer.config
+        tokens = (latents.shape[2] // config.patch_size_t) * (latents.shape[3] // config.patch_size) \
+            * (latents.shape[4] // config.patch_size)
+        context = self.pipeline.vision_num_semantic_tokens + embeds.tensors["prompt_embeds_2"].shape[1] \
+            + embeds.tensors["prompt_embeds"].shape[1]
+        return int(tokens), int(context)
 
     # --- pixels -----------------------------------------------------------------------------------
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -70,30 +70,51 @@ class LTX2Adapter(ModelFamilyAdapter):
 
     @classmethod
     def check_num_frames(cls, num_frames: int) -> None:
-        # The released VAE compresses time 8x (the tiny one 2x): 8k + 1 frames suit both; the pipeline's own rule is
-        # checked against the loaded VAE in _latent_dims.
+        # The released VAE compresses time 8x (the tiny one 2x): 8k + 1 frames suit both; the rule of the model's own
+        # VAE is checked by check_video_settings (before loading, from its config) and again in _latent_dims.
         if num_frames < 1:
             raise ValueError(f"num_frames={num_frames}: LTX-2 videos have at least one frame (e.g. 121 = 8 * 15 + 1).")
+
+    @classmethod
+    def check_video_settings(cls, num_frames: int, height: int, width: int, vae_config: dict | None = None) -> None:
+        """Sides divisible by 32 (the pipeline's rule) and ``temporal k + 1`` frames for the VAE's time compression
+        (8x in the released VAE; from its config: ``temporal_compression_ratio``, else ``patch_size_t`` x 2 per
+        spatio-temporal scaling level, as the VAE computes it)."""
+        if height % 32 or width % 32:
+            raise ValueError(f"LTX-2 needs a height and width divisible by 32, got {height} x {width}; use e.g. "
+                             f"{height // 32 * 32 or 32} x {width // 32 * 32 or 32}.")
+        if vae_config is None:
+            return
+        temporal = vae_config.get("temporal_compression_ratio") or int(vae_config.get("patch_size_t", 1)) * 2 ** sum(
+            bool(s) for s in vae_config.get("spatio_temporal_scaling", (True, True, True, True)))
+        cls._check_frames(num_frames, int(temporal))
+
+    @staticmethod
+    def _check_frames(num_frames: int, temporal: int) -> None:
+        if (num_frames - 1) % temporal:
+            lower = (num_frames - 1) // temporal * temporal + 1
+            raise ValueError(f"num_frames={num_frames}: this LTX-2 VAE compresses time {temporal}x, so videos have "
+                             f"{temporal}k + 1 frames; use {lower} or {lower + temporal}.")
 
     # --- shapes -----------------------------------------------------------------------------------
     def _latent_dims(self, height: int, width: int) -> tuple[int, int, int, int, int, int, int]:
         """(latent frames, latent height, latent width, video channels, audio frames, audio channels, mel bins)."""
         pipe = self.pipeline
-        if height % 32 or width % 32:  # the pipeline's own rule
-            raise ValueError(f"LTX-2 needs a height and width divisible by 32, got {height} x {width}; use e.g. "
-                             f"{height // 32 * 32 or 32} x {width // 32 * 32 or 32}.")
+        self.check_video_settings(self.num_frames, height, width)
         temporal = pipe.vae_temporal_compression_ratio
-        if (self.num_frames - 1) % temporal:
-            lower = (self.num_frames - 1) // temporal * temporal + 1
-            raise ValueError(f"num_frames={self.num_frames}: this LTX-2 VAE compresses time {temporal}x, so videos have "
-                             f"{temporal}k + 1 frames; use {lower} or {lower + temporal}.")
+        self._check_frames(self.num_frames, temporal)
         frames = (self.num_frames - 1) // temporal + 1
         spatial = pipe.vae_spatial_compression_ratio
+        return (frames, height // spatial, width // spatial, pipe.transformer.config.in_channels,
+                *self._audio_dims())
+
+    def _audio_dims(self) -> tuple[int, int, int]:
+        """(audio latent frames, audio latent channels, mel bins) of a clip of ``num_frames / frame_rate`` seconds."""
+        pipe = self.pipeline
         per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
         audio_frames = round(self.num_frames / self.frame_rate * per_second)
         mel = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
-        return (frames, height // spatial, width // spatial, pipe.transformer.config.in_channels, audio_frames,
-                pipe.audio_vae.config.latent_channels, mel)
+        return audio_frames, pipe.audio_vae.config.latent_channels, mel
 
     def _split(self, latents: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The flat state as packed video ``(B, F' h w, C)`` and audio ``(B, L, C_a M)`` tokens."""
@@ -168,7 +189,17 @@ class LTX2Adapter(ModelFamilyAdapter):
         return torch.cat([v_video.reshape(latents.shape[0], -1), v_audio.reshape(latents.shape[0], -1)], dim=1)
 
     def sequence_lengths(self, embeds: PromptEmbeds, latents: torch.Tensor) -> tuple[int, int]:
-        raise NotImplementedError("LTX-2's FLOP model (two streams) is not written yet.")
+        """``(video tokens, context tokens)``: the flat state minus its audio part, over the video channels; the
+        connectors' context length (both streams' contexts have it). The audio tokens:
+        :meth:`audio_sequence_length`."""
+        audio_frames, audio_channels, mel = self._audio_dims()
+        video_size = int(latents.shape[1]) - audio_frames * audio_channels * mel
+        return video_size // int(self.pipeline.transformer.config.in_channels), \
+            int(embeds.tensors["video_context"].shape[1])
+
+    def audio_sequence_length(self, latents: torch.Tensor) -> int:
+        """The audio latent frames of one call (the audio stream's tokens, patch size 1)."""
+        return self._audio_dims()[0]
 
     # --- pixels and sound -------------------------------------------------------------------------
     def unpack_video_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

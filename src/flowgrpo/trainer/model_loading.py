@@ -45,14 +45,25 @@ class PipelineLoading:
         from diffusers import DiffusionPipeline
 
         if isinstance(model, DiffusionPipeline):
-            return {**dict(model.config), "_class_name": type(model).__name__}
+            index = {**dict(model.config), "_class_name": type(model).__name__}
+            if getattr(model, "vae", None) is not None:
+                index["_vae_config"] = dict(model.vae.config)
+            return index
         if not isinstance(model, (str, os.PathLike)):
             return None
+        hub = {k: v for k, v in pipeline_kwargs.items() if k in ("revision", "cache_dir", "token")}
         try:
-            return dict(DiffusionPipeline.load_config(str(model), **{k: v for k, v in pipeline_kwargs.items()
-                                                                      if k in ("revision", "cache_dir", "token")}))
+            index = dict(DiffusionPipeline.load_config(str(model), **hub))
         except Exception:  # unreadable here (e.g. offline): the same checks run right after loading
             return None
+        try:  # video families check frames and sizes against their VAE's compression before loading
+            if family_adapter_class(index.get("_class_name", "")).is_video and "vae" in index:
+                from diffusers import AutoencoderKL  # any model class: reads the subfolder's config.json as is
+
+                index["_vae_config"] = dict(AutoencoderKL.load_config(str(model), subfolder="vae", **hub))
+        except Exception:  # no known family or no readable VAE config: checked again after loading
+            pass
+        return index
 
     @staticmethod
     def _check_family_settings(index: dict | None, args: OnlineRLConfig, peft_config: Any, datasets: tuple) -> None:
@@ -63,6 +74,7 @@ class PipelineLoading:
             return
         adapter_cls = family_adapter_class(index["_class_name"])
         adapter_cls.check_num_frames(args.num_frames)
+        adapter_cls.check_video_settings(args.num_frames, *args.image_size, index.get("_vae_config"))
         if adapter_cls.accepts_images:
             with_images = False
             for name, dataset in zip(("train_dataset", "eval_dataset"), datasets):
