@@ -180,6 +180,29 @@ def test_rows_of_different_lengths_give_the_velocity_of_one_batched_encoding(fam
     assert want.abs().mean() > 1e-2
 
 
+def test_qwenimage_trains_from_prompts_cached_one_at_a_time(tiny_pipeline_path, tmp_path):
+    """The trainer with every prompt precomputed on its own (rows of four lengths) samples what it samples without
+    the cache: same rewards."""
+    prompts = ["a cat", "a very large red balloon floating over a quiet mountain lake at dawn", "two dogs",
+               "a long and detailed description of a small wooden house by a river on an autumn evening"]
+    rewards = {}
+    for cached in (False, True):
+        args = FlowGRPOConfig(
+            output_dir=str(tmp_path / str(cached)), report_to=[], per_device_train_batch_size=4, num_generations=2,
+            resolution=64, num_inference_steps=3, guidance_scale=3.0, negative_prompt="", max_steps=2, beta=0.0,
+            max_sequence_length=64, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, log_images_steps=0,
+            dtype="float32", cache_prompt_embeddings=cached, precompute_prompt_embeddings=cached,
+            per_device_eval_batch_size=1)
+        trainer = FlowGRPOTrainer(model=str(tiny_pipeline_path("qwenimage")), reward_funcs=brightness, args=args,
+                                  train_dataset=Dataset.from_dict({"prompt": prompts}),
+                                  peft_config=LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian"))
+        trainer.train()
+        rewards[cached] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+        if cached:
+            assert trainer.prompt_cache.encoded == 4 and trainer.prompt_cache.misses == 0
+    assert len(rewards[True]) == 2 and rewards[True] == pytest.approx(rewards[False], abs=1e-4)
+
+
 def test_ragged_rows_are_padded_only_where_a_mask_marks_the_padding():
     short = {"prompt_embeds": torch.ones(1, 2, 3), "prompt_embeds_mask": torch.ones(1, 2, dtype=torch.long),
              "image_pad_mask": torch.tensor([[1, 0]]), "pooled": torch.ones(1, 4)}
