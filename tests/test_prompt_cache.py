@@ -17,6 +17,7 @@ from peft import LoraConfig
 
 from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
 from flowgrpo.models import PromptEmbeds
+from flowgrpo.models.base import pad_rows_to_longest
 from flowgrpo.trainer.data.prompt_cache import PromptEmbeddingCache, prompt_cache_key
 from flowgrpo.trainer.rollout.sliced_decode import decode_in_slices
 
@@ -145,6 +146,82 @@ def test_cache_keys_bounds_and_bad_settings(tmp_path):
     with pytest.raises(ValueError, match="4 distinct prompts but prompt_cache_size=3"):  # before any model load
         FlowGRPOTrainer(model="/nonexistent", reward_funcs=brightness, args=args,
                         train_dataset=Dataset.from_dict({"prompt": TRAIN}))
+
+
+@pytest.mark.parametrize("family", ["qwenimage", "qwenimage21"])
+def test_rows_of_different_lengths_give_the_velocity_of_one_batched_encoding(family, tiny_pipeline_path):
+    """Qwen-Image's encoders pad a batch only to its longest prompt: prompts encoded in separate calls are cached with
+    different lengths, padded (embeddings and masks with zeros) when looked up together, and the transformer sees
+    what it sees for the batched encoding."""
+    from diffusers import DiffusionPipeline
+
+    from flowgrpo.models import get_family_adapter
+
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_pipeline_path(family)))
+    adapter, cpu = get_family_adapter(pipe), torch.device("cpu")
+    prompts = ["a cat", "a very large red balloon floating over a quiet mountain lake at dawn", "two dogs"]
+    cache = PromptEmbeddingCache(lambda p, device: adapter.encode_prompts(p, 64, device), cpu)
+    with torch.no_grad():
+        batched = adapter.encode_prompts(prompts, 64, cpu)
+        lengths = [len(cache.encode_unique([p])[0].tensors["prompt_embeds"][0]) for p in prompts]  # one call each
+        cached, rows = cache.encode_unique(prompts)
+        assert cache.encoded == 3 and cache.hits == 3 and rows.tolist() == [0, 1, 2]
+        assert len(set(lengths)) == 3  # three different lengths: torch.cat alone cannot stack them
+        for name, tensor in batched.tensors.items():
+            torch.testing.assert_close(cached.tensors[name], tensor, rtol=0, atol=1e-5)  # zeros where it pads
+        assert cached.tensors["prompt_embeds_mask"].sum(1).tolist() == lengths
+
+        adapter.set_timesteps(pipe.scheduler, 2, 64, 64, cpu)
+        latents = adapter.prepare_latents(3, 64, 64, torch.Generator().manual_seed(0), cpu, torch.float32)
+        timestep = pipe.scheduler.timesteps[:1].expand(3)
+        want = adapter.predict_velocity(pipe.transformer, latents, timestep, batched, 1.0, None, 64, 64)
+        got = adapter.predict_velocity(pipe.transformer, latents, timestep, cached, 1.0, None, 64, 64)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert want.abs().mean() > 1e-2
+
+
+def test_qwenimage_trains_from_prompts_cached_one_at_a_time(tiny_pipeline_path, tmp_path):
+    """The trainer with every prompt precomputed on its own (rows of four lengths) samples what it samples without
+    the cache: same rewards."""
+    prompts = ["a cat", "a very large red balloon floating over a quiet mountain lake at dawn", "two dogs",
+               "a long and detailed description of a small wooden house by a river on an autumn evening"]
+    rewards = {}
+    for cached in (False, True):
+        args = FlowGRPOConfig(
+            output_dir=str(tmp_path / str(cached)), report_to=[], per_device_train_batch_size=4, num_generations=2,
+            resolution=64, num_inference_steps=3, guidance_scale=3.0, negative_prompt="", max_steps=2, beta=0.0,
+            max_sequence_length=64, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, log_images_steps=0,
+            dtype="float32", cache_prompt_embeddings=cached, precompute_prompt_embeddings=cached,
+            per_device_eval_batch_size=1)
+        trainer = FlowGRPOTrainer(model=str(tiny_pipeline_path("qwenimage")), reward_funcs=brightness, args=args,
+                                  train_dataset=Dataset.from_dict({"prompt": prompts}),
+                                  peft_config=LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian"))
+        trainer.train()
+        rewards[cached] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+        if cached:
+            assert trainer.prompt_cache.encoded == 4 and trainer.prompt_cache.misses == 0
+    assert len(rewards[True]) == 2 and rewards[True] == pytest.approx(rewards[False], abs=1e-4)
+
+
+def test_ragged_rows_are_padded_only_where_a_mask_marks_the_padding():
+    short = {"prompt_embeds": torch.ones(1, 2, 3), "prompt_embeds_mask": torch.ones(1, 2, dtype=torch.long),
+             "image_pad_mask": torch.tensor([[1, 0]]), "pooled": torch.ones(1, 4)}
+    long = {"prompt_embeds": torch.full((1, 4, 3), 2.0), "prompt_embeds_mask": torch.ones(1, 4, dtype=torch.long),
+            "image_pad_mask": torch.tensor([[0, 1, 1, 0]]), "pooled": torch.zeros(1, 4)}
+    batch = pad_rows_to_longest([short, long])
+    assert batch["prompt_embeds"].shape == (2, 4, 3) and batch["pooled"].shape == (2, 4)
+    assert batch["prompt_embeds"][0, 2:].abs().sum() == 0 and batch["prompt_embeds"][0, :2].eq(1).all()
+    assert batch["prompt_embeds_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert batch["image_pad_mask"].tolist() == [[1, 0, 0, 0], [0, 1, 1, 0]]
+    with pytest.raises(ValueError, match="'prompt_embeds' have different lengths .2, 4. .*no mask"):
+        pad_rows_to_longest([{"prompt_embeds": torch.ones(1, 2, 3)}, {"prompt_embeds": torch.ones(1, 4, 3)}])
+    with pytest.raises(ValueError, match="differ beyond the sequence dimension"):
+        pad_rows_to_longest([{"x": torch.ones(1, 2, 3), "x_mask": torch.ones(1, 2)},
+                             {"x": torch.ones(1, 4, 5), "x_mask": torch.ones(1, 4)}])
+    # batches of several rows (PromptEmbeds.cat: records of rollouts merged by dynamic sampling) pad the same way
+    merged = PromptEmbeds.cat([PromptEmbeds({k: v.expand(2, *v.shape[1:]) for k, v in short.items()}),
+                               PromptEmbeds(long)])
+    assert merged.tensors["prompt_embeds_mask"].tolist() == [[1, 1, 0, 0]] * 2 + [[1, 1, 1, 1]]
 
 
 def test_24gb_recipe_parses_into_the_memory_settings(monkeypatch, tmp_path):

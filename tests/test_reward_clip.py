@@ -16,10 +16,10 @@ from flowgrpo.rewards.clip_scorers import (
     AestheticScorer,
     CLIPScore,
     PickScore,
-    _resolve_device,
     build_aesthetic_mlp,
     load_aesthetic_mlp,
 )
+from flowgrpo.rewards.placement import resolve_device
 
 PROJECTION_DIM = 16
 
@@ -239,5 +239,5 @@ def test_lazy_loading_shared_cache_and_reward_set(tiny_clip):
     assert clip(prompts, images) == pytest.approx(result.per_reward["clipscore"], abs=1e-5)
     assert clip.load()[0] is pick.load()[0]  # one model in memory for both scorers
     assert clip.device.type == "cpu"
-    assert _resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")  # the default
+    assert resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")  # the default
     assert clip([], []) == []

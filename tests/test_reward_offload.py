@@ -88,3 +88,26 @@ def test_rewards_are_registered():
     from flowgrpo.rewards import list_rewards
 
     assert {"imagereward", "hpsv2", "image_similarity", "pickscore_rank"} <= set(list_rewards())
+
+
+def test_each_model_reward_keeps_its_default_dtype():
+    """One placement code path (`ModelReward`) for every model reward; the default dtype stays per reward: the VLM
+    rewards bfloat16 on CUDA and float32 on the CPU, the others float32 (nothing loads to tell)."""
+    from flowgrpo.rewards.deqa import DeQAScore
+    from flowgrpo.rewards.hpsv3 import HPSv3Reward
+    from flowgrpo.rewards.imagereward import ImageReward
+    from flowgrpo.rewards.placement import ModelReward
+    from flowgrpo.rewards.unifiedreward import UnifiedReward
+    from flowgrpo.rewards.vqascore import VQAScore
+
+    vlm = [VQAScore, DeQAScore, HPSv3Reward, lambda **kw: UnifiedReward(backend="transformers", **kw)]
+    for make in vlm:
+        assert isinstance(make(device="cpu"), ModelReward)
+        assert make(device="cpu").dtype == torch.float32 and make(reward_device="cuda:1").dtype == torch.bfloat16
+        assert make(device="cuda", dtype="fp16").dtype == torch.float16
+        with pytest.raises(ValueError, match="'float64x' is not a torch dtype"):
+            make(dtype="float64x")  # refused when the reward is made, before any weights load
+    for make in (ImageReward, HPSv2):
+        assert make(device="cuda").dtype == torch.float32
+    with pytest.raises(ValueError, match="disagree"):
+        HPSv3Reward(device="cpu", reward_device="cuda")

@@ -77,7 +77,7 @@ def test_unparsable_policies(server):
     with pytest.raises(ValueError, match="backend"):
         UnifiedReward(backend="sglang")
     remote = UnifiedReward(health_check=False)
-    assert remote.to() is remote and remote._loaded_model is None  # a served judge has no local weights to move
+    assert remote.to() is remote and not remote.loaded  # a served judge has no local weights to move
     remote.offload()
 
 

@@ -115,9 +115,9 @@ def test_placement_methods_for_reward_offload(tiny_vlm):
     path, _, _ = tiny_vlm
     reward = VQAScore(model_name_or_path=str(path), reward_device="cpu", dtype="float32")
     reward.offload()  # nothing loaded yet: nothing to move, nothing loads
-    assert reward._loaded_model is None
-    assert reward.to() is reward and reward._loaded_model.device.type == "cpu"
+    assert not reward.loaded
+    assert reward.to() is reward and reward.loaded and reward.current_device.type == "cpu"
     reward.offload()
-    assert next(reward._loaded_model.parameters()).device.type == "cpu"
+    assert next(reward.load()[0].parameters()).device.type == "cpu"
     with pytest.raises(ValueError, match="disagree"):
         DeQAScore(device="cpu", reward_device="cuda:1")

@@ -21,7 +21,7 @@ What a family declares (class attributes):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +75,51 @@ class PromptEmbeds:
         negative = None
         if all(p.negative is not None for p in parts):
             negative = PromptEmbeds.cat([p.negative for p in parts])
-        return PromptEmbeds({k: torch.cat([p.tensors[k] for p in parts], dim=0) for k in keys}, negative)
+        return PromptEmbeds(pad_rows_to_longest([{k: p.tensors[k] for k in keys} for p in parts]), negative)
+
+
+def _is_mask(name: str) -> bool:
+    return "mask" in name
+
+
+def pad_rows_to_longest(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One batch from batches of conditioning (dicts of ``(B_i, L_i, ...)`` tensors, e.g. cached rows): each tensor
+    concatenated along dim 0; where the parts differ in length ``L_i`` along dim 1 (text encoders that pad a batch
+    only to its longest prompt, as Qwen-Image's), each part is first right-padded with zeros to the longest.
+
+    This is how the Qwen-Image pipelines pad a batch (``_get_qwen_prompt_embeds``: ``cat([u, u.new_zeros(...)])``
+    for the embeddings, the mask and Qwen-Image 2.1's ``image_pad_mask``); text positions do not move and padded
+    tokens are masked out of attention, so the transformer's output per row equals the batched encoding's. Zero
+    padding is only correct where a mask marks it: a ragged tensor that is not itself a mask (its name contains
+    ``mask``) needs a mask whose rows have the same lengths (``prompt_embeds`` -> ``prompt_embeds_mask``); masks are
+    padded with zeros (no token).
+
+    Raises:
+        ValueError: rows of a tensor differ in a dimension other than 1, or a ragged tensor has no mask.
+    """
+    names = list(parts[0])
+    lengths = {name: [tuple(p[name].shape[1:2]) for p in parts] for name in names}
+    batch: dict[str, torch.Tensor] = {}
+    for name in names:
+        tensors = [p[name] for p in parts]
+        if len({tuple(t.shape[1:]) for t in tensors}) == 1:
+            batch[name] = torch.cat(tensors)
+            continue
+        if min(t.dim() for t in tensors) < 2 or len({tuple(t.shape[2:]) for t in tensors}) != 1:
+            shapes = sorted({tuple(t.shape) for t in tensors})
+            raise ValueError(f"The prompt embeddings {name!r} come in shapes {shapes}, which differ beyond the sequence "
+                             "dimension (1) and cannot be padded into one batch; the family adapter's encode_prompts "
+                             "must give every prompt the same shape there (or set cache_prompt_embeddings: false).")
+        if not _is_mask(name) and not any(lengths[m] == lengths[name] for m in names if _is_mask(m)):
+            raise ValueError(f"The prompt embeddings {name!r} have different lengths "
+                             f"{sorted({t.shape[1] for t in tensors})} along the sequence dimension and no mask tensor "
+                             "of the same lengths to mark zero padding; the family adapter's encode_prompts must pad "
+                             f"to a fixed length or return a mask (e.g. {name + '_mask'!r}), or set "
+                             "cache_prompt_embeddings: false.")
+        longest = max(t.shape[1] for t in tensors)
+        batch[name] = torch.cat([torch.cat([t, t.new_zeros(t.shape[0], longest - t.shape[1], *t.shape[2:])], dim=1)
+                                 for t in tensors])
+    return batch
 
 
 def packed_latent_size(vae_scale_factor: int, height: int, width: int) -> tuple[int, int]:

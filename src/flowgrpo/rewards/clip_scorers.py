@@ -41,7 +41,7 @@ from typing import Any
 
 from PIL import Image
 
-from .placement import pick_device
+from .placement import pick_device, resolve_device, resolve_dtype
 from .registry import register_reward
 
 logger = logging.getLogger(__name__)
@@ -55,30 +55,6 @@ DEFAULT_PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 
 _MODELS: dict[tuple, tuple[Any, Any]] = {}
 _MODELS_LOCK = threading.Lock()
-
-
-def _resolve_device(device: str | None) -> Any:
-    import torch
-
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: Any) -> Any:
-    import torch
-
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
-        value = getattr(torch, aliases.get(name, name), None)
-        if isinstance(value, torch.dtype):
-            return value
-    raise ValueError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float32', 'float16' or 'bfloat16'")
 
 
 def load_clip(model_id: str, processor_id: str | None, device: Any, dtype: Any) -> tuple[Any, Any]:
@@ -146,7 +122,7 @@ class _CLIPScorer:
         """Load (once) and return ``(model, processor)``."""
         if self._model is None:
             self._model, self._processor = load_clip(
-                self.model_id, self.processor_id, _resolve_device(self.device_name), _resolve_dtype(self.dtype_name)
+                self.model_id, self.processor_id, resolve_device(self.device_name), resolve_dtype(self.dtype_name)
             )
         return self._model, self._processor
 
@@ -158,7 +134,7 @@ class _CLIPScorer:
         """Move the CLIP weights to ``device`` (default: the scorer's device); see `flowgrpo.rewards.placement`.
         A model shared with another scorer (same model id, device and dtype) moves for both."""
         model, _ = self.load()
-        model.to(_resolve_device(device if device is not None else self.device_name))
+        model.to(resolve_device(device if device is not None else self.device_name))
         return self
 
     def offload(self) -> None:

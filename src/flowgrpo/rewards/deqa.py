@@ -25,23 +25,13 @@ processor's mean colour) before the model's own preprocessing.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from PIL import Image
 
 from .registry import register_reward
-from .vlm_models import (
-    OffloadableModelReward,
-    as_rgb,
-    chat_text,
-    load_vlm,
-    pick_device,
-    resolve_device,
-    resolve_dtype,
-    vlm_batch,
-)
+from .vlm_models import VLMReward, as_rgb, chat_text, load_vlm, vlm_batch
 
 __all__ = ["DEFAULT_DEQA_MODEL", "DEQA_LEVELS", "DEQA_QUESTION", "DeQAScore", "expand_to_square", "level_token_ids"]
 
@@ -78,7 +68,7 @@ def expand_to_square(image: Image.Image, fill: tuple[int, ...]) -> Image.Image:
 
 
 @register_reward("deqa")
-class DeQAScore(OffloadableModelReward):
+class DeQAScore(VLMReward):
     """DeQA-Score's expected level score in [0.2, 1] from any transformers VLM (see the module docstring).
 
     Args:
@@ -109,13 +99,12 @@ class DeQAScore(OffloadableModelReward):
         batch_size: int = 8,
         reward_device: str | None = None,
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         levels = [(str(word), float(value)) for word, value in levels]
         if len(levels) < 2:
             raise ValueError(f"levels needs at least two (word, value) pairs, got {levels}")
         if divide_by <= 0:
             raise ValueError(f"divide_by must be positive, got {divide_by}")
+        super().__init__(device=device, dtype=dtype, batch_size=batch_size, reward_device=reward_device)
         self.model_name_or_path = model_name_or_path
         self.processor_name_or_path = processor_name_or_path
         self.question = question
@@ -124,15 +113,9 @@ class DeQAScore(OffloadableModelReward):
         self.level_token_prefix = level_token_prefix
         self.divide_by = float(divide_by)
         self.pad_to_square = bool(pad_to_square)
-        self.device_name = pick_device(device, reward_device)
-        self.dtype_name = dtype
-        self.batch_size = int(batch_size)
-        self._lock = threading.Lock()
         self.__name__ = "deqa"
 
-    def _load(self) -> tuple[Any, Any]:
-        device = resolve_device(self.device_name)
-        dtype = resolve_dtype(self.dtype_name, "bfloat16" if device.type == "cuda" else "float32")
+    def _load_vlm(self, device: Any, dtype: Any) -> tuple[Any, Any]:
         return load_vlm(self.model_name_or_path, self.processor_name_or_path, device, dtype)
 
     def _prepare(self, image: Any, processor: Any) -> Image.Image:
@@ -150,22 +133,17 @@ class DeQAScore(OffloadableModelReward):
         token_ids = level_token_ids(processor.tokenizer, [w for w, _ in self.levels], self.level_token_prefix)
         text = chat_text(processor, self.question) + self.answer_prefix
         chunks = []
-        for start in range(0, len(images), self.batch_size):
-            chunk = [self._prepare(im, processor) for im in images[start:start + self.batch_size]]
+        for sl in self.chunks(len(images)):
+            chunk = [self._prepare(im, processor) for im in images[sl]]
             batch = vlm_batch(processor, [text] * len(chunk), chunk, model.device)
             logits = model(**batch).logits[:, -1, :].float()
             chunks.append(torch.softmax(logits[:, token_ids], dim=-1))
         return torch.cat(chunks)
 
-    def __call__(self, prompts: Sequence[str], images: Sequence[Any], **columns: Any) -> list[float | None]:
-        if len(prompts) != len(images):
-            raise ValueError(f"deqa got {len(prompts)} prompts and {len(images)} images")
-        if not images:
-            return []
+    def _score(self, prompts: list[str], images: list[Any], **columns: Any) -> Any:
+        """The expected level value per image, divided by ``divide_by`` (the prompts are not used)."""
         import torch
 
-        with self._lock, torch.inference_mode():
-            probs = self.level_probabilities(list(images))
-            values = torch.tensor([v for _, v in self.levels], dtype=probs.dtype, device=probs.device)
-            scores = probs @ values / self.divide_by
-        return [float(s) for s in scores.cpu().tolist()]
+        probs = self.level_probabilities(images)
+        values = torch.tensor([v for _, v in self.levels], dtype=probs.dtype, device=probs.device)
+        return probs @ values / self.divide_by

@@ -608,9 +608,9 @@ class GenEvalReward:
             raise ValueError(f"jpeg_quality={jpeg_quality!r}; use an integer in 1..100, or None")
         if detector_image_size is not None and int(detector_image_size) < 1:
             raise ValueError(f"detector_image_size={detector_image_size!r}; use a positive integer or None")
-        from .clip_scorers import _resolve_dtype
+        from .placement import resolve_dtype
 
-        _resolve_dtype(dtype)  # a bad dtype fails here, before any model loads
+        resolve_dtype(dtype)  # a bad dtype fails here, before any model loads
         from .geneval_models import CLIPColourClassifier, GenEvalDetector
 
         self.geneval_output = geneval_output

@@ -42,6 +42,7 @@ import numpy as np
 from PIL import Image
 
 from .geneval import GENEVAL_COLORS, GENEVAL_OBJECT_NAMES, THRESHOLD, Detection, geneval_label
+from .placement import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -53,20 +54,6 @@ COLOR_TEMPLATES = ("a photo of a {c} {object}", "a photo of a {c}-colored {objec
 BACKGROUND = "#999"
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
-
-def _resolve_device(device: Any) -> Any:
-    import torch
-
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: Any) -> Any:
-    from .clip_scorers import _resolve_dtype as resolve
-
-    return resolve(dtype)
 
 
 def mask_to_box(masks: Any) -> Any:
@@ -153,7 +140,7 @@ class GenEvalDetector:
 
             config = transformers.AutoConfig.from_pretrained(self.model_id)
             model_type = getattr(config, "model_type", "")
-            device, dtype = _resolve_device(self.device_name), _resolve_dtype(self.dtype_name)
+            device, dtype = resolve_device(self.device_name), resolve_dtype(self.dtype_name)
             if model_type in INSTANCE_SEGMENTATION_TYPES:
                 import importlib.util
 
@@ -353,8 +340,8 @@ class CLIPColourClassifier:
                 return self
             from transformers import AutoTokenizer, CLIPModel
 
-            model = CLIPModel.from_pretrained(self.model_id, dtype=_resolve_dtype(self.dtype_name))
-            model.to(_resolve_device(self.device_name)).eval().requires_grad_(False)
+            model = CLIPModel.from_pretrained(self.model_id, dtype=resolve_dtype(self.dtype_name))
+            model.to(resolve_device(self.device_name)).eval().requires_grad_(False)
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_id)
             self._size = int(model.config.vision_config.image_size)
             try:

@@ -29,7 +29,6 @@ Memory: about 15.5 GB of weights in bfloat16 (7.7B parameters: Qwen2-VL-7B witho
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,16 +36,7 @@ from typing import Any
 from PIL import Image
 
 from .registry import register_reward
-from .vlm_models import (
-    OffloadableModelReward,
-    as_rgb,
-    chat_text,
-    load_vlm_processor,
-    pick_device,
-    resolve_device,
-    resolve_dtype,
-    vlm_batch,
-)
+from .vlm_models import VLMReward, as_rgb, cached_vlm, chat_text, load_vlm_processor, vlm_batch
 
 __all__ = [
     "DEFAULT_HPSV3_BASE_MODEL",
@@ -290,12 +280,8 @@ def load_hpsv3(model_name_or_path: str, base_model_name_or_path: str, device: An
     return model, processor
 
 
-_MODELS: dict[tuple, tuple[Any, Any]] = {}
-_MODELS_LOCK = threading.Lock()
-
-
 @register_reward("hpsv3")
-class HPSv3Reward(OffloadableModelReward):
+class HPSv3Reward(VLMReward):
     """HPSv3's ``mu`` for each (prompt, image) (see the module docstring).
 
     Args:
@@ -322,30 +308,21 @@ class HPSv3Reward(OffloadableModelReward):
         output: str = "mu",
         reward_device: str | None = None,
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 < min_pixels <= max_pixels:
             raise ValueError(f"need 0 < min_pixels <= max_pixels, got {min_pixels} and {max_pixels}")
         if output not in ("mu", "sigma"):
             raise ValueError(f"output must be 'mu' (the score) or 'sigma', got {output!r}")
+        super().__init__(device=device, dtype=dtype, batch_size=batch_size, reward_device=reward_device)
         self.model_name_or_path = str(model_name_or_path)
         self.base_model_name_or_path = str(base_model_name_or_path)
         self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
-        self.device_name = pick_device(device, reward_device)
-        self.dtype_name = dtype
-        self.batch_size = int(batch_size)
         self.output = output
-        self._lock = threading.Lock()
         self.__name__ = "hpsv3"
 
-    def _load(self) -> tuple[Any, Any]:
-        device = resolve_device(self.device_name)
-        dtype = resolve_dtype(self.dtype_name, "bfloat16" if device.type == "cuda" else "float32")
-        key = (self.model_name_or_path, self.base_model_name_or_path, str(device), str(dtype))
-        with _MODELS_LOCK:
-            if key not in _MODELS:
-                _MODELS[key] = load_hpsv3(self.model_name_or_path, self.base_model_name_or_path, device, dtype)
-            return _MODELS[key]
+    def _load_vlm(self, device: Any, dtype: Any) -> tuple[Any, Any]:
+        key = ("hpsv3", self.model_name_or_path, self.base_model_name_or_path, str(device), str(dtype))
+        return cached_vlm(key, lambda: load_hpsv3(self.model_name_or_path, self.base_model_name_or_path, device,
+                                                  dtype))
 
     def prepare_image(self, image: Any) -> Image.Image:
         """RGB, bicubic-resized to the ``smart_resize`` size within ``[min_pixels, max_pixels]``."""
@@ -360,19 +337,11 @@ class HPSv3Reward(OffloadableModelReward):
         return vlm_batch(processor, texts, [self.prepare_image(im) for im in images], model.model.device,
                          padding_side="right")
 
-    def __call__(self, prompts: Sequence[str], images: Sequence[Any], **columns: Any) -> list[float | None]:
-        if len(prompts) != len(images):
-            raise ValueError(f"hpsv3 got {len(prompts)} prompts and {len(images)} images")
-        if not images:
-            return []
+    def _score(self, prompts: list[str], images: list[Any], **columns: Any) -> Any:
+        """The head's ``mu`` (or ``sigma``) per pair, float32."""
         import torch
 
         column = 0 if self.output == "mu" else 1
-        scores: list[float] = []
-        with self._lock, torch.inference_mode():
-            model, _ = self.load()
-            for start in range(0, len(prompts), self.batch_size):
-                batch = self.inputs(list(prompts[start:start + self.batch_size]),
-                                    list(images[start:start + self.batch_size]))
-                scores += model(**batch)[:, column].float().cpu().tolist()
-        return [float(s) for s in scores]
+        model, _ = self.load()
+        return torch.cat([model(**self.inputs(prompts[sl], images[sl]))[:, column].float()
+                          for sl in self.chunks(len(prompts))])

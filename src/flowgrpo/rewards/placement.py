@@ -12,10 +12,11 @@ A reward supports offloading when it has both methods of `OffloadableReward`:
   reward;
 * ``offload()``: move the weights to the CPU (a no-op before the model is loaded).
 
-`ModelReward` is the base of the built-in model rewards (``imagereward``, ``hpsv2``): lazy loading on the first
-call, ``reward_device`` / ``dtype`` options, chunking in ``batch_size`` and a lock per reward (so it can be called
-from `RewardSet.submit`'s pool). Rewards without the two methods (OCR, JPEG, remote servers, plain functions) are
-called as they are.
+`ModelReward` is the base of the built-in model rewards (``imagereward``, ``hpsv2``, and through
+`flowgrpo.rewards.vlm_models.VLMReward` ``hpsv3``, ``vqascore``, ``deqa``, ``unifiedreward``): lazy loading on the
+first call, ``reward_device`` / ``dtype`` options, chunking in ``batch_size`` and a lock per reward (so it can be
+called from `RewardSet.submit`'s pool). Rewards without the two methods (OCR, JPEG, remote servers, plain
+functions) are called as they are.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["ModelReward", "OffloadableReward", "resolve_device", "resolve_dtype", "scoring_on_device",
+__all__ = ["ModelReward", "OffloadableReward", "pick_device", "resolve_device", "resolve_dtype", "scoring_on_device",
            "supports_offload"]
 
 
@@ -38,12 +39,13 @@ def resolve_device(device: Any) -> Any:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: Any) -> Any:
-    """``torch.dtype`` of ``dtype`` (a dtype, or a name such as ``"float32"``, ``"bf16"``); ``None`` is float32."""
+def resolve_dtype(dtype: Any, default: Any = "float32") -> Any:
+    """``torch.dtype`` of ``dtype`` (a dtype, or a name such as ``"float32"``, ``"bf16"``); ``None`` is ``default``
+    (float32 unless given)."""
     import torch
 
     if dtype is None:
-        return torch.float32
+        dtype = default
     if isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str):
@@ -109,11 +111,12 @@ class ModelReward:
     Subclasses implement ``_load(device, dtype)`` (build and load the model, return the ``nn.Module`` that holds
     every weight) and ``_score(prompts, images, **columns)`` (a float tensor of scores, one per pair); this class
     gives the placement (``reward_device``, ``dtype``), the lock, the offloading methods and the float conversion.
+    A subclass whose ``dtype`` default is not float32 overrides `default_dtype`.
 
     Args:
         device / reward_device: where the model runs (one name for the same option; default: CUDA when available,
             else the CPU).
-        dtype: the model's weights dtype (default float32); scores are returned as Python floats.
+        dtype: the model's weights dtype (default `default_dtype`: float32); scores are returned as Python floats.
         batch_size: pairs per forward pass.
     """
 
@@ -134,12 +137,20 @@ class ModelReward:
         """The device the model scores on."""
         return resolve_device(self.device_name)
 
+    def default_dtype(self, device: Any) -> Any:
+        """The weights dtype on ``device`` when no ``dtype`` is given: float32."""
+        return "float32"
+
     @property
     def dtype(self) -> Any:
-        return resolve_dtype(self.dtype_name)
+        return resolve_dtype(self.dtype_name, self.default_dtype(self.reward_device))
 
     def load(self) -> Any:
         """Load (once) and return the model's module, on ``reward_device``."""
+        return self._loaded_module()
+
+    def _loaded_module(self) -> Any:
+        """The ``nn.Module`` holding every weight, loaded on the first call (what `to` and `offload` move)."""
         with self._lock:
             if self._module is None:
                 module = self._load(self.reward_device, self.dtype)
@@ -153,7 +164,7 @@ class ModelReward:
     def to(self, device: Any = None) -> ModelReward:
         """Move the weights to ``device`` (default ``reward_device``), loading them first if needed."""
         with self._lock:
-            self.load().to(resolve_device(device) if device is not None else self.reward_device)
+            self._loaded_module().to(resolve_device(device) if device is not None else self.reward_device)
         return self
 
     def offload(self) -> None:
@@ -165,19 +176,20 @@ class ModelReward:
     @property
     def current_device(self) -> Any:
         """Where the weights are now (the inputs of a forward pass go there)."""
-        return module_device(self.load())
+        return module_device(self._loaded_module())
 
     # ---- scoring --------------------------------------------------------------------------------------
 
     def __call__(self, prompts: Sequence[str], images: Sequence[Any], **columns: Any) -> list[float | None]:
         if len(prompts) != len(images):
-            raise ValueError(f"{type(self).__name__} got {len(prompts)} prompts and {len(images)} images")
+            name = getattr(self, "__name__", type(self).__name__)
+            raise ValueError(f"{name} got {len(prompts)} prompts and {len(images)} images")
         if not images:
             return []
         import torch
 
         with self._lock, torch.inference_mode():
-            self.load()
+            self._loaded_module()
             scores = self._score(list(prompts), list(images), **columns)
         return [float(s) for s in scores.float().cpu().tolist()]
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,16 +30,7 @@ from PIL import Image
 
 from .registry import register_reward
 from .vlm_judge import VLMJudgeReward
-from .vlm_models import (
-    OffloadableModelReward,
-    as_rgb,
-    chat_text,
-    load_vlm,
-    pick_device,
-    resolve_device,
-    resolve_dtype,
-    vlm_batch,
-)
+from .vlm_models import VLMReward, as_rgb, chat_text, load_vlm, vlm_batch
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +97,7 @@ class _UnifiedRewardJudge(VLMJudgeReward):
 
 
 @register_reward("unifiedreward")
-class UnifiedReward(OffloadableModelReward):
+class UnifiedReward(VLMReward):
     """UnifiedReward's ``Final Score`` / 5 (see the module docstring).
 
     Args:
@@ -159,6 +149,7 @@ class UnifiedReward(OffloadableModelReward):
             raise ValueError(f"image_size must be a positive side length or None, got {image_size}")
         if batch_size < 1 or max_new_tokens < 1:
             raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size} and {max_new_tokens}")
+        super().__init__(device=device, dtype=dtype, batch_size=batch_size, reward_device=reward_device)
         self.backend = backend
         self.on_unparsable = _check_policy(on_unparsable)
         self.prompt_template = prompt_template
@@ -177,11 +168,7 @@ class UnifiedReward(OffloadableModelReward):
                 raise ValueError("prompt_template must contain '{prompt}'")
             self.model = model or DEFAULT_INPROCESS_MODEL
         self.processor_name_or_path = processor_name_or_path
-        self.device_name = pick_device(device, reward_device)
-        self.dtype_name = dtype
-        self.batch_size = int(batch_size)
         self.max_new_tokens = int(max_new_tokens)
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"UnifiedReward(backend={self.backend!r}, model={self.model!r})"
@@ -211,19 +198,16 @@ class UnifiedReward(OffloadableModelReward):
         """Move the in-process judge to ``device`` (the server backend has no local weights: nothing happens)."""
         return self if self._judge is not None else super().to(device)
 
-    def _load(self) -> tuple[Any, Any]:
-        device = resolve_device(self.device_name)
-        dtype = resolve_dtype(self.dtype_name, "bfloat16" if device.type == "cuda" else "float32")
+    def _load_vlm(self, device: Any, dtype: Any) -> tuple[Any, Any]:
         return load_vlm(self.model, self.processor_name_or_path, device, dtype)
 
     def generate_answers(self, prompts: Sequence[str], images: Sequence[Any]) -> list[str]:
         """The in-process judge's greedy answers, one per (prompt, image)."""
         model, processor = self.load()
         answers: list[str] = []
-        for start in range(0, len(prompts), self.batch_size):
-            texts = [chat_text(processor, self.prompt_template.format(prompt=p))
-                     for p in prompts[start:start + self.batch_size]]
-            chunk = [self.prepare_image(im) for im in images[start:start + self.batch_size]]
+        for sl in self.chunks(len(prompts)):
+            texts = [chat_text(processor, self.prompt_template.format(prompt=p)) for p in prompts[sl]]
+            chunk = [self.prepare_image(im) for im in images[sl]]
             batch = vlm_batch(processor, texts, chunk, model.device)
             output = model.generate(**batch, max_new_tokens=self.max_new_tokens, do_sample=False)
             new_tokens = output[:, batch["input_ids"].shape[1]:]

@@ -1,8 +1,13 @@
-"""Loading, placing and prompting in-process vision-language models for the VLM rewards (``vqascore``, ``deqa``,
-the in-process ``unifiedreward``; ``hpsv3`` uses the processor loading, prompting and placement).
+"""Loading and prompting in-process vision-language models for the VLM rewards (``vqascore``, ``deqa``, the
+in-process ``unifiedreward``; ``hpsv3`` uses the processor loading, prompting and the base class).
 
-* `load_vlm` loads ``AutoModelForImageTextToText`` and its processor once per process and per (model, processor,
-  device, dtype), in eval mode without gradients.
+* `VLMReward` is `flowgrpo.rewards.placement.ModelReward` for a model that comes with a processor: ``load()``
+  gives ``(model, processor)``; the placement (``device`` / ``reward_device``, ``to()`` / ``offload()`` for
+  ``reward_offload``), the lock and the chunking are `ModelReward`'s; the ``dtype`` defaults to bfloat16 on CUDA
+  and float32 on the CPU.
+* `cached_vlm` builds a ``(model, processor)`` pair once per process and key, so rewards with the same model,
+  device and dtype share one copy of its weights.
+* `load_vlm` loads ``AutoModelForImageTextToText`` and its processor that way, in eval mode without gradients.
 * `load_vlm_processor` is ``AutoProcessor.from_pretrained`` with one fallback: transformers builds the video
   processor of Qwen2-VL-family processors only when torchvision is installed, and CPU-only installs often lack it.
   The fallback builds the same processor class without its video processor (image processor, tokenizer and chat
@@ -11,74 +16,58 @@ the in-process ``unifiedreward``; ``hpsv3`` uses the processor loading, promptin
   generation prompt, so the next token the model predicts is the first token of its answer.
 * `vlm_batch` tokenises a batch of rendered texts with their images, left-padded by default, so that position -1
   of every row is that row's answer position.
-* `OffloadableModelReward` gives a reward ``to()`` / ``offload()`` for ``reward_offload``; `pick_device` reconciles
-  the ``device`` and ``reward_device`` spellings of the placement option.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
-__all__ = ["OffloadableModelReward", "as_rgb", "chat_text", "load_vlm", "load_vlm_processor", "pick_device",
-           "resolve_device", "resolve_dtype", "vlm_batch"]
+from .placement import ModelReward
+
+__all__ = ["VLMReward", "as_rgb", "cached_vlm", "chat_text", "load_vlm", "load_vlm_processor", "vlm_batch"]
 
 _MODELS: dict[tuple, tuple[Any, Any]] = {}
 _MODELS_LOCK = threading.Lock()
 
 
-def resolve_device(device: Any) -> Any:
-    """``torch.device``: the given one, else CUDA when available, else the CPU."""
-    from .clip_scorers import _resolve_device
-
-    return _resolve_device(None if device is None else str(device))
-
-
-def resolve_dtype(dtype: Any, default: str = "float32") -> Any:
-    """``torch.dtype`` from a dtype or its name (``"bf16"``, ``"float16"``, ...); ``None`` gives ``default``."""
-    from .clip_scorers import _resolve_dtype
-
-    return _resolve_dtype(default if dtype is None else dtype)
+def cached_vlm(key: tuple, build: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """``build()``'s ``(model, processor)``, built once per process for ``key`` (which names what ``build`` loads,
+    its device and dtype)."""
+    with _MODELS_LOCK:
+        if key not in _MODELS:
+            _MODELS[key] = build()
+        return _MODELS[key]
 
 
-def pick_device(device: Any, reward_device: Any) -> Any:
-    """The one device of the ``device`` / ``reward_device`` pair of options (two names for the same option)."""
-    if device is not None and reward_device is not None and str(device) != str(reward_device):
-        raise ValueError(f"device={device!r} and reward_device={reward_device!r} disagree; give only one of them")
-    return reward_device if reward_device is not None else device
+class VLMReward(ModelReward):
+    """`ModelReward` of a model with a processor: subclasses implement ``_load_vlm(device, dtype)`` (the
+    ``(model, processor)`` pair, usually from `cached_vlm`) and ``_score``. ``load()`` returns ``(model,
+    processor)``; ``to()`` / ``offload()`` move the model. Inputs always follow the model's current device, so a
+    model shared by two rewards scores correctly wherever it is."""
 
+    _processor: Any = None
 
-class OffloadableModelReward:
-    """Placement methods of a reward whose ``load()`` returns ``(model, processor)``: ``to(device=None)`` moves the
-    weights to ``device`` (default: the reward's own device) and returns the reward; ``offload()`` moves them to the
-    CPU (nothing before the first load). ``reward_offload`` calls them around each scoring. Inputs always follow the
-    model's current device, so a model shared by two rewards scores correctly wherever it is."""
+    def default_dtype(self, device: Any) -> Any:
+        """bfloat16 on CUDA, float32 on the CPU."""
+        return "bfloat16" if device.type == "cuda" else "float32"
 
-    device_name: Any = None
-    _loaded_model: Any = None
-
-    def _load(self) -> tuple[Any, Any]:  # pragma: no cover - every subclass defines it
+    def _load_vlm(self, device: Any, dtype: Any) -> tuple[Any, Any]:  # pragma: no cover - every subclass has one
         raise NotImplementedError
 
-    def load(self) -> tuple[Any, Any]:
-        """Load (once; cached per process and settings) and return ``(model, processor)``."""
-        model, processor = self._load()
-        self._loaded_model = model
-        return model, processor
+    def _load(self, device: Any, dtype: Any) -> Any:
+        model, self._processor = self._load_vlm(device, dtype)
+        return model
 
-    def to(self, device: Any = None) -> OffloadableModelReward:
-        model, _ = self.load()
-        model.to(resolve_device(device if device is not None else self.device_name))
-        return self
-
-    def offload(self) -> None:
-        if self._loaded_model is not None:
-            self._loaded_model.to("cpu")
+    def load(self) -> tuple[Any, Any]:  # type: ignore[override]
+        """Load (once; the weights cached per process and settings) and return ``(model, processor)``."""
+        model = self._loaded_module()
+        return model, self._processor
 
 
 def as_rgb(image: Any) -> Image.Image:
@@ -185,18 +174,16 @@ def load_vlm_processor(name_or_path: str, **kwargs: Any) -> Any:
 
 def load_vlm(model_name_or_path: str, processor_name_or_path: str | None, device: Any, dtype: Any) -> tuple[Any, Any]:
     """``(AutoModelForImageTextToText, processor)`` in eval mode on ``device`` in ``dtype``; cached per process."""
-    key = (str(model_name_or_path), str(processor_name_or_path or model_name_or_path), str(device), str(dtype))
-    with _MODELS_LOCK:
-        cached = _MODELS.get(key)
-        if cached is not None:
-            return cached
+
+    def build() -> tuple[Any, Any]:
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(model_name_or_path, dtype=dtype)
         model.to(device).eval().requires_grad_(False)
-        processor = load_vlm_processor(processor_name_or_path or model_name_or_path)
-        _MODELS[key] = (model, processor)
-        return model, processor
+        return model, load_vlm_processor(processor_name_or_path or model_name_or_path)
+
+    processor = processor_name_or_path or model_name_or_path
+    return cached_vlm(("vlm", str(model_name_or_path), str(processor), str(device), str(dtype)), build)
 
 
 def chat_text(processor: Any, question: str, system_prompt: str | None = None) -> str:

@@ -21,20 +21,11 @@ to multiples of 28 within the processor's pixel bounds, CLIP mean/std).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from .registry import register_reward
-from .vlm_models import (
-    OffloadableModelReward,
-    chat_text,
-    load_vlm,
-    pick_device,
-    resolve_device,
-    resolve_dtype,
-    vlm_batch,
-)
+from .vlm_models import VLMReward, chat_text, load_vlm, vlm_batch
 
 __all__ = ["DEFAULT_VQASCORE_MODEL", "DEFAULT_VQASCORE_QUESTION", "VQAScore", "answer_token_id"]
 
@@ -51,7 +42,7 @@ def answer_token_id(tokenizer: Any, answer: str) -> int:
 
 
 @register_reward("vqascore")
-class VQAScore(OffloadableModelReward):
+class VQAScore(VLMReward):
     """P("Yes") of a vision-language model asked whether the image shows the prompt (see the module docstring).
 
     Args:
@@ -77,26 +68,19 @@ class VQAScore(OffloadableModelReward):
         batch_size: int = 8,
         reward_device: str | None = None,
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if "{prompt}" not in question_template:
             raise ValueError(f"question_template must contain '{{prompt}}', got {question_template!r}")
         if not answer:
             raise ValueError("answer must be a non-empty string such as 'Yes'")
+        super().__init__(device=device, dtype=dtype, batch_size=batch_size, reward_device=reward_device)
         self.model_name_or_path = model_name_or_path
         self.processor_name_or_path = processor_name_or_path
         self.question_template = question_template
         self.answer = answer
         self.system_prompt = system_prompt
-        self.device_name = pick_device(device, reward_device)
-        self.dtype_name = dtype
-        self.batch_size = int(batch_size)
-        self._lock = threading.Lock()
         self.__name__ = "vqascore"
 
-    def _load(self) -> tuple[Any, Any]:
-        device = resolve_device(self.device_name)
-        dtype = resolve_dtype(self.dtype_name, "bfloat16" if device.type == "cuda" else "float32")
+    def _load_vlm(self, device: Any, dtype: Any) -> tuple[Any, Any]:
         return load_vlm(self.model_name_or_path, self.processor_name_or_path, device, dtype)
 
     def answer_logits(self, prompts: Sequence[str], images: Sequence[Any]) -> Any:
@@ -105,22 +89,17 @@ class VQAScore(OffloadableModelReward):
 
         model, processor = self.load()
         chunks = []
-        for start in range(0, len(prompts), self.batch_size):
+        for sl in self.chunks(len(prompts)):
             texts = [chat_text(processor, self.question_template.format(prompt=p), self.system_prompt)
-                     for p in prompts[start:start + self.batch_size]]
-            batch = vlm_batch(processor, texts, images[start:start + self.batch_size], model.device)
+                     for p in prompts[sl]]
+            batch = vlm_batch(processor, texts, images[sl], model.device)
             chunks.append(model(**batch).logits[:, -1, :].float())
         return torch.cat(chunks)
 
-    def __call__(self, prompts: Sequence[str], images: Sequence[Any], **columns: Any) -> list[float | None]:
-        if len(prompts) != len(images):
-            raise ValueError(f"vqascore got {len(prompts)} prompts and {len(images)} images")
-        if not images:
-            return []
+    def _score(self, prompts: list[str], images: list[Any], **columns: Any) -> Any:
+        """P(answer) per pair: the softmax of `answer_logits` at the answer's first token."""
         import torch
 
-        with self._lock, torch.inference_mode():
-            logits = self.answer_logits(list(prompts), list(images))
-            token = answer_token_id(self.load()[1].tokenizer, self.answer)
-            probs = torch.softmax(logits, dim=-1)[:, token]
-        return [float(p) for p in probs.cpu().tolist()]
+        logits = self.answer_logits(prompts, images)
+        token = answer_token_id(self.load()[1].tokenizer, self.answer)
+        return torch.softmax(logits, dim=-1)[:, token]

@@ -21,6 +21,15 @@ Cost of the cache, per prompt: one row of every embedding tensor. SD3/3.5 at ``m
 why the cache is bounded (``prompt_cache_size``, least recently used prompts dropped first) and why precomputing
 every prompt of the datasets (``precompute_prompt_embeddings``) is refused, before anything is loaded, when the
 datasets hold more distinct prompts than the cache.
+
+Rows of different lengths: the text encoders of the Qwen-Image families (Qwen-Image, Qwen-Image 2.1,
+Qwen-Image-Edit and -Edit-Plus) pad a batch only to its longest prompt, so rows cached from different batches can
+differ along the sequence dimension (dim 1). A lookup pads every such tensor at the end of dim 1 with zeros, and
+its mask (``prompt_embeds_mask``; for Qwen-Image 2.1 also ``image_pad_mask``) with zeros, exactly as the stock
+pipelines pad a batch (``_get_qwen_prompt_embeds``: ``cat([u, u.new_zeros(...)])``). Text positions stay where they
+were and the padding is masked out of attention, so the transformer's output for each row is that of the batched
+encoding. A ragged tensor without a mask of the same lengths (a tensor whose name contains ``mask``) is refused
+with an error (`flowgrpo.models.base.pad_rows_to_longest`).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from typing import Any
 import torch
 
 from ...models import PromptEmbeds
+from ...models.base import pad_rows_to_longest
 from .datasets import PROMPT_COLUMN, IndexedPromptDataset
 
 __all__ = [
@@ -270,9 +280,7 @@ class PromptEmbeddingCache:
         for key in unique:
             self._entries.move_to_end(key)
             entries.append(self._entries[key])
-        names = entries[0].keys()
-        embeds = PromptEmbeds({name: torch.cat([e[name] for e in entries]).to(device, non_blocking=True)
-                               for name in names})
+        embeds = PromptEmbeds({name: t.to(device, non_blocking=True) for name, t in pad_rows_to_longest(entries).items()})
         self._evict()  # after gathering: one call may hold more prompts than the cache
         return embeds, torch.tensor(rows, dtype=torch.long)
 
