@@ -216,3 +216,29 @@ def test_depth_scaled_copies_reproduce_the_full_depth_step(preset):
     assert scaled.rollout_flops == pytest.approx(full.rollout_flops, rel=1e-9)
     assert scaled.training_bytes == pytest.approx(full.training_bytes, rel=0.15)
     assert scaled.rollout_bytes == pytest.approx(full.rollout_bytes, rel=0.10)
+
+
+def test_new_families_packaged_configs_are_the_full_size_builders_and_every_family_has_conditioning():
+    """The packaged transformer configs of the newer families hold the numbers of their full-size builders (checked
+    there by parameter count), and every adapter family has a row in the planner's conditioning table."""
+    from flowgrpo.benchmarking.full_size_families import (
+        FLUX2_DEV_TRANSFORMER,
+        FLUX2_KLEIN_4B_TRANSFORMER,
+        QWENIMAGE21_TRANSFORMER,
+        ZIMAGE_TURBO_TRANSFORMER,
+    )
+    from flowgrpo.benchmarking.full_size_video import WAN_I2V_14B_TRANSFORMER
+    from flowgrpo.models import ADAPTERS
+    from flowgrpo.plan.model_specs import load_model_spec, packaged_specs
+    from flowgrpo.plan.step import CONDITIONING
+
+    specs = packaged_specs()
+    for stem, arch in {"flux.2-dev": FLUX2_DEV_TRANSFORMER, "flux.2-klein-4b": FLUX2_KLEIN_4B_TRANSFORMER,
+                       "z-image-turbo": ZIMAGE_TURBO_TRANSFORMER, "qwen-image-2.1": QWENIMAGE21_TRANSFORMER,
+                       "wan2.1-i2v-14b-480p": WAN_I2V_14B_TRANSFORMER}.items():
+        config = specs[stem]["transformer"]["config"]
+        assert {k: config[k] for k in arch} == json.loads(json.dumps(arch)), stem
+    assert load_model_spec("Qwen/Qwen-Image-Edit-2509").pipeline_class == "QwenImageEditPlusPipeline"
+    families = {cls.family for cls in ADAPTERS}
+    assert families <= set(CONDITIONING), sorted(families - set(CONDITIONING))
+    assert {raw["family"] for raw in specs.values()} <= families
