@@ -224,15 +224,10 @@ CONDITIONING: dict[str, Callable[[dict[str, Any], int, int, torch.Tensor, torch.
 }
 
 
-#: Families whose transformer reads the values of its masks to lay out its token sequence, which fake tensors do not
-#: hold (a fake step stops at the first such operation): planned with a clear refusal until the planner gives masks
-#: real values.
-NO_FAKE_STEP: dict[str, str] = {
-    "qwenimage21": "QwenImage21Transformer2DModel expands its image slots by the values of img_mask "
-                   "(repeat_interleave, nonzero, boolean index assignment)",
-    "hunyuanvideo15": "HunyuanVideo15Transformer3DModel branches on torch.all(image_embeds == 0) and reorders each "
-                      "sample's text tokens by boolean indexing with its attention masks",
-}
+#: Families whose transformer reads the values of its masks to lay out its token sequence (Qwen-Image 2.1's image
+#: slots, HunyuanVideo 1.5's reordered text tokens): their step runs with :class:`~flowgrpo.plan.real_masks.
+#: RealValuedMasks`, which keeps small data-independent tensors real.
+REAL_MASK_FAMILIES = ("qwenimage21", "hunyuanvideo15")
 
 
 def conditioning(spec: ModelSpec, config: dict[str, Any], batch: int, text_tokens: int, latents: torch.Tensor,
@@ -331,7 +326,10 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
     if fake and decode and decode_key in _DECODE_CACHE:  # the same VAE decoding the same slice: measured before
         measure.decode_bytes, measure.decode_flops = _DECODE_CACHE[decode_key]
         decode = False
-    with flash_attention_patched(), mode:
+    from .real_masks import RealValuedMasks
+
+    masks = RealValuedMasks() if fake and spec.family in REAL_MASK_FAMILIES else contextlib.nullcontext()
+    with flash_attention_patched(), mode, masks:
         if fake:
             model.to_empty(device="cpu")
             if decode:
@@ -448,10 +446,6 @@ def measure_full_depth(spec: ModelSpec, settings: StepSettings, *, full_depth: b
     Results are kept per (model, settings) for the process (suggestions re-plan from them)."""
     import json
 
-    if spec.family in NO_FAKE_STEP:
-        raise ValueError(f"{spec.name}: the planner cannot run this family's step on fake tensors yet: "
-                         f"{NO_FAKE_STEP[spec.family]}. Its sizes are packaged; plan a recipe of another family, or "
-                         "measure on a GPU (make gpu-check).")
     key = (spec.name, json.dumps(spec.transformer_config, sort_keys=True), settings, full_depth)
     if key in _CACHE:
         return _CACHE[key]
@@ -481,5 +475,5 @@ def measure_full_depth(spec: ModelSpec, settings: StepSettings, *, full_depth: b
     return result
 
 
-__all__ = ["CONDITIONING", "DEPTH_KEYS", "NO_FAKE_STEP", "FULL_DEPTH_PARAMS", "StepMeasure", "StepSettings", "build_component", "build_on_meta", "conditioning",
+__all__ = ["CONDITIONING", "DEPTH_KEYS", "REAL_MASK_FAMILIES", "FULL_DEPTH_PARAMS", "StepMeasure", "StepSettings", "build_component", "build_on_meta", "conditioning",
            "measure_full_depth", "reduced_configs", "run_step"]
