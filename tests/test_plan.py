@@ -141,13 +141,19 @@ GPU_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.yaml")
                      if "--config_file accelerate_configs/" in p.read_text() and "cpu" not in p.name)
 
 
+#: HunyuanVideo 1.5's VAE decode of 33 frames takes minutes under fake tensors: planned here on 5 frames (every code
+#: path the same); docs/benchmarks.md records the 33-frame plan (python -m flowgrpo.plan recipes/hunyuanvideo15_t2v.yaml).
+FEWER_FRAMES = {"hunyuanvideo15_t2v.yaml": ("--num_frames", "5")}
+
+
 @pytest.mark.run_first  # the longest test of the file (a full-size plan of each recipe): it starts first, on its own worker
 def test_every_shipped_gpu_recipe_plans_with_its_accelerate_config():
     """Each GPU recipe at full size on its intended config (the header's --config_file), on an H100: planned, with
     positive terms, and the two published outcomes that the recipes promise."""
     results = {}
     for recipe in GPU_RECIPES:
-        result = plan_recipe(str(REPO / "recipes" / recipe), [], gpu="h100-80gb", with_suggestions=False)
+        overrides = list(FEWER_FRAMES.get(recipe, ()))
+        result = plan_recipe(str(REPO / "recipes" / recipe), overrides, gpu="h100-80gb", with_suggestions=False)
         assert result["peak_memory_gb"] > 0 and result["step_flops"] > 0, recipe
         assert all(v >= 0 for v in result["breakdown_gb"].values()), recipe
         results[recipe] = result
@@ -208,3 +214,50 @@ def test_depth_scaled_copies_reproduce_the_full_depth_step(preset):
     assert scaled.rollout_flops == pytest.approx(full.rollout_flops, rel=1e-9)
     assert scaled.training_bytes == pytest.approx(full.training_bytes, rel=0.15)
     assert scaled.rollout_bytes == pytest.approx(full.rollout_bytes, rel=0.10)
+
+
+def test_new_families_packaged_configs_are_the_full_size_builders_and_every_family_has_conditioning():
+    """The packaged transformer configs of the newer families hold the numbers of their full-size builders (checked
+    there by parameter count), and every adapter family has a row in the planner's conditioning table."""
+    from flowgrpo.benchmarking.full_size_families import (
+        FLUX2_DEV_TRANSFORMER,
+        FLUX2_KLEIN_4B_TRANSFORMER,
+        QWENIMAGE21_TRANSFORMER,
+        ZIMAGE_TURBO_TRANSFORMER,
+    )
+    from flowgrpo.benchmarking.full_size_video import WAN_I2V_14B_TRANSFORMER
+    from flowgrpo.models import ADAPTERS
+    from flowgrpo.plan.model_specs import load_model_spec, packaged_specs
+    from flowgrpo.plan.step import CONDITIONING
+
+    specs = packaged_specs()
+    for stem, arch in {"flux.2-dev": FLUX2_DEV_TRANSFORMER, "flux.2-klein-4b": FLUX2_KLEIN_4B_TRANSFORMER,
+                       "z-image-turbo": ZIMAGE_TURBO_TRANSFORMER, "qwen-image-2.1": QWENIMAGE21_TRANSFORMER,
+                       "wan2.1-i2v-14b-480p": WAN_I2V_14B_TRANSFORMER}.items():
+        config = specs[stem]["transformer"]["config"]
+        assert {k: config[k] for k in arch} == json.loads(json.dumps(arch)), stem
+    assert load_model_spec("Qwen/Qwen-Image-Edit-2509").pipeline_class == "QwenImageEditPlusPipeline"
+    families = {cls.family for cls in ADAPTERS}
+    assert families <= set(CONDITIONING), sorted(families - set(CONDITIONING))
+    assert {raw["family"] for raw in specs.values()} <= families
+
+
+def test_real_valued_masks_keep_mask_values_under_fake_tensors():
+    """What Qwen-Image 2.1 and HunyuanVideo 1.5 need: small data-independent tensors stay real, so branching on
+    them, repeat_interleave by them and boolean indexing of a fake tensor with them work; large tensors stay fake."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from flowgrpo.plan.real_masks import SMALL_NUMEL, RealValuedMasks
+
+    with FakeTensorMode(allow_non_fake_inputs=True), RealValuedMasks():
+        big = torch.empty(SMALL_NUMEL + 1)
+        assert isinstance(big, FakeTensor)
+        states = big[: 2 * 10 * 8].view(2, 10, 8)
+        mask = torch.zeros(10, dtype=torch.bool)
+        mask[3:7] = True
+        assert not isinstance(mask, FakeTensor) and int(mask.sum()) == 4
+        assert bool(torch.all(states.new_zeros(2, 5) == 0))
+        assert tuple(states[:, mask].shape) == (2, 4, 8)
+        repeats = torch.where(mask, 4, 1)
+        assert int(torch.repeat_interleave(mask, repeats).sum()) == 16
+        states[:, mask] = torch.zeros(2, 4, 8)

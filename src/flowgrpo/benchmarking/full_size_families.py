@@ -138,6 +138,21 @@ def _build_zimage_turbo(seed: int, device: str):
                           **{k: v.eval() for k, v in parts.items()})
 
 
+def qwenimage21_processor():
+    """Qwen-Image 2.1's processor: the locally made Qwen tokenizer with Qwen3-VL's chat template and an image-only
+    Qwen3-VL processor (16-pixel patches, 2 x 2 merge)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ..testing.tiny_qwenimage21 import QWEN3_VL_CHAT_TEMPLATE, ImageOnlyQwen3VLProcessor
+    from ..testing.tiny_tokenizers import build_qwen2_tokenizer
+
+    tokenizer = build_qwen2_tokenizer()
+    tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
+    return ImageOnlyQwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2),
+        tokenizer=tokenizer, chat_template=QWEN3_VL_CHAT_TEMPLATE)
+
+
 def _build_qwenimage21(seed: int, device: str):
     from diffusers import (
         AutoencoderKLQwenImage21,
@@ -146,17 +161,11 @@ def _build_qwenimage21(seed: int, device: str):
         QwenImage21Transformer2DModel,
     )
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from ..testing.tiny_qwenimage21 import QWEN3_VL_CHAT_TEMPLATE, ImageOnlyQwen3VLProcessor
-    from ..testing.tiny_tokenizers import build_qwen2_tokenizer
     from .presets import _building
 
-    tokenizer = build_qwen2_tokenizer()
-    tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
-    processor = ImageOnlyQwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2),
-        tokenizer=tokenizer, chat_template=QWEN3_VL_CHAT_TEMPLATE)
+    processor = qwenimage21_processor()
+    tokenizer = processor.tokenizer
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in
            ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|endoftext|>", "<|im_end|>")}
     text = dict(QWEN3_VL_8B_TEXT, rope_parameters=dict(QWEN3_VL_8B_TEXT["rope_parameters"]), bos_token_id=None,

@@ -97,6 +97,11 @@ class QwenImage21Adapter(ModelFamilyAdapter):
         scheduler.set_timesteps(device=device, sigmas=self.sample_sigmas(num_inference_steps), mu=mu)
 
     # --- the transformer call ---------------------------------------------------------------------
+    @staticmethod
+    def _mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
+        """The mask as the pipeline passes it: ``None`` when every text token is valid."""
+        return None if bool(mask.all()) else mask
+
     def _pass(self, transformer, latents, timestep, text: dict[str, torch.Tensor], height: int, width: int):
         h, w = self._latent_hw(height, width)
         batch, n = latents.shape[:2]
@@ -104,7 +109,7 @@ class QwenImage21Adapter(ModelFamilyAdapter):
                               torch.ones(batch, n // _TOKENS_PER_SLOT, dtype=torch.bool, device=latents.device)], dim=1)
         mask = text["prompt_embeds_mask"]
         out = transformer(hidden_states=latents, timestep=timestep / 1000, encoder_hidden_states=text["prompt_embeds"],
-                          encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+                          encoder_hidden_states_mask=self._mask_or_none(mask),
                           img_shapes=[[(1, h // 1, w // 1)]] * batch, img_mask=img_mask, return_dict=False)[0]
         return out[:, -n:]
 

@@ -6,7 +6,9 @@ A model file holds (see ``sd3.5-medium.json``)::
     {"name": ..., "names": [hub ids], "family": adapter family, "pipeline_class": ...,
      "transformer": {"class_name": ..., "config": {...}}, "experts": 1 (2: Wan 2.2 A14B's two transformers),
      "vae": {"class_name": ..., "config": {...}}, "scheduler": {"class_name": ..., "config": {...}},
-     "text_encoders": {name: {"params": N, "source": ...}}, "sources": [urls of the config files]}
+     "text_encoders": {name: {"params": N, "source": ...}}, "sources": [urls of the config files],
+     "components": {pipeline argument: {"class_name": ..., "config": {...}}} (optional: further modules the family's
+     adapter reads, e.g. LTX-2's audio VAE; built on the meta device, their weights counted)}
 
 Adding a model is adding one such file. No weights are read: a local folder contributes its ``config.json`` files and
 the parameter counts in the safetensors headers (the first few KB of each file) of its text encoders.
@@ -27,7 +29,10 @@ CONFIG_DIR = Path(__file__).with_name("model_configs")
 _FAMILY_OF_PIPELINE = {
     "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext",
     "QwenImagePipeline": "qwenimage", "QwenImageEditPipeline": "qwenimage_edit", "QwenImageEditPlusPipeline":
-    "qwenimage_edit", "WanPipeline": "wan",
+    "qwenimage_edit_plus", "WanPipeline": "wan",
+    "Flux2Pipeline": "flux2", "Flux2KleinPipeline": "flux2_klein", "ZImagePipeline": "zimage",
+    "QwenImage21Pipeline": "qwenimage21", "WanImageToVideoPipeline": "wan_i2v", "LTX2Pipeline": "ltx2",
+    "HunyuanVideo15Pipeline": "hunyuanvideo15",
 }
 
 
@@ -47,6 +52,7 @@ class ModelSpec:
     text_encoder_params: dict[str, int]
     experts: int = 1
     sources: list[str] = field(default_factory=list)
+    components: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)  # name -> (class, config)
     origin: str = "packaged"          # "packaged" | "local folder <path>" | "hub cache <path>"
 
     @property
@@ -66,7 +72,8 @@ def _from_packaged(raw: dict[str, Any]) -> ModelSpec:
         vae_class=raw["vae"]["class_name"], vae_config=dict(raw["vae"]["config"]),
         scheduler_class=raw["scheduler"]["class_name"], scheduler_config=dict(raw["scheduler"]["config"]),
         text_encoder_params={k: int(v["params"]) for k, v in raw.get("text_encoders", {}).items()},
-        experts=int(raw.get("experts", 1)), sources=list(raw.get("sources", [])))
+        experts=int(raw.get("experts", 1)), sources=list(raw.get("sources", [])),
+        components={k: (v["class_name"], dict(v["config"])) for k, v in raw.get("components", {}).items()})
 
 
 def _safetensors_params(folder: Path) -> int:
@@ -122,7 +129,9 @@ def _from_folder(folder: Path, origin: str, fallback: dict[str, Any] | None) -> 
         transformer_class=_class_name(folder / "transformer"), transformer_config=_config(folder / "transformer"),
         vae_class=_class_name(folder / "vae"), vae_config=_config(folder / "vae"),
         scheduler_class=_class_name(folder / "scheduler"), scheduler_config=_config(folder / "scheduler"),
-        text_encoder_params=encoders, experts=experts, sources=[str(folder)], origin=origin)
+        text_encoder_params=encoders, experts=experts, sources=[str(folder)], origin=origin,
+        components={name: (_class_name(folder / name), _config(folder / name)) for name in (fallback or {}).get(
+            "components", {}) if (folder / name).is_dir()})
 
 
 def _hub_cache_snapshot(repo_id: str) -> Path | None:

@@ -153,6 +153,8 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
     other_weights = (spec.text_encoder_total * b if not inputs.offload_text_encoders else 0.0)
     vae_params = _vae_params(spec)
     other_weights += vae_params * b
+    other_weights += sum(_component_params(*part) for name, part in spec.components.items()
+                         if name not in spec.text_encoder_params) * b  # e.g. LTX-2's audio VAE
     opt_per_param = _opt_bytes_per_param(inputs.optimizer, train_bytes)
 
     gather = 0.0
@@ -241,6 +243,15 @@ def _vae_params(spec: ModelSpec) -> float:
 _VAE_PARAMS: dict[tuple, float] = {}
 
 
+def _component_params(class_name: str, config: dict[str, Any]) -> float:
+    key = (class_name, repr(sorted(config.items())))
+    if key not in _VAE_PARAMS:
+        from .step import build_component
+
+        _VAE_PARAMS[key] = float(sum(p.numel() for p in build_component(class_name, config).parameters()))
+    return _VAE_PARAMS[key]
+
+
 def _collective_bytes(par: Parallelism, params: dict[str, float], trainable: float, train_bytes: int, b: int,
                       s: StepSettings, ga: int) -> float:
     """Bytes each GPU sends per optimizer step (ring collectives: (N-1)/N of the buffer per all-gather or
@@ -290,21 +301,22 @@ def plan_inputs(script_args: Any, model_args: Any, training_args: Any, parallel:
 
 
 def check_wrap_classes(spec: ModelSpec, parallel: Parallelism) -> None:
-    """FSDP's ``fsdp_transformer_layer_cls_to_wrap`` must name classes of the model (accelerate refuses the run
-    otherwise, after the weights are loaded): checked here on the model built on the meta device."""
+    """FSDP's ``fsdp_transformer_layer_cls_to_wrap`` must name classes of the model: the trainer keeps the names its
+    model has (one config may list several families' blocks, ``fsdp8_video.yaml``) and refuses a list naming none of
+    them (accelerate would, after the weights are loaded). Checked here on the model built on the meta device."""
     if parallel.kind != "fsdp" or not parallel.wrap_classes:
         return
     from .step import build_on_meta
 
     transformer, _ = build_on_meta(spec)
     present = {type(m).__name__ for m in transformer.modules()}
-    missing = [c for c in parallel.wrap_classes if c not in present]
-    if missing:
+    if not any(c in present for c in parallel.wrap_classes):
         blocks = sorted(c for c in present if c.endswith(("Block", "Model")) and "Embed" not in c)
-        raise ValueError(f"{parallel.source}: fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which "
-                         f"{spec.name} ({spec.transformer_class}) does not have; accelerate would refuse to wrap it. "
+        raise ValueError(f"{parallel.source}: fsdp_transformer_layer_cls_to_wrap names {', '.join(parallel.wrap_classes)}, "
+                         f"none of which {spec.name} ({spec.transformer_class}) has; accelerate would refuse to wrap it. "
                          f"Its block classes: {', '.join(blocks)}. Use the family's config (accelerate_configs/"
-                         "fsdp8_flux.yaml, fsdp8_qwenimage.yaml, fsdp8_wan.yaml) or list those classes.")
+                         "fsdp8_flux.yaml, fsdp8_qwenimage.yaml, fsdp8_wan.yaml, fsdp8_flux2.yaml, fsdp8_video.yaml) "
+                         "or list those classes.")
 
 
 def make_plan(inputs: PlanInputs) -> Plan:

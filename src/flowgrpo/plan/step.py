@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ from .model_specs import ModelSpec
 from .tracking import LiveBytes, flash_attention_patched
 
 #: Config keys that count blocks, and config keys listing block indices with an extra part.
-DEPTH_KEYS = ("num_layers", "num_single_layers")
+DEPTH_KEYS = ("num_layers", "num_single_layers", "n_layers")
 INDEX_LIST_KEYS = ("dual_attention_layers",)
 #: Transformers up to this many parameters are measured at full depth (CPU presets: exact, no scaling).
 FULL_DEPTH_PARAMS = 300_000_000
@@ -125,7 +126,35 @@ def _pipeline(spec: ModelSpec, transformer, vae):
     params = inspect.signature(cls.__init__).parameters
     kwargs = {name: None for name, p in params.items() if name != "self" and p.default is inspect.Parameter.empty}
     kwargs.update(transformer=transformer, vae=vae, scheduler=scheduler)
+    kwargs.update({name: build_component(*part) for name, part in spec.components.items()})
+    kwargs.update({name: make() for name, make in PIPELINE_ARGUMENTS.get(spec.pipeline_class, {}).items()})
     return cls(**kwargs)
+
+
+def _qwenimage21_processor():
+    from ..benchmarking.full_size_families import qwenimage21_processor
+
+    return qwenimage21_processor()
+
+
+#: Pipeline class -> arguments its constructor reads beyond the transformer, VAE and scheduler (Qwen-Image 2.1 counts
+#: its system prompt's tokens with the processor): the locally made stand-ins of the full-size benchmark builders.
+PIPELINE_ARGUMENTS: dict[str, dict[str, Callable[[], Any]]] = {
+    "QwenImage21Pipeline": {"processor": _qwenimage21_processor},
+}
+
+
+def build_component(class_name: str, config: dict[str, Any]):
+    """A further pipeline module (a diffusers model from its config, or a transformers model from its config class)
+    on the meta device: the adapter reads its configuration; it is never run."""
+    import diffusers
+    import transformers
+
+    with torch.device("meta"):
+        if hasattr(diffusers, class_name):
+            return getattr(diffusers, class_name).from_config(config)
+        cls = getattr(transformers, class_name)
+        return cls(cls.config_class(**config))
 
 
 def _adapter(spec: ModelSpec, pipeline, num_frames: int):
@@ -134,7 +163,71 @@ def _adapter(spec: ModelSpec, pipeline, num_frames: int):
     adapter = family_adapter_class(spec.pipeline_class)(pipeline, num_frames=num_frames)
     if hasattr(adapter, "_mask_or_none"):  # every text token valid: the longest sequence (no data-dependent check)
         adapter._mask_or_none = lambda mask: None
+    if hasattr(adapter, "_captions"):  # Z-Image's per-sample captions: every token valid (no boolean indexing)
+        adapter._captions = lambda text: list(text["prompt_embeds"].unbind(0))
     return adapter
+
+
+def _text(batch: int, tokens: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(batch, tokens, width, dtype=dtype)
+
+
+def _all_valid(batch: int, tokens: int) -> torch.Tensor:
+    return torch.ones(batch, tokens, dtype=torch.long)
+
+
+def _first_frame(config: dict[str, Any], latents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Wan image-to-video's ``condition``: 2.1 I2V (``in_channels`` above the latent channels) the frame mask and the
+    first frame's latents over every latent frame, channel-concatenated to the noise; TI2V the first latent frame."""
+    channels = int(latents.shape[1])
+    extra = int(config["in_channels"]) - channels
+    if extra > 0:
+        return torch.zeros(latents.shape[0], extra, *latents.shape[2:], dtype=dtype)
+    return torch.zeros(latents.shape[0], channels, 1, *latents.shape[3:], dtype=dtype)
+
+
+#: Adapter family -> what its ``encode_prompts`` returns, as zero tensors of the right shapes:
+#: ``(transformer config, batch, text tokens, latents, dtype) -> {name: tensor}``. Widths come from the transformer's
+#: config; fixed lengths are the pipelines' (SD3: 77 CLIP tokens before T5's; Wan 2.1 I2V: 257 CLIP ViT-H image
+#: tokens; HunyuanVideo 1.5: 256 ByT5 glyph tokens). Reference / source images (editing, image-to-video) are one per
+#: sample, at the sample's size. Every text token is valid: the longest sequence, the memory a padded batch takes.
+CONDITIONING: dict[str, Callable[[dict[str, Any], int, int, torch.Tensor, torch.dtype], dict[str, torch.Tensor]]] = {
+    "sd3": lambda c, b, n, x, d: {"prompt_embeds": _text(b, 77 + n, c["joint_attention_dim"], d),
+                                  "pooled_prompt_embeds": torch.zeros(b, c["pooled_projection_dim"], dtype=d)},
+    "flux": lambda c, b, n, x, d: {"prompt_embeds": _text(b, n, c["joint_attention_dim"], d),
+                                   "pooled_prompt_embeds": torch.zeros(b, c["pooled_projection_dim"], dtype=d)},
+    "flux_kontext": lambda c, b, n, x, d: {**CONDITIONING["flux"](c, b, n, x, d),
+                                           "image_latents": torch.zeros_like(x, dtype=d)},
+    "flux2": lambda c, b, n, x, d: {"prompt_embeds": _text(b, n, c["joint_attention_dim"], d)},
+    "flux2_klein": lambda c, b, n, x, d: {"prompt_embeds": _text(b, n, c["joint_attention_dim"], d)},
+    "zimage": lambda c, b, n, x, d: {"prompt_embeds": _text(b, n, c["cap_feat_dim"], d),
+                                     "prompt_embeds_mask": _all_valid(b, n)},
+    "qwenimage": lambda c, b, n, x, d: {"prompt_embeds": _text(b, n, c["joint_attention_dim"], d),
+                                        "prompt_embeds_mask": _all_valid(b, n)},
+    "qwenimage_edit": lambda c, b, n, x, d: {**CONDITIONING["qwenimage"](c, b, n, x, d),
+                                             "image_latents": torch.zeros_like(x, dtype=d)},
+    "qwenimage_edit_plus": lambda c, b, n, x, d: CONDITIONING["qwenimage_edit"](c, b, n, x, d),
+    "qwenimage21": lambda c, b, n, x, d: {"prompt_embeds": _text(b, n, c["context_in_dim"], d),
+                                          "prompt_embeds_mask": _all_valid(b, n),
+                                          "image_pad_mask": torch.zeros(b, n, dtype=torch.long)},
+    "wan": lambda c, b, n, x, d: {"prompt_embeds": _text(b, n, c["text_dim"], d)},
+    "wan_i2v": lambda c, b, n, x, d: {
+        **CONDITIONING["wan"](c, b, n, x, d), "condition": _first_frame(c, x, d),
+        **({"image_embeds": _text(b, 257, c["image_dim"], d)} if c.get("image_dim") else {})},
+    "ltx2": lambda c, b, n, x, d: {"video_context": _text(b, n, c["caption_channels"], d),
+                                   "audio_context": _text(b, n, c["caption_channels"], d),
+                                   "context_mask": _all_valid(b, n)},
+    "hunyuanvideo15": lambda c, b, n, x, d: {"prompt_embeds": _text(b, n, c["text_embed_dim"], d),
+                                             "prompt_embeds_mask": _all_valid(b, n),
+                                             "prompt_embeds_2": _text(b, 256, c["text_embed_2_dim"], d),
+                                             "prompt_embeds_mask_2": _all_valid(b, 256)},
+}
+
+
+#: Families whose transformer reads the values of its masks to lay out its token sequence (Qwen-Image 2.1's image
+#: slots, HunyuanVideo 1.5's reordered text tokens): their step runs with :class:`~flowgrpo.plan.real_masks.
+#: RealValuedMasks`, which keeps small data-independent tensors real.
+REAL_MASK_FAMILIES = ("qwenimage21", "hunyuanvideo15")
 
 
 def conditioning(spec: ModelSpec, config: dict[str, Any], batch: int, text_tokens: int, latents: torch.Tensor,
@@ -142,27 +235,10 @@ def conditioning(spec: ModelSpec, config: dict[str, Any], batch: int, text_token
     """Prompt embeddings of the family's shapes (what its ``encode_prompts`` returns), for ``batch`` samples."""
     from ..models import PromptEmbeds
 
-    family = spec.family
-    if family == "sd3":
-        return PromptEmbeds({
-            "prompt_embeds": torch.zeros(batch, 77 + text_tokens, config["joint_attention_dim"], dtype=dtype),
-            "pooled_prompt_embeds": torch.zeros(batch, config["pooled_projection_dim"], dtype=dtype)})
-    if family in ("flux", "flux_kontext"):
-        tensors = {"prompt_embeds": torch.zeros(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
-                   "pooled_prompt_embeds": torch.zeros(batch, config["pooled_projection_dim"], dtype=dtype)}
-        if family == "flux_kontext":
-            tensors["image_latents"] = torch.zeros_like(latents, dtype=dtype)
-        return PromptEmbeds(tensors)
-    if family in ("qwenimage", "qwenimage_edit"):
-        tensors = {"prompt_embeds": torch.zeros(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
-                   "prompt_embeds_mask": torch.ones(batch, text_tokens, dtype=torch.long)}
-        if family == "qwenimage_edit":
-            tensors["image_latents"] = torch.zeros_like(latents, dtype=dtype)
-        return PromptEmbeds(tensors)
-    if family == "wan":
-        return PromptEmbeds({"prompt_embeds": torch.zeros(batch, text_tokens, config["text_dim"], dtype=dtype)})
-    raise ValueError(f"The planner has no conditioning shapes for family {family!r}; add them to "
-                     "flowgrpo.plan.step.conditioning.")
+    if spec.family not in CONDITIONING:
+        raise ValueError(f"The planner has no conditioning shapes for family {spec.family!r}; add them to "
+                         f"flowgrpo.plan.step.CONDITIONING (known: {', '.join(sorted(CONDITIONING))}).")
+    return PromptEmbeds(CONDITIONING[spec.family](config, batch, text_tokens, latents, dtype))
 
 
 def _prepare_transformer(transformer, settings: StepSettings, adapter_targets: tuple[str, ...]):
@@ -250,7 +326,10 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
     if fake and decode and decode_key in _DECODE_CACHE:  # the same VAE decoding the same slice: measured before
         measure.decode_bytes, measure.decode_flops = _DECODE_CACHE[decode_key]
         decode = False
-    with flash_attention_patched(), mode:
+    from .real_masks import RealValuedMasks
+
+    masks = RealValuedMasks() if fake and spec.family in REAL_MASK_FAMILIES else contextlib.nullcontext()
+    with flash_attention_patched(), mode, masks:
         if fake:
             model.to_empty(device="cpu")
             if decode:
@@ -266,10 +345,13 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
             return adapter.predict_velocity(net, x.to(settings.dtype), t, embeds, settings.guidance_scale, negative,
                                             height, width).float()
 
-        image_tokens, text_tokens = adapter.sequence_lengths(embeds, latents)
+        measure.latent_bytes = float(latents.numel() * 4)
+        try:
+            image_tokens, text_tokens = adapter.sequence_lengths(embeds, latents)
+        except (NotImplementedError, RuntimeError):  # no token count for this family (LTX-2's two streams) or a
+            image_tokens = text_tokens = 0            # count read from a mask, which fake tensors do not hold
         rows = batch * (2 if negative is not None else 1)
         inner = int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 1))
-        measure.latent_bytes = float(latents.numel() * 4)
         measure.block_io_bytes = float(rows * (image_tokens + text_tokens) * inner * settings.dtype.itemsize)
 
         # ---- rollout: one sampling step (every step has the same shapes), no gradients -----------------------------
@@ -393,5 +475,5 @@ def measure_full_depth(spec: ModelSpec, settings: StepSettings, *, full_depth: b
     return result
 
 
-__all__ = ["DEPTH_KEYS", "FULL_DEPTH_PARAMS", "StepMeasure", "StepSettings", "build_on_meta", "conditioning",
+__all__ = ["CONDITIONING", "DEPTH_KEYS", "REAL_MASK_FAMILIES", "FULL_DEPTH_PARAMS", "StepMeasure", "StepSettings", "build_component", "build_on_meta", "conditioning",
            "measure_full_depth", "reduced_configs", "run_step"]
