@@ -12,7 +12,10 @@ from flowgrpo.cpu_threads import (
     ALL_CORES_MIN_PARAMETERS,
     CPU_THREADS_ENV,
     apply_cpu_thread_plan,
+    background_task,
+    busy_background_threads,
     current_cpu_thread_plan,
+    install_main_thread_yield,
     limit_worker_threads,
     parse_cpu_threads,
     plan_cpu_threads,
@@ -96,10 +99,11 @@ def test_trainer_applies_the_policy_to_itself_and_its_background_pools(tiny_sd3_
     from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
 
     monkeypatch.setenv(CPU_THREADS_ENV, "3")
-    seen = []
+    seen, busy = [], []
 
     def reward(prompts, images, **columns):
         seen.append(torch.get_num_threads())
+        busy.append(busy_background_threads())
         return [0.0] * len(images)
 
     args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=2, num_generations=2,
@@ -111,7 +115,54 @@ def test_trainer_applies_the_policy_to_itself_and_its_background_pools(tiny_sd3_
     assert trainer.cpu_thread_plan.torch_threads == 2 and torch.get_num_threads() == 2
     trainer.train()
     assert seen == [1]  # the reward ran in a background worker with one thread
+    # counted busy while it ran (with the decode task that handed it over, if that has not returned yet)
+    assert busy[0] in (1, 2) and busy_background_threads() == 0
     assert torch.get_num_threads() == 2
+
+
+def test_main_thread_yields_one_core_per_busy_background_task(monkeypatch, restore_threads):
+    """With every core on the main thread (a large model), each block of the transformer starts with one torch
+    thread fewer per busy background task, and with all of them once the background is idle."""
+    monkeypatch.setenv(CPU_THREADS_ENV, "3")
+    assert not plan_cpu_threads("auto").yield_to_background  # a small model keeps a core free: nothing to yield
+    assert not plan_cpu_threads(3, model_parameters=ALL_CORES_MIN_PARAMETERS).yield_to_background  # fixed: kept
+    plan = apply_cpu_thread_plan(plan_cpu_threads("auto", model_parameters=ALL_CORES_MIN_PARAMETERS))
+    assert plan.torch_threads == 3 and plan.yield_to_background and "fewer" in plan.describe()
+    seen = []
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4)]))
+    handles = install_main_thread_yield([model])
+    assert len(handles) == 2  # the root and the one block
+    model[1][0].register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))  # runs after
+
+    def forward():
+        model[1][0](model[0](torch.ones(1, 4)))
+
+    started, release = threading.Event(), threading.Event()
+
+    def busy_task():
+        started.set()
+        release.wait(10)
+        return "done"
+
+    forward()
+    for busy in (1, 2):
+        threads = [threading.Thread(target=background_task, args=(busy_task,)) for _ in range(busy)]
+        for thread in threads:
+            thread.start()
+        while busy_background_threads() < busy:
+            started.wait(0.01)
+        forward()
+        release.set()
+        for thread in threads:
+            thread.join()
+        release.clear()
+    forward()
+    assert seen == [3, 2, 1, 3] and busy_background_threads() == 0
+    assert background_task(lambda a, b=0: a + b, 1, b=2) == 3
+    for handle in handles:
+        handle.remove()
+    apply_cpu_thread_plan(plan_cpu_threads("auto"))
+    assert install_main_thread_yield([model]) == []
 
 
 def _build_counting(args):

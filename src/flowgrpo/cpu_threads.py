@@ -9,7 +9,8 @@ docs/benchmarks.md). The policy gives each kind of work its own share:
 
     cores_per_process = $FLOWGRPO_CPU_THREADS, else max(1, usable cores // processes on this machine)
     main torch threads = max(1, cores_per_process - 1)   (one core left for the background threads), or
-                         cores_per_process when the trained transformer(s) have ALL_CORES_MIN_PARAMETERS or more
+                         cores_per_process when the trained transformer(s) have ALL_CORES_MIN_PARAMETERS or more,
+                         less one per busy background thread (at least 1) while the background works
     background threads = 1 torch thread each (decode, reward workers); onnxruntime: 1 intra-op thread
     torch inter-op threads = 1                           (nothing here uses inter-op parallelism)
 
@@ -20,6 +21,13 @@ the bottleneck, so it takes every core of its share; the background threads, idl
 it. Measured on 2 cores (docs/benchmarks.md, "CPU threads"): the 0.4M-parameter tiny pipeline and the 0.59M toy
 world ran 1.5x slower with 2 torch threads than with 1; the 34M-parameter `small-cpu` model ran 1.44x faster with
 both cores for its main thread than with one, and 1.16x faster than with 2 threads for every kind of work.
+
+Yielding. With every core on the main thread, the background threads still take a core whenever they decode or
+score, and the main thread's OpenMP team, one member short, stalls at every barrier: the step ran above its
+bare-model floor by the background's whole cost. So the background tasks count themselves busy
+(:func:`background_work`, :func:`background_task`) and the main thread, at the start of every block of the trained
+transformer (:func:`install_main_thread_yield`), runs with one thread fewer per busy background thread and with all
+of them again once the background is idle: the cores are never oversubscribed and never idle.
 
 "Processes on this machine" is ``LOCAL_WORLD_SIZE`` (set by ``accelerate launch`` and ``torchrun``), else 1;
 "usable cores" is the process's CPU affinity. On a GPU run only the reward side matters: the OCR reward then gets
@@ -33,10 +41,21 @@ threads starts, and the main thread's setting is left alone by them.
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 __all__ = [
     "ALL_CORES_MIN_PARAMETERS",
+    "background_task",
+    "background_work",
+    "busy_background_threads",
+    "install_main_thread_yield",
+    "main_thread_count",
     "CPU_THREADS_ENV",
     "CPUThreadPlan",
     "apply_cpu_thread_plan",
@@ -51,6 +70,10 @@ __all__ = [
 ALL_CORES_MIN_PARAMETERS = 10_000_000
 """From this many parameters in the trained transformer(s) on, ``auto`` gives the main thread every core of its share."""
 
+CPU_SPLIT_ENV = "FLOWGRPO_CPU_SPLIT"
+"""How a main thread with every core shares them with the background: ``yield`` (default), ``nice``, ``both``,
+``none`` (see the module docstring)."""
+
 CPU_THREADS_ENV = "FLOWGRPO_CPU_THREADS"
 """Cores this process may use (overrides the share computed from the machine, e.g. under a parallel test run)."""
 
@@ -64,11 +87,16 @@ class CPUThreadPlan:
     worker_torch_threads: int
     reward_threads: int
     source: str
+    yield_to_background: bool = False
+    """The main thread gives one core back per busy background thread (see `main_thread_count`)."""
+    background_nice: bool = False
+    """The background threads run at the lowest OS priority (nice 19), on the cores the main thread leaves idle."""
 
     def describe(self) -> str:
-        return (f"{self.torch_threads} torch thread(s) for the main thread, {self.worker_torch_threads} per background "
-                f"worker, {self.reward_threads} for onnxruntime rewards ({self.cores_per_process} core(s) for this "
-                f"process; {self.source})")
+        yielding = ", one fewer per busy background thread" if self.yield_to_background else ""
+        return (f"{self.torch_threads} torch thread(s) for the main thread{yielding}, {self.worker_torch_threads} per "
+                f"background worker, {self.reward_threads} for onnxruntime rewards ({self.cores_per_process} core(s) "
+                f"for this process; {self.source})")
 
 
 _CURRENT: CPUThreadPlan | None = None
@@ -151,7 +179,12 @@ def plan_cpu_threads(cpu_threads: str | int = "auto", *, on_cpu: bool = True,
     else:
         main = int(setting)
         source += f", main thread fixed at {main}"
-    return CPUThreadPlan(cores, main, 1, 1, source)
+    shares = setting == "auto" and main == cores > 1
+    split = os.environ.get(CPU_SPLIT_ENV, "yield").strip().lower() if shares else "none"
+    if split not in ("yield", "nice", "both", "none"):
+        raise ValueError(f"{CPU_SPLIT_ENV}={split!r} is not valid; use yield, nice, both or none.")
+    return CPUThreadPlan(cores, main, 1, 1, source, yield_to_background=split in ("yield", "both"),
+                         background_nice=split in ("nice", "both"))
 
 
 def apply_cpu_thread_plan(plan: CPUThreadPlan | None) -> CPUThreadPlan | None:
@@ -187,8 +220,85 @@ def limit_worker_threads() -> None:
     import torch
 
     torch.set_num_threads(_CURRENT.worker_torch_threads)
+    if _CURRENT.background_nice and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+        except OSError:
+            pass
 
 
 def reward_thread_count(default: int | None = None) -> int | None:
     """Intra-op threads for a reward's own runtime (onnxruntime): the applied plan's, else ``default``."""
     return _CURRENT.reward_threads if _CURRENT is not None else default
+
+
+# ---- the main thread yields cores to busy background threads ------------------------------------------------------
+#
+# With every core of the share on the main thread (a large model), a background thread that decodes or scores takes
+# a core from the main thread's OpenMP team; a descheduled team member then stalls the team at every barrier. So the
+# background tasks count themselves busy (`background_work`), and the main thread, at the start of every block of the
+# trained transformer (`install_main_thread_yield`), runs with one thread fewer per busy background thread (at least
+# one), and with all of them again once the background is idle.
+
+_busy_background = 0
+_busy_lock = threading.Lock()
+
+
+@contextmanager
+def background_work():
+    """Count the calling background thread as busy for the duration of the block."""
+    global _busy_background
+    with _busy_lock:
+        _busy_background += 1
+    try:
+        yield
+    finally:
+        with _busy_lock:
+            _busy_background -= 1
+
+
+def background_task(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``fn(*args, **kwargs)`` counted as busy background work: what the decode and reward pools submit."""
+    with background_work():
+        return fn(*args, **kwargs)
+
+
+def busy_background_threads() -> int:
+    """How many background tasks are running now."""
+    return _busy_background
+
+
+def main_thread_count(plan: CPUThreadPlan | None = None) -> int | None:
+    """The torch threads the main thread should use now: the plan's, less one per busy background thread (at least
+    one) when the plan yields; ``None`` without a plan (leave torch alone)."""
+    plan = _CURRENT if plan is None else plan
+    if plan is None:
+        return None
+    if not plan.yield_to_background:
+        return plan.torch_threads
+    return max(1, plan.torch_threads - _busy_background)
+
+
+def _yield_hook(module, args) -> None:
+    want = main_thread_count()
+    if want is not None and threading.current_thread() is threading.main_thread():
+        import torch
+
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+
+
+def install_main_thread_yield(modules) -> list:
+    """When the applied plan yields to the background, adjust the main thread's torch threads at the start of each
+    of ``modules``' forward passes and of each block (every module held in an ``nn.ModuleList``) inside them, so
+    that it follows the background's load within one block. Returns the hook handles (empty when nothing yields)."""
+    import torch
+
+    if _CURRENT is None or not _CURRENT.yield_to_background:
+        return []
+    handles = []
+    for root in modules:
+        targets = [root] + [child for module in root.modules() if isinstance(module, torch.nn.ModuleList)
+                            for child in module]
+        handles += [target.register_forward_pre_hook(_yield_hook) for target in targets]
+    return handles

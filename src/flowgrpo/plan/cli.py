@@ -28,12 +28,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_processes", type=int, default=None, help="GPUs (default: the accelerate config's)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the plan as JSON to this file")
     parser.add_argument("--no_suggestions", action="store_true", help="skip re-planning the suggested changes")
+    parser.add_argument("--check_sharding", action="store_true",
+                        help="FSDP configs: also shard the transformer with FSDP2's fully_shard on a fake process group "
+                             "and compare rank 0's states with the planned ones (a few seconds more)")
     return parser
 
 
 def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str | None = None, gpu: str = DEFAULT_GPU,
-                num_processes: int | None = None, with_suggestions: bool = True) -> dict[str, Any]:
-    """The plan of ``recipe`` as the ``--json`` dictionary (plus ``details``)."""
+                num_processes: int | None = None, with_suggestions: bool = True,
+                check_sharding: bool = False) -> dict[str, Any]:
+    """The plan of ``recipe`` as the ``--json`` dictionary (plus ``details``; with ``check_sharding`` and an FSDP
+    config, ``details["fsdp2_check"]``: :func:`~flowgrpo.plan.fsdp_fake.fsdp2_states` against the plan)."""
     from ..cli.parser import parse_recipe
     from .accelerate_config import intended_config, load_parallelism
     from .calibration import CALIBRATION_ERROR, CALIBRATION_SOURCE, MFU
@@ -74,6 +79,10 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str 
         "calibration": {"source": CALIBRATION_SOURCE, "error": CALIBRATION_ERROR}, "notes": plan.notes,
         "deepspeed_check": plan.deepspeed_check,
     }
+    if check_sharding and parallel.kind == "fsdp":
+        from .fsdp_fake import fsdp2_states
+
+        result["details"]["fsdp2_check"] = fsdp2_states(spec, inputs.settings, parallel).as_dict()
     return result
 
 
@@ -142,6 +151,11 @@ def format_table(result: dict[str, Any]) -> str:
     if d.get("deepspeed_check"):
         lines.append(f"  DeepSpeed's own model-state estimate: {d['deepspeed_check']['deepspeed_model_states_gb']:.2f}"
                      " GB per GPU")
+    if d.get("fsdp2_check"):
+        check = d["fsdp2_check"]
+        ratios = ", ".join(f"{k} {v:.4f}" for k, v in check["rank0_over_planned"].items())
+        lines.append(f"  FSDP2 on a fake process group ({check['world_size']} ranks, {check['wrapped_modules']} wrapped "
+                     f"modules), rank 0 over planned: {ratios}")
     if result["suggestions"]:
         lines.append("")
         lines.append("  suggestions (each re-planned):")
@@ -161,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     try:
         result = plan_recipe(args.recipe, overrides, config_file=args.config_file, gpu=args.gpu,
-                             num_processes=args.num_processes, with_suggestions=not args.no_suggestions)
+                             num_processes=args.num_processes, with_suggestions=not args.no_suggestions,
+                             check_sharding=args.check_sharding)
     except (RecipeError, ValueError) as err:
         print(f"flowgrpo plan: error: {err}", file=sys.stderr, flush=True)
         return 2

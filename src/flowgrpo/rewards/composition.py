@@ -631,7 +631,9 @@ class RewardSet:
         """
         args = (list(prompts), list(images))
         cols = {k: list(v) for k, v in columns.items()}
-        return self._executor().submit(self.__call__, *args, defer_groupwise=defer_groupwise, **cols)
+        from ..cpu_threads import background_task
+
+        return self._executor().submit(background_task, self.__call__, *args, defer_groupwise=defer_groupwise, **cols)
 
     def close(self, wait: bool = True) -> None:
         """Shut the background pool down (pending batches are cancelled when ``wait=False``)."""

@@ -42,7 +42,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import set_seed
 from transformers.utils import logging
 
-from ..cpu_threads import apply_cpu_thread_plan, plan_cpu_threads
+from ..cpu_threads import apply_cpu_thread_plan, install_main_thread_yield, plan_cpu_threads
 from ..models import PromptEmbeds, get_family_adapter
 from ..rewards import RewardSet, resolve_reward_funcs
 from ..schedulers import FlowMatchSDEScheduler
@@ -285,6 +285,7 @@ class OnlineRLTrainer(HealthGuards, RolloutPipeline, Evaluation, PipelineLoading
                                                                       model_parameters=model_parameters))
         if self.cpu_thread_plan is not None:
             logger.info("CPU threads: %s", self.cpu_thread_plan.describe())
+        self._thread_yield_hooks = install_main_thread_yield(self.adapter.transformers())
         trained = {id(module) for module in self.adapter.transformers()}
         for component in pipeline.components.values():
             if isinstance(component, torch.nn.Module) and id(component) not in trained:

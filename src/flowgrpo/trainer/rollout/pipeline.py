@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 
-from ...cpu_threads import limit_worker_threads
+from ...cpu_threads import background_task, limit_worker_threads
 from ...models import PromptEmbeds
 from ...rewards import RewardResult
 from ...rewards.composition import metric_means
@@ -280,8 +280,8 @@ class RolloutPipeline:
                 chunk_columns = {k: v[sl] for k, v in columns.items()}
                 if overlap_decode:
                     # Decode and score in the background while the next micro-batch is sampled.
-                    jobs.append(self._postprocess_executor().submit(self._decode_and_submit, final, prompts[sl],
-                                                                    chunk_columns))
+                    jobs.append(self._postprocess_executor().submit(background_task, self._decode_and_submit, final,
+                                                                    prompts[sl], chunk_columns))
                 else:
                     jobs.append(_done_future(self._decode_and_submit(final, prompts[sl], chunk_columns)))
                 record["embeds"] = embeds
