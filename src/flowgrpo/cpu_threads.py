@@ -27,7 +27,8 @@ score, and the main thread's OpenMP team, one member short, stalls at every barr
 bare-model floor by the background's whole cost. So the background tasks count themselves busy
 (:func:`background_work`, :func:`background_task`) and the main thread, at the start of every block of the trained
 transformer (:func:`install_main_thread_yield`), runs with one thread fewer per busy background thread and with all
-of them again once the background is idle: the cores are never oversubscribed and never idle.
+of them again once the background is idle: the cores are never oversubscribed and never idle. ``$FLOWGRPO_CPU_SPLIT``
+chooses another split for measurements (``nice``: no yielding, the background threads at nice 19; ``both``; ``none``).
 
 "Processes on this machine" is ``LOCAL_WORLD_SIZE`` (set by ``accelerate launch`` and ``torchrun``), else 1;
 "usable cores" is the process's CPU affinity. On a GPU run only the reward side matters: the OCR reward then gets
