@@ -248,7 +248,7 @@ def test_evaluation_at_several_guidance_scales_logs_each(tiny_sd3_path, tmp_path
 @pytest.mark.parametrize("kind", list(TRAINER_KINDS))
 def test_resume_matches_uninterrupted(tiny_sd3_path, tmp_path, kind):
     _, _, settings, keys = TRAINER_KINDS[kind]
-    common = dict(max_steps=4, save_strategy="steps", save_steps=2, learning_rate=3e-3, use_ema=True,
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, learning_rate=3e-3, use_ema=True, ema_warmup=True,
                   reward=redness_reward, kind=kind, **settings)
     straight = make_trainer(tiny_sd3_path, tmp_path / "a", **common)
     straight.train()

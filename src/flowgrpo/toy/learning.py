@@ -11,7 +11,8 @@ The run uses the trainer named by ``settings.trainer`` (``"flow_grpo"``: :class:
 ``"diffusion_nft"``: :class:`~flowgrpo.trainer.DiffusionNFTTrainer` with its own fields in ``settings.extra_config``;
 `TOY_TRAINERS` maps names to a config and a trainer class) on the world's ``prompts_train.txt``; accuracy is
 measured by :func:`~flowgrpo.toy.build.evaluate_pipeline` on ``prompts_eval.txt`` (deterministic ODE sampling
-with the world's Euler scheduler, fixed seeds), before training, every ``eval_every`` steps and at the end.
+with the world's Euler scheduler, fixed seeds), before training, every ``eval_every`` steps and at the end, of the
+weights the trainer itself evaluates (with ``use_ema``, the EMA of the weights, swapped in for the evaluation).
 Training wall-clock excludes these evaluations: it sums the duration of the optimizer steps (sampling, scoring
 and the policy update).
 """
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -224,11 +226,14 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
     pipeline = trainer.pipeline
 
     def evaluate(return_images: bool = False) -> dict[str, Any]:
+        # as the trainer's own evaluation: with use_ema, the EMA of the weights is what is evaluated
+        ema = trainer.ema.swapped_in(trainer._trainable_parameters()) if trainer.ema is not None else nullcontext()
         was_training = pipeline.transformer.training
-        result = evaluate_pipeline(pipeline, eval_prompts, images_per_prompt=eval_images_per_prompt,
-                                   num_inference_steps=eval_steps, guidance_scale=eval_guidance,
-                                   max_sequence_length=settings.max_sequence_length, seed=eval_seed,
-                                   return_images=return_images, rewards=rewards)
+        with ema:
+            result = evaluate_pipeline(pipeline, eval_prompts, images_per_prompt=eval_images_per_prompt,
+                                       num_inference_steps=eval_steps, guidance_scale=eval_guidance,
+                                       max_sequence_length=settings.max_sequence_length, seed=eval_seed,
+                                       return_images=return_images, rewards=rewards)
         pipeline.transformer.train(was_training)
         return result
 

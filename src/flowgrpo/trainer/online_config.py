@@ -200,6 +200,9 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                                                               "evaluation and saved adapters."})
     ema_decay: float = field(default=0.9, metadata={"help": "EMA decay per update (Flow-GRPO: 0.9)."})
     ema_update_interval: int = field(default=1, metadata={"help": "Optimizer steps between EMA updates."})
+    ema_warmup: bool = field(default=False, metadata={
+        "help": "Warm the EMA up as Flow-GRPO does: decay min((1 + step) / (10 + step), ema_decay) at optimizer step "
+                "`step`, so that early evaluations do not see mostly the initial weights."})
 
     # ---- crash safety --------------------------------------------------------------------------------
     max_consecutive_skipped_steps: int = field(

@@ -297,7 +297,8 @@ class OnlineRLTrainer(HealthGuards, RolloutPipeline, Evaluation, PipelineLoading
             self.ref_model.to(device)
         self.ema = None
         if args.use_ema:
-            self.ema = EMAWeights(self._trainable_parameters(), args.ema_decay, args.ema_update_interval)
+            self.ema = EMAWeights(self._trainable_parameters(), args.ema_decay, args.ema_update_interval,
+                                  args.ema_warmup)
         # Diagnostics, alarms and guards (health/guards.py): the reference policy, early stopping, reference refresh.
         self._setup_health()
         # The negative prompt's embedding; per source image instead (see _encode_unique) when it depends on it.
