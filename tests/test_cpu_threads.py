@@ -128,6 +128,13 @@ def test_main_thread_yields_one_core_per_busy_background_task(monkeypatch, resto
     assert not plan_cpu_threads(3, model_parameters=ALL_CORES_MIN_PARAMETERS).yield_to_background  # fixed: kept
     plan = apply_cpu_thread_plan(plan_cpu_threads("auto", model_parameters=ALL_CORES_MIN_PARAMETERS))
     assert plan.torch_threads == 3 and plan.yield_to_background and "fewer" in plan.describe()
+    monkeypatch.setenv("FLOWGRPO_CPU_SPLIT", "nice")  # the other splits, for measurements
+    nice = plan_cpu_threads("auto", model_parameters=ALL_CORES_MIN_PARAMETERS)
+    assert nice.background_nice and not nice.yield_to_background
+    monkeypatch.setenv("FLOWGRPO_CPU_SPLIT", "sideways")
+    with pytest.raises(ValueError, match="FLOWGRPO_CPU_SPLIT='sideways'"):
+        plan_cpu_threads("auto", model_parameters=ALL_CORES_MIN_PARAMETERS)
+    monkeypatch.delenv("FLOWGRPO_CPU_SPLIT")
     seen = []
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4)]))
     handles = install_main_thread_yield([model])

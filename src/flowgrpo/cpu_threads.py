@@ -57,6 +57,7 @@ __all__ = [
     "busy_background_threads",
     "install_main_thread_yield",
     "main_thread_count",
+    "CPU_SPLIT_ENV",
     "CPU_THREADS_ENV",
     "CPUThreadPlan",
     "apply_cpu_thread_plan",
