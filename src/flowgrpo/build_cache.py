@@ -56,6 +56,9 @@ def build_folder_once(target: str | os.PathLike[str], build: Callable[[Path], ob
     lock = target.parent / f".{target.name}.lock"
     with exclusive_lock(lock):
         if (target / marker).is_file():  # built by another process while this one waited
+            # a caller that came after the builder removed the lock made a new one: remove it too (safe for the
+            # same reason as below; the folder is complete)
+            lock.unlink(missing_ok=True)
             return target
         if target.exists() and not (target.is_dir() and not any(target.iterdir())):
             raise RuntimeError(f"Cannot create the {what} {target}: it exists but holds no {marker}. Delete it and "
