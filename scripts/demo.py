@@ -25,8 +25,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = "recipes/toy.yaml"
 DEFAULT_OUTPUT = "outputs/demo"
-#: What the demo runs of the default recipe unless told otherwise: Flow-GRPO-Fast (the recipe's algorithm, the fastest
-#: on the toy world at equal wall-clock in our runs, docs/algorithms.md) for 200 optimizer steps at the recipe's
+#: What the demo runs of the default recipe unless told otherwise: Flow-GRPO-Fast (the recipe's algorithm: at equal
+#: training seconds ahead of the others for the first two minutes, level with DiffusionNFT after; docs/algorithms.md,
+#: "The fastest learner on the toy world") for 200 optimizer steps at the recipe's
 #: learning rate held constant (the recipe's full run is 1000 steps with a linear decay), evaluated before and after
 #: only, on 43 held-out prompts x 8 images (paired: the same seeds before and after), so that a change of shape
 #: accuracy the size the run makes is beyond the evaluation's noise.
