@@ -119,36 +119,33 @@ def _token_ids(tokenizer: Any) -> dict[str, int]:
     return {name: tokenizer.convert_tokens_to_ids(name) for name in names}
 
 
-def _qwen2_vl(tokenizer: Any, seed: int) -> Any:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _qwen_vl(tokenizer: Any, seed: int, generation: str) -> Any:
+    """A tiny Qwen2-VL (``generation="2"``) or Qwen3-VL (``"3"``) with the tokenizer's special tokens."""
+    import transformers
 
     from .seeding import seeded_component
 
+    config_class = getattr(transformers, f"Qwen{generation}VLConfig")
+    model_class = getattr(transformers, f"Qwen{generation}VLForConditionalGeneration")
+    text_defaults, vision, salt = {"2": (_QWEN2_VL_TEXT, _QWEN2_VL_VISION, 31),
+                                   "3": (_QWEN3_VL_TEXT, _QWEN3_VL_VISION, 33)}[generation]
     ids = _token_ids(tokenizer)
-    text = dict(_QWEN2_VL_TEXT, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=ids["<|im_end|>"],
+    text = dict(text_defaults, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=ids["<|im_end|>"],
                 pad_token_id=ids["<|endoftext|>"])
-    text["rope_parameters"] = dict(_QWEN2_VL_TEXT["rope_parameters"])
-    config = Qwen2VLConfig(text_config=text, vision_config=dict(_QWEN2_VL_VISION),
-                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    with seeded_component(seed, 31):
-        return Qwen2VLForConditionalGeneration(config).eval()
+    text["rope_parameters"] = dict(text_defaults["rope_parameters"])
+    config = config_class(text_config=text, vision_config=dict(vision),
+                          image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                          vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    with seeded_component(seed, salt):
+        return model_class(config).eval()
+
+
+def _qwen2_vl(tokenizer: Any, seed: int) -> Any:
+    return _qwen_vl(tokenizer, seed, "2")
 
 
 def _qwen3_vl(tokenizer: Any, seed: int) -> Any:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-    from .seeding import seeded_component
-
-    ids = _token_ids(tokenizer)
-    text = dict(_QWEN3_VL_TEXT, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=ids["<|im_end|>"],
-                pad_token_id=ids["<|endoftext|>"])
-    text["rope_parameters"] = dict(_QWEN3_VL_TEXT["rope_parameters"])
-    config = Qwen3VLConfig(text_config=text, vision_config=dict(_QWEN3_VL_VISION),
-                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    with seeded_component(seed, 33):
-        return Qwen3VLForConditionalGeneration(config).eval()
+    return _qwen_vl(tokenizer, seed, "3")
 
 
 def _qwen2_5_vl(tokenizer: Any, seed: int) -> Any:
