@@ -27,7 +27,7 @@ import torch
 
 from .accelerate_config import Parallelism
 from .model_specs import ModelSpec
-from .step import StepSettings, _prepare_transformer, build_on_meta
+from .step import StepSettings, build_on_meta, prepare_transformer
 
 __all__ = ["ShardedStates", "fsdp2_states"]
 
@@ -87,10 +87,7 @@ def fsdp2_states(spec: ModelSpec, settings: StepSettings, parallel: Parallelism,
         raise RuntimeError("a process group already exists in this process; check FSDP2's sharding in a fresh one.")
     n = parallel.world_size
     transformer, _ = build_on_meta(spec, transformer_config)
-    from ..models import family_adapter_class
-
-    model = _prepare_transformer(transformer, settings,
-                                 tuple(family_adapter_class(spec.pipeline_class).default_lora_target_modules))
+    model = prepare_transformer(transformer, settings, spec)
     wrap = set(parallel.wrap_classes)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
@@ -109,15 +106,14 @@ def fsdp2_states(spec: ModelSpec, settings: StepSettings, parallel: Parallelism,
                 p.grad = torch.zeros_like(p)
             optimizer = torch.optim.AdamW(trained, lr=1e-4, foreach=False)
             optimizer.step()
-            states = [v for state in optimizer.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]
+            states = [v for state in optimizer.state.values() for k, v in state.items()
+                      if k in ("exp_avg", "exp_avg_sq")]
             measured = dict(trained_weights=_bytes(trained), frozen_weights=_bytes(frozen),
                             gradients=_bytes(p.grad for p in trained), optimizer_states=_bytes(states))
-            planned = {
-                "trained_weights": sum(p.numel() * p.element_size() for p in trained) / n,
-                "frozen_weights": sum(p.numel() * p.element_size() for p in frozen) / n,
-                "gradients": sum(p.numel() * p.element_size() for p in trained) / n,
-                "optimizer_states": sum(2 * p.numel() * p.element_size() for p in trained) / n,
-            }
+            trained_bytes = sum(p.numel() * p.element_size() for p in trained) / n  # the planner's numel x bytes / n
+            planned = {"trained_weights": trained_bytes, "gradients": trained_bytes,
+                       "optimizer_states": 2 * trained_bytes,
+                       "frozen_weights": sum(p.numel() * p.element_size() for p in frozen) / n}
     finally:
         dist.destroy_process_group()
     return ShardedStates(n, wrapped, planned=planned, **measured)

@@ -241,7 +241,12 @@ def conditioning(spec: ModelSpec, config: dict[str, Any], batch: int, text_token
     return PromptEmbeds(CONDITIONING[spec.family](config, batch, text_tokens, latents, dtype))
 
 
-def _prepare_transformer(transformer, settings: StepSettings, adapter_targets: tuple[str, ...]):
+def prepare_transformer(transformer, settings: StepSettings, spec: ModelSpec):
+    """The recipe's trained model around ``transformer``: its LoRA (on the recipe's targets, else the family
+    adapter's defaults; float32, as the trainer casts it) or every weight trained, and gradient checkpointing."""
+    from ..models import family_adapter_class
+
+    adapter_targets = tuple(family_adapter_class(spec.pipeline_class).default_lora_target_modules)
     transformer.requires_grad_(False)
     transformer.to(settings.dtype)  # gradient checkpointing (below) runs for real, as torch's checkpoint
     if settings.use_lora:
@@ -301,11 +306,8 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
     measure = StepMeasure()
     mode = _fake_mode() if fake else contextlib.nullcontext()
     generator = torch.Generator().manual_seed(0)
-    from ..models import family_adapter_class
-
     vae.to(settings.dtype).requires_grad_(False)
-    model = _prepare_transformer(transformer, settings,
-                                 tuple(family_adapter_class(spec.pipeline_class).default_lora_target_modules))
+    model = prepare_transformer(transformer, settings, spec)
     measure.params = _param_counts(transformer, model)
     # the pipeline, its adapter and the schedule are built on real tensors, before fake mode starts
     pipeline = _pipeline(spec, transformer, vae)
@@ -476,4 +478,4 @@ def measure_full_depth(spec: ModelSpec, settings: StepSettings, *, full_depth: b
 
 
 __all__ = ["CONDITIONING", "DEPTH_KEYS", "REAL_MASK_FAMILIES", "FULL_DEPTH_PARAMS", "StepMeasure", "StepSettings", "build_component", "build_on_meta", "conditioning",
-           "measure_full_depth", "reduced_configs", "run_step"]
+           "measure_full_depth", "prepare_transformer", "reduced_configs", "run_step"]
