@@ -63,7 +63,7 @@ try:
         render_leaderboard,
         summarize,
     )
-    from flowgrpo.toy.learning import RLSettings, run_toy_rl
+    from flowgrpo.toy.learning import RLSettings, run_toy_rl, world_digest
 except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(REPO / "src"))
     from flowgrpo.toy.leaderboard import (
@@ -73,7 +73,7 @@ except ImportError:  # running from a checkout without the package installed
         render_leaderboard,
         summarize,
     )
-    from flowgrpo.toy.learning import RLSettings, run_toy_rl
+    from flowgrpo.toy.learning import RLSettings, run_toy_rl, world_digest
 
 LEADERBOARD_SEEDS = (0, 1, 2, 3, 4)
 LEADERBOARD_STEPS = 300
@@ -171,14 +171,15 @@ def leaderboard_runs(steps: int, seeds: list[int], only: list[str] | None, rewar
     return runs, {n: known[n][1] for n in names}
 
 
-def _reusable(path: Path, settings: RLSettings, eval_config: dict) -> dict | None:
-    """A finished run's result when it was made with the same settings and evaluation."""
+def _reusable(path: Path, settings: RLSettings, eval_config: dict, world: str | None) -> dict | None:
+    """A finished run's result when it was made on the same world (its builder digest) with the same settings and
+    evaluation."""
     try:
         result = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     same = result.get("settings") == json.loads(json.dumps(dataclasses.asdict(settings))) and \
-        result.get("eval") == eval_config
+        result.get("eval") == eval_config and result.get("world") == world
     return result if same else None
 
 
@@ -221,7 +222,8 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
         eval_config = {"prompts": _eval_prompt_count(world, max_prompts), "images_per_prompt": images,
                        "steps": eval_steps, "guidance_scale": EVAL_GUIDANCE_SCALE, "seed": EVAL_SEED,
                        "every": eval_every}
-        previous = None if args.fresh else _reusable(folder / "result.json", settings, eval_config)
+        previous = None if args.fresh else _reusable(folder / "result.json", settings, eval_config,
+                                                             world_digest(world))
         if previous is not None:
             print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed}: reusing {folder}",
                   flush=True)

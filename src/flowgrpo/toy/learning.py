@@ -259,6 +259,7 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
         "curve": clock.curve, "train_log": clock.train_log,
         "eval": {"prompts": len(eval_prompts), "images_per_prompt": eval_images_per_prompt, "steps": eval_steps,
                  "guidance_scale": eval_guidance, "seed": eval_seed, "every": eval_every},
+        "world": world_digest(world_dir),
     }
     (output_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     plot_accuracy_curve(result, output_dir / "reward_curve.png")
@@ -266,6 +267,13 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
                        output_dir / "before_after.png", sheet_prompts, attribute)
     trainer.reward_set.close()
     return result
+
+
+def world_digest(world_dir: str | os.PathLike[str]) -> str | None:
+    """The builder digest recorded in a toy world's ``toy_world.json`` (which builder, preset and seed made it), so
+    results from different worlds are never pooled; ``None`` for a world folder without one."""
+    metadata = json.loads((Path(world_dir) / "toy_world.json").read_text(encoding="utf-8"))
+    return metadata.get("builder_digest")
 
 
 def _world_resolution(world_dir: Path) -> int:
