@@ -15,7 +15,10 @@ against training seconds with each variant's band) to ``--leaderboard-md`` (``do
 plot beside it) and to ``--output``/leaderboard.md and leaderboard.png. Defaults: 300 steps, evaluations every 50
 steps on all 43 eval prompts x 8 images (20 ODE steps at CFG 3, the same image seeds before and after, and for
 every run). With ``--processes 2`` the variants are dealt out to two concurrent processes of one thread each. Finished runs (``--output``/<variant>/seed<k>/result.json with the
-same settings) are reused, so an interrupted leaderboard continues where it stopped; ``--fresh`` reruns them.
+same settings, evaluation and world) are reused, so an interrupted leaderboard continues where it stopped; ``--fresh`` reruns them.
+Each finished run is also kept in ``--archive`` (``docs/learning_leaderboard_runs/<variant>/seed<k>.json``, with the
+date, commit and machine it was made on), which is part of the repository: a leaderboard too long for one sitting
+is completed over several, and the page can be rewritten from the archive alone.
 ``--leaderboard --quick`` is a smoke test of the machinery (3 variants x 2 seeds x 3 steps, 4 eval prompts; it
 writes only into ``--output``).
 
@@ -79,6 +82,7 @@ LEADERBOARD_SEEDS = (0, 1, 2, 3, 4)
 LEADERBOARD_STEPS = 300
 LEADERBOARD_QUICK_VARIANTS = ("fast-random", "mixgrpo-flash", "diffusion-nft")
 EVAL_SEED = 1234
+DEFAULT_ARCHIVE = REPO / "docs" / "learning_leaderboard_runs"
 
 
 def settings_grid(reward: list[str] | None, steps: int) -> list[RLSettings]:
@@ -183,6 +187,22 @@ def _reusable(path: Path, settings: RLSettings, eval_config: dict, world: str | 
     return result if same else None
 
 
+def _machine(torch_threads: int) -> str:
+    import torch
+
+    return (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} with {torch_threads} "
+            f"thread{'s' * (torch_threads != 1)}")
+
+
+def _keep(result: dict, path: Path) -> None:
+    """Write a finished run's result into the archive (compact JSON, atomically), so that later invocations, on
+    this machine or from another checkout, reuse it instead of training again."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging.write_text(json.dumps(result, separators=(",", ":")) + "\n", encoding="utf-8")
+    os.replace(staging, path)
+
+
 def _git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
@@ -209,6 +229,8 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
     runs, descriptions = leaderboard_runs(steps, seeds, only, rewards)
     output = args.output
     output.mkdir(parents=True, exist_ok=True)
+    archive = args.archive if args.archive is not None else (None if args.quick else DEFAULT_ARCHIVE)
+    digest = world_digest(world)
     note = args.note
     if args.processes > 1:
         status, torch_threads, auto_note = _run_in_processes(args, world, list(descriptions))
@@ -222,25 +244,32 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
         eval_config = {"prompts": _eval_prompt_count(world, max_prompts), "images_per_prompt": images,
                        "steps": eval_steps, "guidance_scale": EVAL_GUIDANCE_SCALE, "seed": EVAL_SEED,
                        "every": eval_every}
-        previous = None if args.fresh else _reusable(folder / "result.json", settings, eval_config,
-                                                             world_digest(world))
+        kept = archive / settings.name / f"seed{settings.seed}.json" if archive is not None else None
+        previous = None
+        if not args.fresh:
+            for candidate in (folder / "result.json", kept):
+                previous = previous or (candidate and _reusable(candidate, settings, eval_config, digest))
         if previous is not None:
-            print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed}: reusing {folder}",
+            print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed}: reusing a finished run",
                   flush=True)
-            results.append(previous)
-            continue
-        print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed} "
-              f"({time.perf_counter() - start:.0f} s so far)", flush=True)
-        results.append(run_toy_rl(world, settings, folder, eval_every=eval_every, eval_images_per_prompt=images,
+        else:
+            print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed} "
+                  f"({time.perf_counter() - start:.0f} s so far)", flush=True)
+            previous = run_toy_rl(world, settings, folder, eval_every=eval_every, eval_images_per_prompt=images,
                                   eval_steps=eval_steps, max_eval_prompts=max_prompts, eval_seed=EVAL_SEED,
-                                  eval_guidance_scale=EVAL_GUIDANCE_SCALE))
+                                  eval_guidance_scale=EVAL_GUIDANCE_SCALE)
+            previous["made"] = {"date": datetime.date.today().isoformat(), "commit": _git_commit(),
+                                "machine": _machine(torch_threads)}
+            (folder / "result.json").write_text(json.dumps(previous, indent=2) + "\n", encoding="utf-8")
+        results.append(previous)
+        if kept is not None and (args.fresh or not kept.is_file()):
+            _keep(previous, kept)
         _write_results(output, world, args.quick, torch_threads, results)
     _write_results(output, world, args.quick, torch_threads, results)
     summary = summarize(results, descriptions)
     context = {
         "command": "python scripts/learning_benchmark.py " + shlex.join(_without_note(args.argv)),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} with "
-                   f"{torch_threads} thread{'s' * (torch_threads != 1)}",
+        "machine": _machine(torch_threads),
         "date": datetime.date.today().isoformat(), "commit": _git_commit(),
         "total_minutes": sum(r["total_seconds"] for r in results) / 60, "quick": args.quick, "note": note,
         "eval": f"{_eval_prompt_count(world, max_prompts)} held-out prompts x {images} image{'s' * (images != 1)}, "
@@ -372,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="leaderboard: where to write the page (default docs/learning_leaderboard.md; quick runs "
                              "write only into --output)")
     parser.add_argument("--fresh", action="store_true", help="leaderboard: rerun finished runs instead of reusing")
+    parser.add_argument("--archive", type=Path, default=None,
+                        help="leaderboard: a folder keeping every finished run's result (<variant>/seed<k>.json, "
+                             "with the date, commit and machine it was made on), reused like --output's runs "
+                             f"(default {DEFAULT_ARCHIVE.relative_to(REPO)}, kept in the repository so a leaderboard "
+                             "can be completed over several sittings; quick runs keep none)")
     parser.add_argument("--processes", type=int, default=1,
                         help="leaderboard: run the variants in this many concurrent processes, dealt out in turn, "
                              "each with --threads (default: cores // processes) torch threads; 2 on 2 cores halves "

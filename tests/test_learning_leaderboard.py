@@ -8,6 +8,7 @@ answers are known, and a quick leaderboard on the light world runs end to end in
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from flowgrpo.toy.leaderboard import (
     render_leaderboard,
     summarize,
 )
-from flowgrpo.toy.learning import TOY_TRAINERS, RLSettings, toy_trainer_classes
+from flowgrpo.toy.learning import TOY_TRAINERS, RLSettings, toy_trainer_classes, world_digest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -241,7 +242,8 @@ def test_quick_leaderboard_runs_in_two_processes(tmp_path):
     build_toy_world(world, seed=0, config="light", log=lambda message: None)
     output = tmp_path / "out"
     status = bench.main(["--leaderboard", "--quick", "--processes", "2", "--only", "fast-random,mixgrpo-flash",
-                         "--seeds", "0", "--max-eval-prompts", "2", "--threads", "1", "--world", str(world), "--output", str(output)])
+                         "--seeds", "0", "--max-eval-prompts", "2", "--threads", "1", "--world", str(world), "--output", str(output),
+                         "--archive", str(tmp_path / "archive")])
     assert status == 0
     for i, variant in enumerate(("fast-random", "mixgrpo-flash")):
         assert f"[leaderboard] 1/1 {variant} seed 0" in (output / f"process{i}.log").read_text()
@@ -250,3 +252,20 @@ def test_quick_leaderboard_runs_in_two_processes(tmp_path):
     assert "- how it was run: as 2 processes at the same time (fast-random; mixgrpo-flash), 1 torch thread each" \
         in page
     assert "| fast-random |" in page and "| mixgrpo-flash |" in page
+
+    # The archive keeps each run with where it was made; another output folder (a fresh checkout) reuses it and
+    # trains nothing.
+    kept = json.loads((tmp_path / "archive" / "fast-random" / "seed0.json").read_text())
+    assert kept["world"] == world_digest(world) and {"date", "commit", "machine"} <= set(kept["made"])
+    again = tmp_path / "again"
+    assert bench.main(["--leaderboard", "--quick", "--only", "fast-random,mixgrpo-flash", "--seeds", "0",
+                       "--max-eval-prompts", "2", "--threads", "1", "--world", str(world), "--output", str(again),
+                       "--archive", str(tmp_path / "archive")]) == 0
+    assert not (again / "fast-random" / "seed0").exists()
+    assert "| fast-random |" in (again / "leaderboard.md").read_text()
+    # ... but never a run made on another world, or with other settings.
+    settings = bench.leaderboard_runs(3, [0], ["fast-random"], None)[0][0]
+    path = tmp_path / "archive" / "fast-random" / "seed0.json"
+    assert bench._reusable(path, settings, kept["eval"], kept["world"]) is not None
+    assert bench._reusable(path, settings, kept["eval"], "another-world") is None
+    assert bench._reusable(path, dataclasses.replace(settings, learning_rate=1.0), kept["eval"], kept["world"]) is None
