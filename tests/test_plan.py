@@ -3,6 +3,7 @@ recipe (the tiny SD3 pipeline, built offline and cached) so that the whole file 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -116,6 +117,48 @@ def test_fake_step_matches_real_step_and_analytic_flops(preset):
                           cfg=settings.guidance_scale > 1, beta=settings.beta)
     assert fake.rollout_flops == pytest.approx(analytic.rollout, rel=0.02)
     assert fake.training_flops == pytest.approx(analytic.training + analytic.reference, rel=0.02)
+
+
+@pytest.mark.parametrize("preset", ["small-cpu", "toy"])
+def test_live_bytes_agree_with_torchs_memtracker(preset):
+    """The planner's counter (LiveBytes) against torch's own MemTracker, entered beside it on the same real step:
+    each phase's peak of memory made during the phase (MemTracker's peak less the parameters and buffers it also
+    counts; for training less the gradients too, which the plan counts as a term of their own). Full fine-tuning:
+    MemTracker registers a gradient hook on every parameter of each module it enters and fails on frozen ones
+    ("cannot register a hook on a tensor that doesn't require gradient"), so neither a LoRA model's step nor the
+    frozen VAE's decode can be tracked by it."""
+    import dataclasses
+
+    import diffusers
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from flowgrpo.plan.step import run_step
+
+    spec, settings = _preset_case(preset)
+    settings = dataclasses.replace(settings, use_lora=False)
+    torch.manual_seed(0)
+    transformer = getattr(diffusers, spec.transformer_class).from_config(spec.transformer_config)
+    vae = getattr(diffusers, spec.vae_class).from_config(spec.vae_config)
+    trackers = {}
+
+    def also_track(phase):
+        if phase == "decode":
+            return contextlib.nullcontext()
+        trackers[phase] = MemTracker()
+        return trackers[phase]
+
+    measured = run_step(spec, settings, fake=False, real_modules=(transformer, vae), also_track=also_track)
+
+    def made_during(phase, *kinds):
+        (snapshot,) = trackers[phase].get_tracker_snapshot("peak").values()
+        return sum(v for k, v in snapshot.items() if getattr(k, "value", None) in kinds)
+
+    assert measured.rollout_bytes == pytest.approx(made_during("rollout", "Activation", "Temp", "Other"), rel=0.02)
+    # MemTracker's peak is the moment of most memory, gradients included; the plan's training peak leaves the
+    # gradients out, so it lies between that moment's memory without them and with them
+    low = made_during("training", "Activation", "Temp", "Other")
+    high = made_during("training", "Activation", "Temp", "Other", "Gradient")
+    assert 0.98 * low <= measured.training_bytes <= 1.02 * high
 
 
 def test_physical_invariants():

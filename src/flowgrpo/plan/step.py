@@ -284,18 +284,22 @@ def _param_counts(transformer, model) -> dict[str, float]:
             "block_max": float(block_max), "linear": float(linear)}
 
 
-def _counting(count_memory: bool = True):
-    """One mode counting live bytes and FLOPs (``LiveBytes``), and a no-op stand-in entered beside it."""
+def _counting(phase: str, also_track: Callable[[str], contextlib.AbstractContextManager] | None = None):
+    """One mode counting live bytes and FLOPs (``LiveBytes``), and the context entered beside it: ``also_track(phase)``
+    when given (a second tracker of the same phase, for cross-checks), else a no-op."""
     live = LiveBytes()
-    return live, contextlib.nullcontext(live)
+    return live, also_track(phase) if also_track is not None else contextlib.nullcontext(live)
 
 
 def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[str, Any] | None = None, *,
              fake: bool = True, real_modules: tuple | None = None, rollout_only: bool = False,
-             decode: bool = True) -> StepMeasure:
+             decode: bool = True, also_track: Callable[[str], contextlib.AbstractContextManager] | None = None
+             ) -> StepMeasure:
     """Run one micro-batch's rollout, decode and training on the transformer of ``transformer_config`` (default:
     the full one) and return its measured bytes and FLOPs. ``fake=False`` runs the same step on real tensors
-    (``real_modules``: the (transformer, vae) to use), for the fidelity checks."""
+    (``real_modules``: the (transformer, vae) to use), for the fidelity checks. ``also_track(phase)`` (phase
+    ``"rollout"``, ``"decode"`` or ``"training"``) returns a context entered beside the counting mode for that phase,
+    e.g. torch's ``MemTracker`` to cross-check the counts."""
     from ..schedulers.sde_step import sde_step_from_sigmas
 
     config = dict(transformer_config if transformer_config is not None else spec.transformer_config)
@@ -357,7 +361,7 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
         measure.block_io_bytes = float(rows * (image_tokens + text_tokens) * inner * settings.dtype.itemsize)
 
         # ---- rollout: one sampling step (every step has the same shapes), no gradients -----------------------------
-        live, flops = _counting(True)
+        live, flops = _counting("rollout", also_track)
         with torch.no_grad(), live, flops:
             v = velocity(model, latents, timesteps[0])
             out = sde_step_from_sigmas(v, latents, sigmas[0], sigmas[1], noise_level=settings.noise_level,
@@ -369,7 +373,7 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
 
         # ---- decode: one slice of the micro-batch ------------------------------------------------------------------
         if decode:  # the VAE does not change with the transformer's depth: measured once
-            live, flops = _counting(True)
+            live, flops = _counting("decode", also_track)
             with torch.no_grad(), live, flops:
                 images = adapter.decode(x_next[: settings.decode_batch].to(settings.dtype), height, width)
                 del images
@@ -380,7 +384,7 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
         if rollout_only:
             return measure
         # ---- training: one trained step's forward and backward (one backward per step: each step alike) -----------
-        live, flops = _counting(True)
+        live, flops = _counting("training", also_track)
         hooks = [p.register_post_accumulate_grad_hook(lambda param: live.exclude(param.grad))
                  for p in model.parameters() if p.requires_grad]
         with live, flops:

@@ -6,7 +6,9 @@ releases it when Python frees the storage, so ``peak`` is the largest sum of liv
 ``torch.cuda.max_memory_allocated`` measures on a GPU, minus the allocator's rounding (the plan's overhead term) and
 minus what existed before the mode started (weights, optimizer states: counted separately, exactly). It costs one
 dictionary update per output tensor, unlike ``torch.distributed._tools.mem_tracker.MemTracker``, whose per-module
-bookkeeping made a full-size SD3.5-M step take 452 s instead of 11.5 s.
+bookkeeping made a full-size SD3.5-M step take 452 s instead of 11.5 s, and which cannot enter a module with
+frozen parameters (it hooks every parameter's gradient), so not a LoRA model. On full fine-tuning steps the two
+agree: ``tests/test_plan.py`` enters ``MemTracker`` beside this mode (``run_step(..., also_track=...)``).
 
 :func:`flash_attention` replaces ``torch.nn.functional.scaled_dot_product_attention`` while planning
 (:func:`flash_attention_patched`): a custom operator whose fake implementation returns what GPU flash attention keeps,
