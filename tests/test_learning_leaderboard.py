@@ -157,13 +157,16 @@ def test_summary_figures_budgets_and_seed_spread():
                                         "machine": "test", "date": "today", "commit": "abc", "eval": "e",
                                         "total_minutes": 60.0})
     assert "## At equal steps (20 optimizer steps)" in page and "## At equal wall-clock budgets" in page
-    assert "| slow-good | a slower, better variant | 40.0% (40.0%-40.0%) | **61.0% (60.0%-62.0%)** | +10.0 pts, above, beyond the " \
+    assert "| slow-good | a slower, better variant | 3 | 40.0% (40.0%-40.0%) | **61.0% (60.0%-62.0%)** | +10.0 pts, above, beyond the " \
            "seed spread | 90.0% (90.0%-90.0%) | 2.00 |" in page
-    assert "| same |  | 40.0% (40.0%-40.0%) | **50.0% (49.0%-51.0%)** | -1.0 pts, within the seed spread |" in page
+    assert "| same |  | 3 | 40.0% (40.0%-40.0%) | **50.0% (49.0%-51.0%)** | -1.0 pts, within the seed spread |" in page
     assert "- at 20 steps: slow-good > fast-random; slow-good > same" in page
     assert "quick smoke" not in page and "how it was run" not in page
     noted = render_leaderboard(summary, {"note": "two processes at once, one thread each"})
     assert "- how it was run: two processes at once, one thread each" in noted
+
+    # A fixed budget (the learning goal's) joins the fractions when every run has reached it, and only then.
+    assert summarize(results, budget_seconds=(12.0, 25.0))["budgets"] == pytest.approx([5.0, 10.0, 12.0, 20.0])
 
     one_seed = summarize([r for r in results if r["settings"]["seed"] == 0])
     assert one_seed["separated"] == []

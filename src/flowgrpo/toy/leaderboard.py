@@ -1,4 +1,5 @@
-"""The algorithm leaderboard: the Flow-GRPO family and DiffusionNFT compared on the toy world, several seeds each.
+"""The algorithm leaderboard: the Flow-GRPO family, DanceGRPO, AWM, Diffusion-DPO and DiffusionNFT compared on the
+toy world, several seeds each.
 
 ::
 
@@ -256,13 +257,14 @@ def plot_leaderboard(results: Sequence[dict[str, Any]], path: str | Path, attrib
 
 
 def summarize(results: Sequence[dict[str, Any]], descriptions: dict[str, str] | None = None,
-              attribute: str = "shape", budget_fractions: Sequence[float] = BUDGET_FRACTIONS
-              ) -> dict[str, Any]:
+              attribute: str = "shape", budget_fractions: Sequence[float] = BUDGET_FRACTIONS,
+              budget_seconds: Sequence[float] = ()) -> dict[str, Any]:
     """Group ``run_toy_rl`` results by variant name and compute the leaderboard's figures.
 
     Returns ``{"variants": [VariantSummary], "budgets": [seconds], "steps": N, "separated": [...]}`` where
     ``separated`` lists ``(better, worse, "steps" | "budget")`` pairs whose seed ranges do not overlap, at equal
-    steps and at the largest equal budget.
+    steps and at the largest equal budget. The budgets are ``budget_fractions`` of the shortest run's training time,
+    plus those of ``budget_seconds`` (fixed budgets, e.g. a goal's) that every run has reached, in increasing order.
     """
     descriptions = descriptions or {}
     by_name: dict[str, list[dict[str, Any]]] = {}
@@ -272,7 +274,8 @@ def summarize(results: Sequence[dict[str, Any]], descriptions: dict[str, str] | 
         raise ValueError("no results to summarize")
     steps = min(r["settings"]["max_steps"] for r in results)
     shortest = min(r["train_seconds"] for r in results)
-    budgets = [fraction * shortest for fraction in budget_fractions]
+    budgets = sorted({fraction * shortest for fraction in budget_fractions}
+                     | {float(b) for b in budget_seconds if 0 < b <= shortest})
     variants = []
     for name, runs in by_name.items():
         runs = sorted(runs, key=lambda r: r["settings"]["seed"])
@@ -343,11 +346,12 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
     seeds = sorted({s for v in variants for s in v.seeds})
     budgets = summary["budgets"]
     lines = [
-        "# Learning leaderboard: the Flow-GRPO family and DiffusionNFT on the toy world",
+        "# Learning leaderboard: the Flow-GRPO family, DanceGRPO, AWM, Diffusion-DPO and DiffusionNFT on the toy world",
         "",
         "Written by `scripts/learning_benchmark.py --leaderboard`; do not edit by hand. Every Flow-GRPO variant is the "
-        "toy recipe (`recipes/toy.yaml`) with one algorithmic change; `diffusion-nft` is the DiffusionNFT trainer with "
-        "`recipes/toy_nft.yaml`. All are trained from the same pretrained world with seeds "
+        "toy recipe (`recipes/toy.yaml`) with one algorithmic change; `dancegrpo`, `awm`, `diffusion-dpo` and "
+        "`diffusion-nft` are those trainers at their published-style settings (`recipes/toy_dancegrpo.yaml`, "
+        "`toy_awm.yaml`, `toy_dpo.yaml` online, `toy_nft.yaml`). All are trained from the same pretrained world with seeds "
         f"{', '.join(map(str, seeds))}. Figures are held-out {attribute} accuracy: the mean over seeds with the "
         "range (lowest-highest seed) in brackets. A difference *exceeds the seed spread* when the two ranges do not "
         "overlap (every seed of one variant beats every seed of the other).",
@@ -365,17 +369,19 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
         f"- evaluation: {context.get('eval', '')}",
         f"- wall-clock: training seconds only (sampling, scoring, the update), evaluations excluded; accuracy at a "
         f"budget is each run's last evaluation at or before it (no interpolation). Budgets: "
-        f"{', '.join(_seconds(b) for b in budgets)} (a quarter, half and all of the shortest run's training time).",
+        f"{', '.join(_seconds(b) for b in budgets)} (a quarter, half and all of the shortest run's training time"
+        + (f", and {', '.join(_seconds(b) for b in context['fixed_budgets'])} fixed" if context.get("fixed_budgets")
+           else "") + ").",
         "",
         f"## At equal steps ({summary['steps']} optimizer steps)",
         "",
-        f"| variant | what changes | {attribute} before | {attribute} after | vs {REFERENCE_VARIANT} | colour after "
-        "| s/step |",
-        "|---|---|---|---|---|---|---|",
+        f"| variant | what changes | seeds | {attribute} before | {attribute} after | vs {REFERENCE_VARIANT} | "
+        "colour after | s/step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     order = sorted(variants, key=lambda v: -v.at_steps.mean)
     for v in order:
-        lines.append(f"| {v.name} | {v.description} | {v.before.pct()} | **{v.at_steps.pct()}** | "
+        lines.append(f"| {v.name} | {v.description} | {len(v.seeds)} | {v.before.pct()} | **{v.at_steps.pct()}** | "
                      f"{_versus_reference(v.at_steps, reference.at_steps if reference else None)} | "
                      f"{v.colour.pct()} | {v.seconds_per_step.mean:.2f} |")
     lines += [
