@@ -198,11 +198,13 @@ def _machine(torch_threads: int) -> str:
 
 
 def _keep(result: dict, path: Path) -> None:
-    """Write a finished run's result into the archive (compact JSON, atomically), so that later invocations, on
-    this machine or from another checkout, reuse it instead of training again."""
+    """Write a finished run's result into the archive (atomically), so that later invocations, on this machine or
+    from another checkout, reuse it instead of training again. Everything the page needs is kept; the per-step
+    training log (about 0.4 MB a run) stays in the run's folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    staging.write_text(json.dumps(result, separators=(",", ":")) + "\n", encoding="utf-8")
+    kept = {key: value for key, value in result.items() if key != "train_log"}
+    staging.write_text(json.dumps(kept, indent=1) + "\n", encoding="utf-8")
     os.replace(staging, path)
 
 
