@@ -197,6 +197,17 @@ def _machine(torch_threads: int) -> str:
             f"thread{'s' * (torch_threads != 1)}")
 
 
+def _made_summary(results: list[dict]) -> str:
+    """Where the runs were made: each (date, commit, machine) with its number of runs."""
+    counts: dict[tuple, int] = {}
+    for result in results:
+        made = result.get("made") or {}
+        key = (made.get("date", "unknown date"), made.get("commit", "unknown commit"), made.get("machine", "unknown"))
+        counts[key] = counts.get(key, 0) + 1
+    return "; ".join(f"{n} on {date} at commit {commit} ({machine})" for (date, commit, machine), n in
+                     sorted(counts.items()))
+
+
 def _keep(result: dict, path: Path) -> None:
     """Write a finished run's result into the archive (atomically), so that later invocations, on this machine or
     from another checkout, reuse it instead of training again. Everything the page needs is kept; the per-step
@@ -243,7 +254,7 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
             return status
         note = note or auto_note
     start = time.perf_counter()
-    results = []
+    results, missing = [], []
     for i, settings in enumerate(runs):
         folder = output / settings.name / f"seed{settings.seed}"
         eval_config = {"prompts": _eval_prompt_count(world, max_prompts), "images_per_prompt": images,
@@ -257,6 +268,9 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
         if previous is not None:
             print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed}: reusing a finished run",
                   flush=True)
+        elif args.finished_only:
+            missing.append(f"{settings.name} seed {settings.seed}")
+            continue
         else:
             print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed} "
                   f"({time.perf_counter() - start:.0f} s so far)", flush=True)
@@ -271,6 +285,11 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
             _keep(previous, kept)
         _write_results(output, world, args.quick, torch_threads, results)
     _write_results(output, world, args.quick, torch_threads, results)
+    if not results:
+        print("[leaderboard] no finished runs to write a page from", file=sys.stderr)
+        return 1
+    if missing:
+        print(f"[leaderboard] {len(missing)} of {len(runs)} runs not made yet: {', '.join(missing)}", flush=True)
     summary = summarize(results, descriptions, budget_seconds=(LEARNING_GOAL_SECONDS,))
     context = {
         "command": "python scripts/learning_benchmark.py " + shlex.join(_without_note(args.argv)),
@@ -278,6 +297,7 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
         "date": datetime.date.today().isoformat(), "commit": _git_commit(),
         "total_minutes": sum(r["total_seconds"] for r in results) / 60, "quick": args.quick, "note": note,
         "fixed_budgets": [b for b in summary["budgets"] if b == LEARNING_GOAL_SECONDS],
+        "missing": missing, "planned_runs": len(runs), "made": _made_summary(results),
         "eval": f"{_eval_prompt_count(world, max_prompts)} held-out prompts x {images} image{'s' * (images != 1)}, "
                 f"{eval_steps} ODE "
                 f"steps, CFG {RLSettings().guidance_scale}, fixed seeds, every {eval_every or steps} steps and at "
@@ -407,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="leaderboard: where to write the page (default docs/learning_leaderboard.md; quick runs "
                              "write only into --output)")
     parser.add_argument("--fresh", action="store_true", help="leaderboard: rerun finished runs instead of reusing")
+    parser.add_argument("--finished-only", action="store_true",
+                        help="leaderboard: train nothing; write the page from the runs already finished (in --output "
+                             "or --archive), listing those not made yet")
     parser.add_argument("--archive", type=Path, default=None,
                         help="leaderboard: a folder keeping every finished run's result (<variant>/seed<k>.json, "
                              "with the date, commit and machine it was made on), reused like --output's runs "

@@ -35,14 +35,15 @@ TOY_RECIPES = {
     "toy_kl_analytic.yaml": "kl-analytic", "toy_kl_k1.yaml": "kl-k1", "toy_kl_k3.yaml": "kl-k3",
     "toy_kl_velocity.yaml": "kl-velocity", "toy_normalize_then_sum.yaml": "normalize-then-sum",
     "toy_same_noise.yaml": "same-noise", "toy_nft.yaml": "diffusion-nft", "toy_dancegrpo.yaml": "dancegrpo",
-    "toy_awm.yaml": "awm",
+    "toy_awm.yaml": "awm", "toy_nft_fast.yaml": "diffusion-nft-fast",
 }
 
 
 def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp_path):
     variants = leaderboard_variants(120)
     names = [s.name for s, _ in variants]
-    assert len(set(names)) == len(names) == 15 and REFERENCE_VARIANT in names and names[-1] == NFT_VARIANT
+    assert len(set(names)) == len(names) == 16 and REFERENCE_VARIANT in names and names[-2] == NFT_VARIANT
+    assert names[-1] == "diffusion-nft-fast"
     assert {"dancegrpo", "awm", "diffusion-dpo"} <= set(names)
     reference = next(s for s, _ in variants if s.name == REFERENCE_VARIANT)
     assert dataclasses.replace(reference, name="x") == dataclasses.replace(RLSettings(max_steps=120), name="x")
@@ -66,6 +67,15 @@ def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp
             assert args.generation_batch_size == 32 and args.guidance_scale == 1.0  # published: CFG-free
             assert (args.num_inference_steps, args.num_trained_timesteps, args.num_generations) == (10, 9, 8)
             assert args.eval_guidance_scales == [1.0, 3.0] and args.ema_decay == 0.9
+            continue
+        if settings.name == "diffusion-nft-fast":  # the published settings but 6 steps, 2 of them trained
+            nft = next(s for s, _ in variants if s.name == NFT_VARIANT)
+            args = DiffusionNFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
+            assert (args.num_inference_steps, args.num_trained_timesteps) == (6, 2) and what
+            fast = {k: v for k, v in settings.config_kwargs().items() if k not in ("num_inference_steps",
+                                                                                    "timestep_fraction")}
+            assert fast == {k: v for k, v in nft.config_kwargs().items() if k not in ("num_inference_steps",
+                                                                                        "timestep_fraction")}
             continue
         assert what and settings.trainer == "flow_grpo"
         changed = {f.name for f in dataclasses.fields(RLSettings)
@@ -214,7 +224,7 @@ def test_leaderboard_command_line_fails_fast_on_unknown_variants(tmp_path, capsy
     assert "no-such-variant" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
     runs, descriptions = bench.leaderboard_runs(50, [0, 1, 2], None, None)
-    assert len(runs) == 45 and len(descriptions) == 15 and {r.seed for r in runs} == {0, 1, 2}
+    assert len(runs) == 48 and len(descriptions) == 16 and {r.seed for r in runs} == {0, 1, 2}
     assert all(r.max_steps == 50 for r in runs)
 
 
@@ -266,6 +276,14 @@ def test_quick_leaderboard_runs_in_two_processes(tmp_path):
                        "--archive", str(tmp_path / "archive")]) == 0
     assert not (again / "fast-random" / "seed0").exists()
     assert "| fast-random |" in (again / "leaderboard.md").read_text()
+    # --finished-only trains nothing and says which planned runs are missing
+    partial = tmp_path / "partial"
+    assert bench.main(["--leaderboard", "--quick", "--finished-only", "--only", "fast-random,mixgrpo-flash",
+                       "--seeds", "0,1", "--max-eval-prompts", "2", "--world", str(world), "--output", str(partial),
+                       "--archive", str(tmp_path / "archive")]) == 0
+    page = (partial / "leaderboard.md").read_text()
+    assert "- **incomplete**: 2 of 4 planned runs are not made yet (fast-random seed 1, mixgrpo-flash seed 1)" in page
+    assert "- runs made: 2 on " in page and not (partial / "fast-random" / "seed1").exists()
     # ... but never a run made on another world, or with other settings.
     settings = bench.leaderboard_runs(3, [0], ["fast-random"], None)[0][0]
     path = tmp_path / "archive" / "fast-random" / "seed0.json"
