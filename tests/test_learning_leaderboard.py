@@ -176,7 +176,10 @@ def test_summary_figures_budgets_and_seed_spread():
     assert "- how it was run: two processes at once, one thread each" in noted
 
     # A fixed budget (the learning goal's) joins the fractions when every run has reached it, and only then.
-    assert summarize(results, budget_seconds=(12.0, 25.0))["budgets"] == pytest.approx([5.0, 10.0, 12.0, 20.0])
+    goal = summarize(results, budget_seconds=(12.0, 25.0))
+    assert goal["budgets"] == pytest.approx([5.0, 10.0, 12.0, 20.0]) and goal["fixed_budget"] == 12.0
+    assert {p["how"] for p in goal["paired"]} == {"steps", "budget", "fixed"}
+    assert "- at 12 s of training, beyond the noise:" in render_leaderboard(goal, {"fixed_budgets": [12.0]})
 
     one_seed = summarize([r for r in results if r["settings"]["seed"] == 0])
     assert one_seed["separated"] == []

@@ -313,10 +313,15 @@ def summarize(results: Sequence[dict[str, Any]], descriptions: dict[str, str] | 
             for b in variants:
                 if a.name != b.name and pick(a).separated_from(pick(b)) > 0:
                     separated.append((a.name, b.name, how))
-    intervals = {v.name: {"steps": bootstrap_interval(v.at_steps.values),
-                          "budget": bootstrap_interval(v.at_budgets[-1].values)} for v in variants}
+    fixed = [b for b in budgets if b in {float(x) for x in budget_seconds}]
+    # a fixed budget (e.g. a goal's) gets its own intervals and verdicts when it is not the largest budget
+    fixed_index = budgets.index(fixed[0]) if fixed and fixed[0] != budgets[-1] else None
+    picks = [("steps", lambda v: v.at_steps), ("budget", lambda v: v.at_budgets[-1])]
+    if fixed_index is not None:
+        picks.append(("fixed", lambda v: v.at_budgets[fixed_index]))
+    intervals = {v.name: {how: bootstrap_interval(pick(v).values) for how, pick in picks} for v in variants}
     paired = []
-    for how, pick in (("steps", lambda v: v.at_steps), ("budget", lambda v: v.at_budgets[-1])):
+    for how, pick in picks:
         for i, a in enumerate(variants):
             for b in variants[i + 1:]:
                 diff = paired_difference(dict(zip(a.seeds, pick(a).values)), dict(zip(b.seeds, pick(b).values)))
@@ -329,7 +334,17 @@ def summarize(results: Sequence[dict[str, Any]], descriptions: dict[str, str] | 
                     a_name, b_name = a.name, b.name
                 paired.append({"better": a_name, "worse": b_name, "how": how, **diff})
     return {"variants": variants, "budgets": budgets, "steps": steps, "separated": separated,
-            "attribute": attribute, "intervals": intervals, "paired": paired}
+            "attribute": attribute, "intervals": intervals, "paired": paired,
+            "fixed_budget": budgets[fixed_index] if fixed_index is not None else None}
+
+
+def _missing_runs(missing: Sequence[str]) -> str:
+    """``["awm seed 0", "awm seed 1", "dancegrpo seed 3"]`` -> ``"awm (seeds 0, 1), dancegrpo (seed 3)"``."""
+    seeds: dict[str, list[str]] = {}
+    for run in missing:
+        name, _, seed = run.rpartition(" seed ")
+        seeds.setdefault(name, []).append(seed)
+    return ", ".join(f"{name} (seed{'s' * (len(s) > 1)} {', '.join(s)})" for name, s in seeds.items())
 
 
 def _seconds(value: float) -> str:
@@ -363,7 +378,8 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
         "Written by `scripts/learning_benchmark.py --leaderboard`; do not edit by hand. Every Flow-GRPO variant is the "
         "toy recipe (`recipes/toy.yaml`) with one algorithmic change; `dancegrpo`, `awm`, `diffusion-dpo` and "
         "`diffusion-nft` are those trainers at their published-style settings (`recipes/toy_dancegrpo.yaml`, "
-        "`toy_awm.yaml`, `toy_dpo.yaml` online, `toy_nft.yaml`). All are trained from the same pretrained world with seeds "
+        "`toy_awm.yaml`, `toy_dpo.yaml` online, `toy_nft.yaml`); `diffusion-nft-fast` is our cheaper DiffusionNFT "
+        "(`toy_nft_fast.yaml`). All are trained from the same pretrained world with seeds "
         f"{', '.join(map(str, seeds))}. Figures are held-out {attribute} accuracy: the mean over seeds with the "
         "range (lowest-highest seed) in brackets. A difference *exceeds the seed spread* when the two ranges do not "
         "overlap (every seed of one variant beats every seed of the other).",
@@ -380,7 +396,7 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
         *([f"- how it was run: {context['note']}"] if context.get("note") else []),
         *([f"- runs made: {context['made']}"] if context.get("made") else []),
         *([f"- **incomplete**: {len(context['missing'])} of {context.get('planned_runs', '?')} planned runs are not "
-           f"made yet ({', '.join(context['missing'])}); the figures below are of the runs that are"]
+           f"made yet ({_missing_runs(context['missing'])}); the figures below are of the runs that are"]
           if context.get("missing") else []),
         f"- evaluation: {context.get('eval', '')}",
         f"- wall-clock: training seconds only (sampling, scoring, the update), evaluations excluded; accuracy at a "
@@ -444,7 +460,7 @@ def _interval_section(summary: dict[str, Any], reference: VariantSummary | None)
     def ci(pair: tuple[float, float]) -> str:
         return "n/a" if math.isnan(pair[0]) else f"[{pair[0]:.1%}, {pair[1]:.1%}]"
 
-    lines = [
+    lines: list[str] = [
         "## Means with 95% bootstrap intervals, and paired differences",
         "",
         "The interval is a percentile bootstrap of the mean over seeds. Two variants are compared *paired*: the "
@@ -452,14 +468,24 @@ def _interval_section(summary: dict[str, Any], reference: VariantSummary | None)
         "same prompts and image seeds), bootstrapped; a difference is **beyond the noise** when its 95% interval "
         "excludes 0.",
         "",
-        f"| variant | at {steps} steps | 95% interval | at {budget} | 95% interval |",
-        "|---|---|---|---|---|",
+    ]
+    fixed = summary.get("fixed_budget")
+    fixed_index = budgets.index(fixed) if fixed is not None else None
+    lines += [
+        f"| variant | at {steps} steps | 95% interval | at {budget} | 95% interval |"
+        + (f" at {_seconds(fixed)} | 95% interval |" if fixed is not None else ""),
+        "|---|---|---|---|---|" + ("---|---|" if fixed is not None else ""),
     ]
     for v in sorted(summary["variants"], key=lambda v: -v.at_steps.mean):
         lines.append(f"| {v.name} | {v.at_steps.mean:.1%} | {ci(intervals[v.name]['steps'])} | "
-                     f"{v.at_budgets[-1].mean:.1%} | {ci(intervals[v.name]['budget'])} |")
+                     f"{v.at_budgets[-1].mean:.1%} | {ci(intervals[v.name]['budget'])} |"
+                     + (f" {v.at_budgets[fixed_index].mean:.1%} | {ci(intervals[v.name]['fixed'])} |"
+                        if fixed is not None else ""))
     lines.append("")
-    for how, label in (("steps", f"at {steps} steps"), ("budget", f"at {budget} of training")):
+    verdicts = [("steps", f"at {steps} steps"), ("budget", f"at {budget} of training")]
+    if fixed is not None:
+        verdicts.append(("fixed", f"at {_seconds(fixed)} of training"))
+    for how, label in verdicts:
         pairs = [p for p in summary.get("paired", []) if p["how"] == how]
         beyond = [p for p in pairs if p["beyond"]]
         if not pairs:
