@@ -214,7 +214,7 @@ def test_bootstrap_intervals_paired_verdicts_and_plot(tmp_path):
     assert "## Means with 95% bootstrap intervals, and paired differences" in page
     assert "better > fast-random by 5.0 pts [5.0, 5.0]" in page
     assert "![held-out shape accuracy against training seconds" in page
-    path = plot_leaderboard(results, tmp_path / "leaderboard.png")
+    path = plot_leaderboard(results, tmp_path / "leaderboard.png", goal=(150.0, 0.599))
     assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
 
 

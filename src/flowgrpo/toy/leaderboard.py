@@ -231,9 +231,10 @@ def paired_difference(a: dict[int, float], b: dict[int, float], confidence: floa
 
 
 def plot_leaderboard(results: Sequence[dict[str, Any]], path: str | Path, attribute: str = "shape",
-                     title: str = "") -> Path:
+                     title: str = "", goal: tuple[float, float] | None = None) -> Path:
     """A PNG of held-out ``attribute`` accuracy against training seconds: per variant the mean over seeds of each
-    run's last evaluation at or before t, with a band from the lowest to the highest seed."""
+    run's last evaluation at or before t, with a band from the lowest to the highest seed. ``goal``: ``(seconds,
+    accuracy)`` drawn as dashed lines (a learning goal: that accuracy within that many seconds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -253,6 +254,12 @@ def plot_leaderboard(results: Sequence[dict[str, Any]], path: str | Path, attrib
         (line,) = ax.step(grid, mean, where="post", label=f"{name} ({len(runs)} seed{'s' * (len(runs) != 1)})")
         if len(runs) > 1:
             ax.fill_between(grid, low, high, step="post", alpha=0.15, color=line.get_color())
+    if goal is not None:
+        seconds, accuracy = goal
+        ax.axvline(seconds, color="0.4", lw=1, ls="--")
+        ax.axhline(accuracy, color="0.4", lw=1, ls="--")
+        ax.annotate(f"goal: {accuracy:.1%} by {seconds:.0f} s", (seconds, accuracy), xytext=(4, 4),
+                    textcoords="offset points", fontsize=7, color="0.3")
     ax.set_xlabel("training seconds")
     ax.set_ylabel(f"held-out {attribute} accuracy")
     ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
