@@ -62,8 +62,8 @@ TOY_NFT_SETTINGS: dict = dict(
 )
 #: DiffusionNFT made cheap per step for the learning goal (``recipes/toy_nft_fast.yaml``; ours, no published
 #: counterpart): the published settings but 6 sampling steps instead of 10, and 2 of them trained per image instead of
-#: 9 of 10. Measured on seed 0 (docs/algorithms.md): 0.56 s a step against 1.5, and as much learned per step over the
-#: first 300 steps; training 1 level per image, or at lr 4.5e-4, learned less.
+#: 9 of 10. Over five seeds (docs/algorithms.md): 0.59 s a step against 1.51, and as much learned per step (59.0% at
+#: step 300, as published); training 1 level per image, or at lr 4.5e-4, learned less (seed 0).
 TOY_NFT_FAST_SETTINGS: dict = {
     **TOY_NFT_SETTINGS, "num_inference_steps": 6,
     "extra_config": {**TOY_NFT_SETTINGS["extra_config"], "timestep_fraction": 0.34},
