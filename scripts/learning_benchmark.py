@@ -232,8 +232,6 @@ def _git_commit() -> str:
 
 
 def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads: int) -> int:
-    import torch
-
     steps = args.steps or (3 if args.quick else LEADERBOARD_STEPS)
     eval_every = args.eval_every or (0 if args.quick else 50)
     images = args.eval_images_per_prompt or (1 if args.quick else 8)
@@ -249,7 +247,7 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
     archive = args.archive if args.archive is not None else (None if args.quick else DEFAULT_ARCHIVE)
     digest = world_digest(world)
     note = args.note
-    if args.processes > 1:
+    if args.processes > 1 and not args.finished_only:
         status, torch_threads, auto_note = _run_in_processes(args, world, list(descriptions))
         if status != 0:
             return status

@@ -42,8 +42,8 @@ from typing import Any
 from .learning import RLSettings
 
 __all__ = ["EVAL_GUIDANCE_SCALE", "NFT_VARIANT", "REFERENCE_VARIANT", "TOY_AWM_SETTINGS", "TOY_DANCEGRPO_SETTINGS",
-           "TOY_DPO_SETTINGS", "TOY_NFT_FAST_SETTINGS", "TOY_NFT_SETTINGS", "VariantSummary", "bootstrap_interval", "leaderboard_variants",
-           "paired_difference", "plot_leaderboard", "render_leaderboard", "summarize"]
+           "TOY_DPO_SETTINGS", "TOY_NFT_FAST_SETTINGS", "TOY_NFT_SETTINGS", "VariantSummary", "bootstrap_interval",
+           "leaderboard_variants", "paired_difference", "plot_leaderboard", "render_leaderboard", "summarize"]
 
 #: The row every other one is compared with: the recipe itself (Flow-GRPO-Fast with random windows).
 REFERENCE_VARIANT = "fast-random"
