@@ -298,6 +298,11 @@ def test_demo_launch_line():
                         "--seed", "1"]
     assert "--cpu" in demo.launch_command("r.yaml", "out", 1, None, [])
     assert demo.main(["--recipe", "recipes/missing.yaml"]) == 2
+    # the default recipe with the demo's settings parses as the run the README describes
+    extra = [item for key, value in demo.DEMO_DEFAULTS.items() for item in (f"--{key}", str(value))]
+    _, _, args = parse_recipe([demo.DEFAULT_RECIPE, *extra])
+    assert args.max_steps == demo.DEMO_DEFAULTS["max_steps"] and args.eval_images_per_prompt == 8
+    assert args.evaluation_guidance_scales == [3.0]  # the world's own guidance, once
 
 
 def test_launch_script_drops_only_the_notices_of_unused_features():

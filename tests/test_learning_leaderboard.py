@@ -285,7 +285,7 @@ def test_quick_leaderboard_runs_in_two_processes(tmp_path):
                        "--seeds", "0,1", "--max-eval-prompts", "2", "--world", str(world), "--output", str(partial),
                        "--archive", str(tmp_path / "archive")]) == 0
     page = (partial / "leaderboard.md").read_text()
-    assert "- **incomplete**: 2 of 4 planned runs are not made yet (fast-random seed 1, mixgrpo-flash seed 1)" in page
+    assert "- **incomplete**: 2 of 4 planned runs are not made yet (fast-random (seed 1), mixgrpo-flash (seed 1))" in page
     assert "- runs made: 2 on " in page and not (partial / "fast-random" / "seed1").exists()
     # ... but never a run made on another world, or with other settings.
     settings = bench.leaderboard_runs(3, [0], ["fast-random"], None)[0][0]

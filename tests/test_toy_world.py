@@ -220,7 +220,7 @@ def test_presets_share_the_architecture():
 
 
 def test_recipe_and_rl_settings_describe_the_same_run():
-    """``recipes/toy.yaml`` (the demo) and ``RLSettings()`` (the learning test and benchmark) must not drift apart."""
+    """``recipes/toy.yaml`` (the Flow-GRPO-Fast recipe) and ``RLSettings()`` (the learning test and benchmark) must not drift apart."""
     from flowgrpo.cli import parse_recipe
     from flowgrpo.toy.learning import RLSettings
 
