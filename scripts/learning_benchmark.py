@@ -254,11 +254,11 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
         note = note or auto_note
     start = time.perf_counter()
     results, missing = [], []
+    eval_config = {"prompts": _eval_prompt_count(world, max_prompts), "images_per_prompt": images,
+                   "steps": eval_steps, "guidance_scale": EVAL_GUIDANCE_SCALE, "seed": EVAL_SEED,
+                   "every": eval_every}
     for i, settings in enumerate(runs):
         folder = output / settings.name / f"seed{settings.seed}"
-        eval_config = {"prompts": _eval_prompt_count(world, max_prompts), "images_per_prompt": images,
-                       "steps": eval_steps, "guidance_scale": EVAL_GUIDANCE_SCALE, "seed": EVAL_SEED,
-                       "every": eval_every}
         kept = archive / settings.name / f"seed{settings.seed}.json" if archive is not None else None
         previous = None
         if not args.fresh:
@@ -295,7 +295,6 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
         "machine": _machine(torch_threads),
         "date": datetime.date.today().isoformat(), "commit": _git_commit(),
         "total_minutes": sum(r["total_seconds"] for r in results) / 60, "quick": args.quick, "note": note,
-        "fixed_budgets": [b for b in summary["budgets"] if b == LEARNING_GOAL_SECONDS],
         "missing": missing, "planned_runs": len(runs), "made": _made_summary(results),
         "eval": f"{_eval_prompt_count(world, max_prompts)} held-out prompts x {images} image{'s' * (images != 1)}, "
                 f"{eval_steps} ODE "

@@ -179,7 +179,8 @@ def test_summary_figures_budgets_and_seed_spread():
     goal = summarize(results, budget_seconds=(12.0, 25.0))
     assert goal["budgets"] == pytest.approx([5.0, 10.0, 12.0, 20.0]) and goal["fixed_budget"] == 12.0
     assert {p["how"] for p in goal["paired"]} == {"steps", "budget", "fixed"}
-    assert "- at 12 s of training, beyond the noise:" in render_leaderboard(goal, {"fixed_budgets": [12.0]})
+    goal_page = render_leaderboard(goal, {})
+    assert "- at 12 s of training, beyond the noise:" in goal_page and "and 12 s fixed)." in goal_page
 
     one_seed = summarize([r for r in results if r["settings"]["seed"] == 0])
     assert one_seed["separated"] == []

@@ -32,11 +32,12 @@ def make_toy_dpo_pairs(world_dir: str | os.PathLike, output_dir: str | os.PathLi
 
     from ..rewards import resolve_reward_funcs
     from .build import quiet_toy_truncation_warnings, read_prompts
+    from .learning import read_world_metadata
 
     if images_per_prompt < 2:
         raise ValueError(f"images_per_prompt={images_per_prompt}: a pair needs at least 2 images per prompt.")
     world_dir, output = Path(world_dir), Path(output_dir)
-    settings = json.loads((world_dir / "toy_world.json").read_text())["generation"]
+    settings = read_world_metadata(world_dir)["generation"]
     quiet_toy_truncation_warnings(settings["max_sequence_length"])
     steps = num_inference_steps or settings["num_inference_steps"]
     prompts = read_prompts(world_dir, "train")[:max_prompts]

@@ -341,7 +341,7 @@ def summarize(results: Sequence[dict[str, Any]], descriptions: dict[str, str] | 
                     a_name, b_name = a.name, b.name
                 paired.append({"better": a_name, "worse": b_name, "how": how, **diff})
     return {"variants": variants, "budgets": budgets, "steps": steps, "separated": separated,
-            "attribute": attribute, "intervals": intervals, "paired": paired,
+            "attribute": attribute, "intervals": intervals, "paired": paired, "fixed_budgets": fixed,
             "fixed_budget": budgets[fixed_index] if fixed_index is not None else None}
 
 
@@ -372,7 +372,7 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
     """The leaderboard page (markdown). ``context``: ``command``, ``machine``, ``date``, ``commit``,
     ``eval`` (a sentence), ``total_minutes``, ``quick`` (bool), optionally ``note`` (how the runs were made, e.g.
     split over concurrent processes), ``made`` (a sentence: where and when the runs were made), ``missing`` (the
-    planned runs not made yet, with ``planned_runs`` their total) and ``fixed_budgets``."""
+    planned runs not made yet, with ``planned_runs`` their total)."""
     variants: list[VariantSummary] = summary["variants"]
     by_name = {v.name: v for v in variants}
     reference = by_name.get(REFERENCE_VARIANT)
@@ -409,8 +409,8 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
         f"- wall-clock: training seconds only (sampling, scoring, the update), evaluations excluded; accuracy at a "
         f"budget is each run's last evaluation at or before it (no interpolation). Budgets: "
         f"{', '.join(_seconds(b) for b in budgets)} (a quarter, half and all of the shortest run's training time"
-        + (f", and {', '.join(_seconds(b) for b in context['fixed_budgets'])} fixed" if context.get("fixed_budgets")
-           else "") + ").",
+        + (f", and {', '.join(_seconds(b) for b in summary['fixed_budgets'])} fixed"
+           if summary.get("fixed_budgets") else "") + ").",
         "",
         f"## At equal steps ({summary['steps']} optimizer steps)",
         "",

@@ -29,7 +29,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from .build import evaluate_pipeline, quiet_toy_truncation_warnings, read_prompts
+from .build import METADATA_FILE, evaluate_pipeline, quiet_toy_truncation_warnings, read_prompts
 
 __all__ = ["RLSettings", "TOY_TRAINERS", "run_toy_rl", "plot_accuracy_curve", "before_after_sheet"]
 
@@ -269,16 +269,20 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
     return result
 
 
+def read_world_metadata(world_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """A toy world folder's ``toy_world.json``: its seed, config, recommended generation settings (``generation``),
+    accuracies and ``builder_digest``. (Kept out of ``build.py``, whose source decides the builder digest.)"""
+    return json.loads((Path(world_dir) / METADATA_FILE).read_text(encoding="utf-8"))
+
+
 def world_digest(world_dir: str | os.PathLike[str]) -> str | None:
     """The builder digest recorded in a toy world's ``toy_world.json`` (which builder, preset and seed made it), so
     results from different worlds are never pooled; ``None`` for a world folder without one."""
-    metadata = json.loads((Path(world_dir) / "toy_world.json").read_text(encoding="utf-8"))
-    return metadata.get("builder_digest")
+    return read_world_metadata(world_dir).get("builder_digest")
 
 
 def _world_resolution(world_dir: Path) -> int:
-    metadata = json.loads((world_dir / "toy_world.json").read_text(encoding="utf-8"))
-    return int(metadata["generation"]["resolution"])
+    return int(read_world_metadata(world_dir)["generation"]["resolution"])
 
 
 def _fmt(acc: dict[str, Any]) -> str:
