@@ -44,7 +44,7 @@ def benchmark_command(preset: str, setting: str, steps: int, warmup: int, json_o
 
 
 #: How a main thread with every core shares them with the background (``auto/SPLIT``: $FLOWGRPO_CPU_SPLIT).
-SPLITS = ("yield", "nice", "both", "none")
+SPLITS = ("yield", "yield-forward", "nice", "both", "none")
 
 
 def split_env(setting: str) -> dict[str, str]:

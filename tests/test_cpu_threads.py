@@ -138,7 +138,7 @@ def test_main_thread_yields_one_core_per_busy_background_task(monkeypatch, resto
     seen = []
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4)]))
     handles = install_main_thread_yield([model])
-    assert len(handles) == 2  # the root and the one block
+    assert len(handles) == 4  # the root and the one block, each before its forward and (for backward) after it
     model[1][0].register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))  # runs after
 
     def forward():
@@ -170,6 +170,44 @@ def test_main_thread_yields_one_core_per_busy_background_task(monkeypatch, resto
         handle.remove()
     apply_cpu_thread_plan(plan_cpu_threads("auto"))
     assert install_main_thread_yield([model]) == []
+
+
+def test_main_thread_yield_follows_the_background_in_backward(monkeypatch, restore_threads):
+    """A background task that starts after a block's forward still takes its core back at the block's backward
+    (the hook on the block output's gradient); ``yield-forward`` (the split before) leaves backward alone."""
+    monkeypatch.setenv(CPU_THREADS_ENV, "3")
+    started, release = threading.Event(), threading.Event()
+
+    def busy_task():
+        started.set()
+        release.wait(10)
+
+    for split, expected in (("yield", 2), ("yield-forward", 3)):
+        monkeypatch.setenv("FLOWGRPO_CPU_SPLIT", split)
+        apply_cpu_thread_plan(plan_cpu_threads("auto", model_parameters=ALL_CORES_MIN_PARAMETERS))
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4)]))
+        handles = install_main_thread_yield([model])
+        assert len(handles) == (4 if split == "yield" else 2)
+        x = torch.ones(1, 4, requires_grad=True)
+        hidden = model[0](x)
+        seen = []
+        hidden.register_hook(lambda grad, seen=seen: seen.append(torch.get_num_threads()))  # runs after the block's backward
+        out = model[1][0](hidden)
+        assert torch.get_num_threads() == 3  # the background was idle during the forward
+        thread = threading.Thread(target=background_task, args=(busy_task,))
+        thread.start()
+        started.wait(10)
+        out.sum().backward()
+        release.set()
+        thread.join()
+        release.clear()
+        started.clear()
+        assert seen == [expected], split
+        assert torch.allclose(x.grad, (model[1][0].weight.sum(0) @ model[0].weight).detach())  # gradient unchanged
+        with torch.no_grad():  # no gradient, no hook: nothing is registered on outputs in inference
+            model[1][0](torch.ones(1, 4))
+        for handle in handles:
+            handle.remove()
 
 
 def _build_counting(args):

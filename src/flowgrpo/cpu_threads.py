@@ -26,9 +26,11 @@ Yielding. With every core on the main thread, the background threads still take 
 score, and the main thread's OpenMP team, one member short, stalls at every barrier: the step ran above its
 bare-model floor by the background's whole cost. So the background tasks count themselves busy
 (:func:`background_work`, :func:`background_task`) and the main thread, at the start of every block of the trained
-transformer (:func:`install_main_thread_yield`), runs with one thread fewer per busy background thread and with all
-of them again once the background is idle: the cores are never oversubscribed and never idle. ``$FLOWGRPO_CPU_SPLIT``
-chooses another split for measurements (``nice``: no yielding, the background threads at nice 19; ``both``; ``none``).
+transformer, forward and backward (:func:`install_main_thread_yield`), runs with one thread fewer per busy background
+thread and with all of them again once the background is idle: the cores are never oversubscribed and never idle.
+``$FLOWGRPO_CPU_SPLIT`` chooses another split for measurements (``yield-forward``: yielding at the forward blocks
+only, as before the backward followed too; ``nice``: no yielding, the background threads at nice 19; ``both``: yield
+and nice; ``none``).
 
 "Processes on this machine" is ``LOCAL_WORLD_SIZE`` (set by ``accelerate launch`` and ``torchrun``), else 1;
 "usable cores" is the process's CPU affinity. On a GPU run only the reward side matters: the OCR reward then gets
@@ -73,8 +75,8 @@ ALL_CORES_MIN_PARAMETERS = 10_000_000
 """From this many parameters in the trained transformer(s) on, ``auto`` gives the main thread every core of its share."""
 
 CPU_SPLIT_ENV = "FLOWGRPO_CPU_SPLIT"
-"""How a main thread with every core shares them with the background: ``yield`` (default), ``nice``, ``both``,
-``none`` (see the module docstring)."""
+"""How a main thread with every core shares them with the background: ``yield`` (default), ``yield-forward``,
+``nice``, ``both``, ``none`` (see the module docstring)."""
 
 CPU_THREADS_ENV = "FLOWGRPO_CPU_THREADS"
 """Cores this process may use (overrides the share computed from the machine, e.g. under a parallel test run)."""
@@ -93,6 +95,8 @@ class CPUThreadPlan:
     """The main thread gives one core back per busy background thread (see `main_thread_count`)."""
     background_nice: bool = False
     """The background threads run at the lowest OS priority (nice 19), on the cores the main thread leaves idle."""
+    yield_in_backward: bool = True
+    """Yielding also follows the background at the start of each block's backward pass (not only its forward)."""
 
     def describe(self) -> str:
         yielding = ", one fewer per busy background thread" if self.yield_to_background else ""
@@ -183,10 +187,10 @@ def plan_cpu_threads(cpu_threads: str | int = "auto", *, on_cpu: bool = True,
         source += f", main thread fixed at {main}"
     shares = setting == "auto" and main == cores > 1
     split = os.environ.get(CPU_SPLIT_ENV, "yield").strip().lower() if shares else "none"
-    if split not in ("yield", "nice", "both", "none"):
-        raise ValueError(f"{CPU_SPLIT_ENV}={split!r} is not valid; use yield, nice, both or none.")
-    return CPUThreadPlan(cores, main, 1, 1, source, yield_to_background=split in ("yield", "both"),
-                         background_nice=split in ("nice", "both"))
+    if split not in ("yield", "yield-forward", "nice", "both", "none"):
+        raise ValueError(f"{CPU_SPLIT_ENV}={split!r} is not valid; use yield, yield-forward, nice, both or none.")
+    return CPUThreadPlan(cores, main, 1, 1, source, yield_to_background=split in ("yield", "yield-forward", "both"),
+                         background_nice=split in ("nice", "both"), yield_in_backward=split != "yield-forward")
 
 
 def apply_cpu_thread_plan(plan: CPUThreadPlan | None) -> CPUThreadPlan | None:
@@ -281,7 +285,8 @@ def main_thread_count(plan: CPUThreadPlan | None = None) -> int | None:
     return max(1, plan.torch_threads - _busy_background)
 
 
-def _yield_hook(module, args) -> None:
+def _follow_background() -> None:
+    """Set the main thread's torch threads to `main_thread_count` (no-op elsewhere or when unchanged)."""
     want = main_thread_count()
     if want is not None and threading.current_thread() is threading.main_thread():
         import torch
@@ -290,10 +295,34 @@ def _yield_hook(module, args) -> None:
             torch.set_num_threads(want)
 
 
+def _yield_hook(module, args) -> None:
+    _follow_background()
+
+
+def _yield_in_backward_hook(module, args, output) -> None:
+    """Forward hook: when the block's output will be differentiated, follow the background again at the start of
+    the block's backward (a hook on the output's gradient; the CPU autograd engine runs it in the main thread)."""
+    import torch
+
+    if not torch.is_grad_enabled():
+        return
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    for value in outputs:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            value.register_hook(_yield_on_gradient)
+            return
+
+
+def _yield_on_gradient(grad):
+    _follow_background()
+    return None  # the gradient is left unchanged
+
+
 def install_main_thread_yield(modules) -> list:
     """When the applied plan yields to the background, adjust the main thread's torch threads at the start of each
-    of ``modules``' forward passes and of each block (every module held in an ``nn.ModuleList``) inside them, so
-    that it follows the background's load within one block. Returns the hook handles (empty when nothing yields)."""
+    of ``modules``' forward passes and of each block (every module held in an ``nn.ModuleList``) inside them, and at
+    the start of each of their backward passes, so that it follows the background's load within one block in both
+    directions. Returns the hook handles (empty when nothing yields)."""
     import torch
 
     if _CURRENT is None or not _CURRENT.yield_to_background:
@@ -303,4 +332,6 @@ def install_main_thread_yield(modules) -> list:
         targets = [root] + [child for module in root.modules() if isinstance(module, torch.nn.ModuleList)
                             for child in module]
         handles += [target.register_forward_pre_hook(_yield_hook) for target in targets]
+        if _CURRENT.yield_in_backward:
+            handles += [target.register_forward_hook(_yield_in_backward_hook) for target in targets]
     return handles
