@@ -2,6 +2,7 @@
 
 import multiprocessing
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from flowgrpo.build_cache import build_folder_once
 from flowgrpo.cpu_threads import (
     ALL_CORES_MIN_PARAMETERS,
     CPU_THREADS_ENV,
+    ThreadTimeline,
     apply_cpu_thread_plan,
     background_task,
     busy_background_threads,
@@ -208,6 +210,48 @@ def test_main_thread_yield_follows_the_background_in_backward(monkeypatch, resto
             model[1][0](torch.ones(1, 4))
         for handle in handles:
             handle.remove()
+
+
+def test_thread_timeline_measures_the_split(monkeypatch, restore_threads):
+    """The timeline adds up the time the main thread spends at each thread count against the busy background tasks,
+    and a take() starts a new period."""
+    monkeypatch.setenv(CPU_THREADS_ENV, "2")
+    monkeypatch.delenv("FLOWGRPO_CPU_SPLIT", raising=False)
+    apply_cpu_thread_plan(plan_cpu_threads("auto", model_parameters=ALL_CORES_MIN_PARAMETERS))
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4)]))
+    handles = install_main_thread_yield([model])
+    started, release = threading.Event(), threading.Event()
+
+    def busy_task():
+        started.set()
+        release.wait(10)
+
+    timeline = ThreadTimeline().start()
+    try:
+        t0 = time.perf_counter()
+        time.sleep(0.05)  # idle background, both threads
+        thread = threading.Thread(target=background_task, args=(busy_task,))
+        thread.start()
+        started.wait(10)
+        time.sleep(0.05)  # busy background, the main thread not yet at a block: oversubscribed
+        model[0][0](torch.ones(1, 4))  # a block starts: the main thread yields one thread
+        time.sleep(0.1)
+        release.set()
+        thread.join()
+        time.sleep(0.05)  # idle background, the main thread still at one thread until its next block
+        first = timeline.take()
+        elapsed = time.perf_counter() - t0
+        model[0][0](torch.ones(1, 4))  # back to both threads
+        second = timeline.take()
+    finally:
+        timeline.stop()
+        for handle in handles:
+            handle.remove()
+    assert set(first) == {"main=2 busy=0", "main=2 busy=1", "main=1 busy=1", "main=1 busy=0"}
+    assert first["main=1 busy=1"] >= 0.09 and first["main=2 busy=1"] >= 0.04 and first["main=1 busy=0"] >= 0.04
+    assert sum(first.values()) == pytest.approx(elapsed, abs=0.02)
+    assert set(second) <= {"main=1 busy=0", "main=2 busy=0"} and sum(second.values()) < 0.5
+    assert torch.get_num_threads() == 2
 
 
 def _build_counting(args):

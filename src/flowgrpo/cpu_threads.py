@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ __all__ = [
     "CPU_SPLIT_ENV",
     "CPU_THREADS_ENV",
     "CPUThreadPlan",
+    "ThreadTimeline",
     "apply_cpu_thread_plan",
     "current_cpu_thread_plan",
     "limit_worker_threads",
@@ -256,11 +258,76 @@ def background_work():
     global _busy_background
     with _busy_lock:
         _busy_background += 1
+        _note_timeline()
     try:
         yield
     finally:
         with _busy_lock:
             _busy_background -= 1
+            _note_timeline()
+
+
+class ThreadTimeline:
+    """How long the main thread ran with each torch thread count against the number of busy background tasks:
+    what a split does, measured (``scripts/benchmark.py`` reports it per step as ``thread_timeline_s``).
+
+    ``start()`` (in the main thread) begins recording; ``take()`` returns ``{"main=N busy=B": seconds}`` since the
+    last ``take()`` or ``reset()`` and starts a new period; ``reset()`` discards the period so far; ``stop()`` ends
+    recording. One timeline records at a time. With yielding, ``main=1 busy=1`` on 2 cores is the split at work,
+    ``main=2 busy=1`` is oversubscription and ``main=1 busy=0`` a core left idle.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds: dict[str, float] = {}
+        self._main = 1
+        self._busy = 0
+        self._last = 0.0
+
+    def start(self) -> ThreadTimeline:
+        global _TIMELINE
+        import torch
+
+        with self._lock:
+            self._main, self._busy, self._last = torch.get_num_threads(), _busy_background, time.perf_counter()
+            self._seconds = {}
+        _TIMELINE = self
+        return self
+
+    def stop(self) -> None:
+        global _TIMELINE
+        if _TIMELINE is self:
+            _TIMELINE = None
+
+    def note(self, main_threads: int | None = None) -> None:
+        """Close the current interval; the state from now on: ``main_threads`` (unchanged when ``None``) and the
+        busy count now."""
+        with self._lock:
+            now = time.perf_counter()
+            key = f"main={self._main} busy={self._busy}"
+            self._seconds[key] = self._seconds.get(key, 0.0) + (now - self._last)
+            self._last = now
+            if main_threads is not None:
+                self._main = main_threads
+            self._busy = _busy_background
+
+    def take(self) -> dict[str, float]:
+        self.note()
+        with self._lock:
+            seconds, self._seconds = self._seconds, {}
+        return seconds
+
+    def reset(self) -> None:
+        self.take()
+
+
+_TIMELINE: ThreadTimeline | None = None
+
+
+def _note_timeline(main_threads: int | None = None) -> None:
+    timeline = _TIMELINE
+    if timeline is not None:
+        timeline.note(main_threads)
 
 
 def background_task(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -293,6 +360,7 @@ def _follow_background() -> None:
 
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
+            _note_timeline(want)
 
 
 def _yield_hook(module, args) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from ..cpu_threads import ThreadTimeline, current_cpu_thread_plan
 from .flops import step_flops, transformer_forward_flops
 from .presets import OCR_PROMPTS, BenchmarkPreset, build_preset_pipeline, check_device, get_preset
 
@@ -190,11 +191,20 @@ class _BenchmarkClock(TrainerCallback):
         self._t_last = 0.0
         self._t_opt = 0.0
         self._optimizer = 0.0
+        # Where the main thread yields to the background: its thread count against the busy background tasks.
+        plan = current_cpu_thread_plan()
+        self.timeline = ThreadTimeline() if plan is not None and plan.yield_to_background else None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.trainer.accelerator.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        if self.timeline is not None:
+            self.timeline.start()
         self._t_last = time.perf_counter()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.timeline is not None:
+            self.timeline.stop()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         _sync(self.trainer.accelerator.device)
@@ -226,6 +236,8 @@ class _BenchmarkClock(TrainerCallback):
         with self.reward_lock:
             record["reward_compute_s"] = float(sum(self.reward_times))
             self.reward_times.clear()
+        if self.timeline is not None:
+            record["thread_timeline_s"] = self.timeline.take()
         self._optimizer = 0.0
         if self.floor_enabled:
             if self.floor is None:
@@ -236,6 +248,8 @@ class _BenchmarkClock(TrainerCallback):
             for name in self.ab_switches:
                 setattr(self.trainer, name, (state.global_step + 1) % 2 == 0)
         _sync(device)
+        if self.timeline is not None:
+            self.timeline.reset()  # the floor measurement is not part of the next step
         self._t_last = time.perf_counter()
 
 
@@ -384,6 +398,10 @@ def _summarize(preset: BenchmarkPreset, trainer, clock: _BenchmarkClock, warmup:
         "build_time_s": build_s,
         "machine": _machine(),
     }
+    timelines = [r["thread_timeline_s"] for r in records if "thread_timeline_s" in r]
+    if timelines:  # mean seconds per measured step in each (main threads, busy background tasks) state
+        keys = sorted({k for t in timelines for k in t})
+        result["thread_timeline_s"] = {k: sum(t.get(k, 0.0) for t in timelines) / len(timelines) for k in keys}
     transformer = trainer.accelerator.unwrap_model(trainer.model)
     result["parameters"] = {
         "transformer": sum(p.numel() for n, p in transformer.named_parameters() if "lora_" not in n),
@@ -457,6 +475,9 @@ def format_report(result: dict[str, Any]) -> str:
     ov = result["overlapped"]
     lines.append(f"  in the background: reward compute {ov['reward_compute_s']:.3f} s, VAE decode "
                  f"{ov['vae_decode_s']:.3f} s")
+    if "thread_timeline_s" in result:
+        states = ", ".join(f"{k} {v:.3f} s" for k, v in result["thread_timeline_s"].items())
+        lines.append(f"  main thread's torch threads against busy background tasks (mean s per step): {states}")
     if "ab" in result:
         ab = result["ab"]
         lines.append(f"  A/B of {', '.join(ab['switches'])} (alternate steps):")
