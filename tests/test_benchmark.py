@@ -432,6 +432,33 @@ def test_tiny_preset_smoke(tmp_path, capsys):
     assert result["achieved_flops_per_s"] == pytest.approx(flops["total"] / step)
 
 
+def test_tiny_preset_reports_the_thread_timeline_where_the_main_thread_yields(tmp_path, capsys, monkeypatch):
+    """Where the main thread yields to the background (here: the tiny model treated as large, 2 cores), every
+    measured step reports how long the main thread ran at each thread count against the busy background tasks; the
+    states add up to about the step's time (the floor measurement is excluded)."""
+    import flowgrpo.cpu_threads as cpu_threads
+
+    previous_threads, previous_plan = torch.get_num_threads(), cpu_threads.current_cpu_thread_plan()
+    monkeypatch.setattr(cpu_threads, "ALL_CORES_MIN_PARAMETERS", 0)
+    monkeypatch.setenv(cpu_threads.CPU_THREADS_ENV, "2")
+    monkeypatch.delenv(cpu_threads.CPU_SPLIT_ENV, raising=False)
+    out = tmp_path / "bench.json"
+    try:
+        status, stdout, err = _run_script(capsys, "--preset", "tiny", "--steps", "2", "--warmup-steps", "1",
+                                          "--json", str(out))
+    finally:
+        torch.set_num_threads(previous_threads)
+        cpu_threads.apply_cpu_thread_plan(previous_plan)
+    assert status == 0, err[-4000:]
+    result = json.loads(out.read_text())
+    timeline = result["thread_timeline_s"]
+    assert "main=2 busy=0" in timeline and all(v >= 0 for v in timeline.values())
+    assert set(timeline) <= {f"main={m} busy={b}" for m in (1, 2) for b in (0, 1, 2)}
+    mean_step = sum(result["step_times_s"]) / len(result["step_times_s"])
+    assert sum(timeline.values()) == pytest.approx(mean_step, rel=0.05, abs=0.02)
+    assert "busy background tasks" in stdout
+
+
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
 @pytest.mark.parametrize("variant", [None, "ti2v"], ids=["wan21_i2v", "ti2v"])
 def test_analytic_flops_match_torch_counter_on_tiny_wan_i2v(variant, full, tiny_pipeline_path):
