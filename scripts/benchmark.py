@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ab", choices=["decode", "reward", "all"], default=None,
                         help="switch the trainer's overlaps (background decode / reward-training overlap / both) on "
                              "and off on alternate steps and report the overhead ratio of each arm")
+    parser.add_argument("--thread-speedup", action="store_true",
+                        help="CPU: after the steps, time the floor with the main thread at 1 thread and at its own "
+                             "count (floor_thread_speedup) and report overhead_bound, the least overhead ratio the "
+                             "background's work allows")
     args = parser.parse_args(argv)
 
     from flowgrpo.benchmarking import format_report, run_benchmark
@@ -50,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_benchmark(args.preset, args.steps, warmup_steps=args.warmup_steps, threads=args.threads,
                                torch_threads=args.torch_threads, measure_floor=not args.no_floor, seed=args.seed, ab=args.ab,
-                               log=lambda m: print(m, file=sys.stderr, flush=True))
+                               thread_speedup=args.thread_speedup, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except RuntimeError as e:
         if "torch.cuda.is_available()" in str(e):
             print(f"error: {e}", file=sys.stderr)

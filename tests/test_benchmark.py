@@ -17,6 +17,7 @@ from flowgrpo.benchmarking.full_size_families import (
     FLUX2_KLEIN_4B_TRANSFORMER,
     ZIMAGE_TURBO_TRANSFORMER,
 )
+from flowgrpo.benchmarking.harness import overhead_bound
 from flowgrpo.benchmarking.presets import (
     FLUX_DEV_TRANSFORMER,
     QWEN_IMAGE_TRANSFORMER,
@@ -432,6 +433,19 @@ def test_tiny_preset_smoke(tmp_path, capsys):
     assert result["achieved_flops_per_s"] == pytest.approx(flops["total"] / step)
 
 
+def test_overhead_bound_prices_the_background_at_the_main_threads_second_core():
+    """Each core-second of background work costs at least 1 - 1/s of the main thread's time, s the smaller speed-up;
+    a main thread that gains nothing from its threads pays nothing."""
+    overlapped = {"reward_compute_s": 0.3, "vae_decode_s": 0.1, "sampling_s": 2.0, "training_s": 1.0}
+    assert overhead_bound(overlapped, 2.0, {"rollout": 1.6, "training": 2.0}) == pytest.approx(1 + 0.4 * 0.375 / 2)
+    assert overhead_bound(overlapped, 2.0, {"rollout": 0.9, "training": 1.5}) == 1.0
+
+
+def test_thread_speedup_needs_a_cpu_floor(capsys):
+    status, _out, err = _run_script(capsys, "--preset", "tiny", "--steps", "1", "--no-floor", "--thread-speedup")
+    assert status == 2 and "thread_speedup" in err and "--no-floor" in err
+
+
 def test_tiny_preset_reports_the_thread_timeline_where_the_main_thread_yields(tmp_path, capsys, monkeypatch):
     """Where the main thread yields to the background (here: the tiny model treated as large, 2 cores), every
     measured step reports how long the main thread ran at each thread count against the busy background tasks; the
@@ -445,12 +459,22 @@ def test_tiny_preset_reports_the_thread_timeline_where_the_main_thread_yields(tm
     out = tmp_path / "bench.json"
     try:
         status, stdout, err = _run_script(capsys, "--preset", "tiny", "--steps", "2", "--warmup-steps", "1",
-                                          "--json", str(out))
+                                          "--json", str(out), "--thread-speedup")
     finally:
         torch.set_num_threads(previous_threads)
         cpu_threads.apply_cpu_thread_plan(previous_plan)
     assert status == 0, err[-4000:]
     result = json.loads(out.read_text())
+    # The floor timed at 1 and 2 threads (the tiny model gains little or loses from a second thread: only the
+    # bookkeeping is checked here), and the bound it gives.
+    speedup = result["floor_thread_speedup"]
+    assert speedup["threads"] == 2 and speedup["rounds"] == 2
+    for phase in ("rollout", "training", "total"):
+        times = speedup[f"{phase}_s"]
+        assert speedup[phase] == pytest.approx(times["1"] / times["2"]) and times["1"] > 0 and times["2"] > 0
+    assert result["overhead_bound"] == pytest.approx(overhead_bound(result["overlapped"], result["floor_time_s"],
+                                                                    speedup))
+    assert result["overhead_bound"] >= 1.0 and "overhead_bound" in stdout
     timeline = result["thread_timeline_s"]
     assert "main=2 busy=0" in timeline and all(v >= 0 for v in timeline.values())
     assert set(timeline) <= {f"main={m} busy={b}" for m in (1, 2) for b in (0, 1, 2)}

@@ -17,6 +17,7 @@ from flowgrpo.cpu_threads import (
     background_task,
     busy_background_threads,
     current_cpu_thread_plan,
+    fixed_main_threads,
     install_main_thread_yield,
     limit_worker_threads,
     parse_cpu_threads,
@@ -252,6 +253,42 @@ def test_thread_timeline_measures_the_split(monkeypatch, restore_threads):
     assert sum(first.values()) == pytest.approx(elapsed, abs=0.02)
     assert set(second) <= {"main=1 busy=0", "main=2 busy=0"} and sum(second.values()) < 0.5
     assert torch.get_num_threads() == 2
+
+
+def test_fixed_main_threads_holds_the_count_against_the_background(monkeypatch, restore_threads):
+    """Inside `fixed_main_threads` the blocks keep the chosen count even while the background is busy; afterwards the
+    previous count, and the blocks follow the background again."""
+    monkeypatch.setenv(CPU_THREADS_ENV, "2")
+    monkeypatch.delenv("FLOWGRPO_CPU_SPLIT", raising=False)
+    apply_cpu_thread_plan(plan_cpu_threads("auto", model_parameters=ALL_CORES_MIN_PARAMETERS))
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4)]))
+    handles = install_main_thread_yield([model])
+    seen = []
+    model[0][0].register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
+    started, release = threading.Event(), threading.Event()
+
+    def busy_task():
+        started.set()
+        release.wait(10)
+
+    thread = threading.Thread(target=background_task, args=(busy_task,))
+    thread.start()
+    started.wait(10)
+    try:
+        for n in (2, 1):
+            with fixed_main_threads(n):
+                model[0][0](torch.ones(1, 4))
+            assert torch.get_num_threads() == 2
+        model[0][0](torch.ones(1, 4))  # following again: one thread while the task is busy
+    finally:
+        release.set()
+        thread.join()
+        for handle in handles:
+            handle.remove()
+    assert seen == [2, 1, 1]
+    with pytest.raises(ValueError, match="threads=0"):
+        with fixed_main_threads(0):
+            pass
 
 
 def _build_counting(args):

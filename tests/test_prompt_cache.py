@@ -250,3 +250,42 @@ def test_24gb_recipe_parses_into_the_memory_settings(monkeypatch, tmp_path):
         with pytest.raises(ValueError, match="quantization='4bit'.*CUDA"):
             FlowGRPOTrainer(model=model_args.model_name_or_path, reward_funcs=script_args.reward_funcs, args=args,
                             train_dataset=Dataset.from_dict({"prompt": TRAIN}), peft_config=peft)
+
+
+@pytest.mark.parametrize("family", ["qwenimage_edit", "qwenimage_edit_plus"])
+def test_cache_keeps_the_negative_of_each_source_image(family, tiny_pipeline_path, tmp_path):
+    """Families whose negative prompt is encoded with the source image (true CFG) keep it in the cache too: the
+    embeddings and negatives equal the uncached ones, and a second call (and another prompt with the same image)
+    encodes no negative again. With the text encoders offloaded these calls reach the encoders only through the
+    cache's visits, so a bypass would encode with the encoders away from the accelerator."""
+    from family_cases import CASES, config_kwargs, dataset_rows
+
+    case = next(c for c in CASES if c.name == family)
+    rows = dataset_rows(case)
+    results = {}
+    for cached in (False, True):
+        args = FlowGRPOConfig(output_dir=str(tmp_path / str(cached)),
+                              **config_kwargs(case, negative_prompt=" ", cache_prompt_embeddings=cached,
+                                              offload_text_encoders=cached))
+        trainer = FlowGRPOTrainer(model=str(tiny_pipeline_path(family)), reward_funcs=brightness, args=args,
+                                  train_dataset=Dataset.from_dict(rows),
+                                  peft_config=LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian"))
+        seen = count_encodes(trainer)
+        prompts = [rows["prompt"][0], rows["prompt"][0], rows["prompt"][1]]
+        images = [rows["image"][0], rows["image"][0], rows["image"][1]]
+        with torch.no_grad():
+            embeds, index = trainer._encode_unique(prompts, trainer.accelerator.device, images)
+        assert index.tolist() == [0, 0, 1] and embeds.negative is not None
+        results[cached] = embeds
+        if cached:
+            assert seen[" "] == 2  # one negative per distinct source image
+            with torch.no_grad():  # again, and a new prompt on a source image already seen: no negative encoded
+                again, _ = trainer._encode_unique(prompts[:1] + ["a new prompt"], trainer.accelerator.device,
+                                                  images[:1] + images[:1])
+            assert seen[" "] == 2 and seen["a new prompt"] == 1 and trainer.prompt_cache.hits == 2  # (p0, im0), (" ", im0)
+            for name, value in again.negative.tensors.items():
+                assert torch.equal(value[0], embeds.negative.tensors[name][0]), name
+    for name, value in results[False].tensors.items():
+        assert torch.allclose(results[True].tensors[name], value, atol=1e-6), name
+    for name, value in results[False].negative.tensors.items():
+        assert torch.allclose(results[True].negative.tensors[name], value, atol=1e-6), name

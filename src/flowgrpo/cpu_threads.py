@@ -58,6 +58,7 @@ __all__ = [
     "background_task",
     "background_work",
     "busy_background_threads",
+    "fixed_main_threads",
     "install_main_thread_yield",
     "main_thread_count",
     "CPU_SPLIT_ENV",
@@ -352,8 +353,33 @@ def main_thread_count(plan: CPUThreadPlan | None = None) -> int | None:
     return max(1, plan.torch_threads - _busy_background)
 
 
+_FOLLOWING_SUSPENDED = 0  # > 0 inside `fixed_main_threads` (main thread only)
+
+
+@contextmanager
+def fixed_main_threads(threads: int):
+    """Inside the block the main thread runs at ``threads`` torch threads and does not follow the background (for
+    measurements: the bare passes at a chosen thread count); afterwards its previous count, and following again."""
+    global _FOLLOWING_SUSPENDED
+    import torch
+
+    if int(threads) < 1:
+        raise ValueError(f"threads={threads} must be >= 1")
+    previous = torch.get_num_threads()
+    _FOLLOWING_SUSPENDED += 1
+    torch.set_num_threads(int(threads))
+    try:
+        yield
+    finally:
+        _FOLLOWING_SUSPENDED -= 1
+        torch.set_num_threads(previous)
+
+
 def _follow_background() -> None:
-    """Set the main thread's torch threads to `main_thread_count` (no-op elsewhere or when unchanged)."""
+    """Set the main thread's torch threads to `main_thread_count` (no-op elsewhere, when unchanged, or inside
+    `fixed_main_threads`)."""
+    if _FOLLOWING_SUSPENDED:
+        return
     want = main_thread_count()
     if want is not None and threading.current_thread() is threading.main_thread():
         import torch

@@ -14,6 +14,16 @@ Reported (medians over the measured steps): ``step_time_s``, ``images_per_s``, `
 (text encoding, rollout, VAE decode, exposed reward wait, training forward, training backward, optimizer, other),
 ``floor_time_s`` and ``overhead_ratio = step_time_s / floor_time_s``, plus the analytic transformer FLOPs of a step
 (:mod:`flowgrpo.benchmarking.flops`) and the FLOP/s achieved by the step and by the floor.
+
+With ``thread_speedup`` (CPU, a main thread on 2 or more torch threads), after the measured steps the floor's passes
+are timed again with the main thread at one thread and at its plan's count, alternating, nothing in the background:
+``floor_thread_speedup`` = {phase: median at 1 thread / median at N threads} for the rollout and the training passes.
+From it, ``overhead_bound`` is the least ``overhead_ratio`` that any split of the cores reaching the floor's
+N-thread speed can have, from the background's work alone: while a background task (decode, reward) holds one core
+the main thread's passes run at most at one thread's speed, so each of its core-seconds ``b`` costs the main thread
+at least ``b * (1 - 1 / s)`` seconds, ``s`` the smaller of the two speed-ups::
+
+    overhead_bound = 1 + (reward_compute_s + vae_decode_s) * (1 - 1 / s) / floor_time_s
 """
 
 from __future__ import annotations
@@ -32,11 +42,12 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..cpu_threads import ThreadTimeline, current_cpu_thread_plan
+from ..cpu_threads import ThreadTimeline, current_cpu_thread_plan, fixed_main_threads
 from .flops import step_flops, transformer_forward_flops
 from .presets import OCR_PROMPTS, BenchmarkPreset, build_preset_pipeline, check_device, get_preset
 
-__all__ = ["run_benchmark", "format_report", "BREAKDOWN_KEYS", "RESULT_KEYS"]
+__all__ = ["run_benchmark", "format_report", "measure_thread_speedup", "overhead_bound", "BREAKDOWN_KEYS",
+           "RESULT_KEYS"]
 
 BREAKDOWN_KEYS = ("text_encoding", "rollout", "vae_decode", "reward", "training_forward", "training_backward",
                   "optimizer", "other")
@@ -253,6 +264,36 @@ class _BenchmarkClock(TrainerCallback):
         self._t_last = time.perf_counter()
 
 
+def _main_thread_torch_threads() -> int:
+    """The main thread's torch threads when nothing runs in the background: its plan's, else torch's now."""
+    plan = current_cpu_thread_plan()
+    return plan.torch_threads if plan is not None else torch.get_num_threads()
+
+
+def measure_thread_speedup(floor: FloorRunner, threads: int, rounds: int = 2) -> dict[str, Any]:
+    """The floor's passes at one thread and at ``threads`` torch threads for the main thread, alternating ``rounds``
+    times each, nothing in the background: {phase: median time at 1 / median time at ``threads``} for ``rollout``,
+    ``training`` and ``total``, with the medians in seconds."""
+    times: dict[int, list[dict[str, float]]] = {1: [], threads: []}
+    for _ in range(rounds):
+        for n in (1, threads):
+            with fixed_main_threads(n):
+                times[n].append(floor.measure())
+    out: dict[str, Any] = {"threads": threads, "rounds": rounds}
+    for phase in ("rollout", "training", "total"):
+        one, many = _median([t[phase] for t in times[1]]), _median([t[phase] for t in times[threads]])
+        out[phase] = one / many
+        out[f"{phase}_s"] = {"1": one, str(threads): many}
+    return out
+
+
+def overhead_bound(overlapped: dict[str, float], floor_time_s: float, speedup: dict[str, Any]) -> float:
+    """The least overhead ratio any core split can reach from the background's work alone (module docstring)."""
+    s = min(speedup["rollout"], speedup["training"])
+    background = overlapped["reward_compute_s"] + overlapped["vae_decode_s"]
+    return 1.0 + background * max(0.0, 1.0 - 1.0 / s) / floor_time_s
+
+
 def _median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
@@ -316,12 +357,14 @@ def build_trainer(preset: BenchmarkPreset, max_steps: int, output_dir: str, seed
 def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, warmup_steps: int | None = None,
                   threads: str | int | None = None, torch_threads: int | None = None, measure_floor: bool = True,
                   seed: int = 0, ab: str | None = None, output_dir: str | None = None,
-                  log: Callable[[str], None] | None = print) -> dict[str, Any]:
+                  thread_speedup: bool = False, log: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Run the benchmark and return its results as a JSON-ready dict (see the module docstring).
 
     ``threads`` is the trainer's ``cpu_threads`` (``"auto"``: the thread policy, ``"keep"``: no policy, or the main
     thread's count; default: the preset's). ``torch_threads`` sets torch's process-wide intra-op threads before
     anything is built: with ``threads="keep"`` it reproduces a fixed setting such as ``OMP_NUM_THREADS=N``.
+    ``thread_speedup`` also times the floor at one thread and at the main thread's count (``floor_thread_speedup``,
+    ``overhead_bound``; see the module docstring).
     """
     preset = get_preset(preset) if isinstance(preset, str) else preset
     check_device(preset)
@@ -331,6 +374,9 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
         raise ValueError(f"steps must be >= 1 and warmup_steps >= 0, got steps={steps}, warmup_steps={warmup}.")
     if ab is not None and (ab not in AB_SWITCHES or not measure_floor):
         raise ValueError(f"ab={ab!r} must be one of {', '.join(AB_SWITCHES)} and needs the floor measurement.")
+    if thread_speedup and (preset.device != "cpu" or not measure_floor):
+        raise ValueError(f"thread_speedup times the floor on a CPU at two thread counts: it needs a CPU preset (got "
+                         f"{preset.name!r} on {preset.device}) and the floor measurement (drop --no-floor).")
     if threads is not None:
         from dataclasses import replace
 
@@ -349,6 +395,11 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
         say(f"[benchmark] building preset {preset.name!r} ({preset.description})")
         trainer = build_trainer(preset, warmup + steps, output_dir or tmp.name, seed=seed)
         build_s = time.perf_counter() - t_build
+        main_threads = _main_thread_torch_threads()
+        if thread_speedup and main_threads < 2:
+            raise ValueError(f"thread_speedup compares the main thread at 1 and at its own thread count, but this "
+                             f"run gives it {main_threads} torch thread; give it more (threads=2, or "
+                             f"FLOWGRPO_CPU_THREADS=2 with a model that gets every core) or drop thread_speedup.")
         reward_times: list[float] = []
         lock = threading.Lock()
         reward_set = trainer.reward_set
@@ -362,6 +413,11 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
         peak_mb, peak_kind = _peak_memory_mb(device)
         result = _summarize(preset, trainer, clock, warmup, steps, build_s)
         result["peak_memory_mb"], result["peak_memory_kind"] = peak_mb, peak_kind
+        if thread_speedup:
+            say(f"[benchmark] timing the floor at 1 and {main_threads} threads")
+            speedup = measure_thread_speedup(clock.floor, main_threads)
+            result["floor_thread_speedup"] = speedup
+            result["overhead_bound"] = overhead_bound(result["overlapped"], result["floor_time_s"], speedup)
         reward_set.close()
         return result
     finally:
@@ -475,6 +531,11 @@ def format_report(result: dict[str, Any]) -> str:
     ov = result["overlapped"]
     lines.append(f"  in the background: reward compute {ov['reward_compute_s']:.3f} s, VAE decode "
                  f"{ov['vae_decode_s']:.3f} s")
+    if result.get("floor_thread_speedup"):
+        sp = result["floor_thread_speedup"]
+        lines.append(f"  floor at 1 -> {sp['threads']} threads: rollout {sp['rollout']:.2f}x, training "
+                     f"{sp['training']:.2f}x faster; overhead_bound {result['overhead_bound']:.3f} (the least "
+                     f"overhead_ratio the background's work allows)")
     if "thread_timeline_s" in result:
         states = ", ".join(f"{k} {v:.3f} s" for k, v in result["thread_timeline_s"].items())
         lines.append(f"  main thread's torch threads against busy background tasks (mean s per step): {states}")

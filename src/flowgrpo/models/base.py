@@ -152,6 +152,8 @@ class ModelFamilyAdapter(ABC):
     images_optional: bool = False
     negative_depends_on_image: bool = False
     is_video: bool = False
+    #: the family generates sound with its pictures (LTX-2): ``decode_audio`` gives it to the rewards that score it
+    makes_audio: bool = False
     #: ``encode_images`` gives training latents (SD3, FLUX.1): offline preference pairs
     encodes_images: bool = False
     default_lora_target_modules: tuple[str, ...] = MMDIT_LORA_TARGET_MODULES
@@ -275,6 +277,15 @@ class ModelFamilyAdapter(ABC):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Decode latents to pixels in [0, 1], float32: images ``(B, 3, H, W)``, or frames ``(B, F, 3, H, W)`` for a
         video family."""
+
+    def decode_audio(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Decode the sound of the state to waveforms ``(B, channels, samples)``, float32, at `audio_sampling_rate`
+        (families with ``makes_audio``)."""
+        raise NotImplementedError(f"{type(self).__name__} generates no sound.")
+
+    def audio_sampling_rate(self) -> int:
+        """Samples per second of `decode_audio`'s waveforms (families with ``makes_audio``)."""
+        raise NotImplementedError(f"{type(self).__name__} generates no sound.")
 
     def encode_images(self, images: Sequence[Any], height: int, width: int, device: torch.device) -> torch.Tensor:
         """Images (PIL) as clean latents x0 in the layout ``decode`` reads and the transformer denoises: resized to

@@ -23,7 +23,8 @@ cross-attention).
   cross-attention ``audio_to_video_attn``) and feed-forward; the audio stream, the connectors, Gemma 3, both VAEs,
   the vocoder and the duration head are frozen. The duration head is not used: ``num_frames`` is always given.
 * Decode: the video latents are unpacked, de-normalised with the VAE's mean / std and decoded to frames; the audio
-  latents are decoded (audio VAE, vocoder) only by :meth:`decode_audio`, for a reward that asks for sound.
+  latents are decoded (audio VAE, vocoder) by :meth:`decode_audio` only when a reward scores sound
+  (``accepts_audio``: it receives the ``audio`` and ``audio_sampling_rate`` columns).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class LTX2Adapter(ModelFamilyAdapter):
     family = "ltx2"
     pipeline_class_names = ("LTX2Pipeline",)
     is_video = True
+    makes_audio = True
     default_lora_target_modules = LTX2_LORA_TARGET_MODULES
 
     def __init__(self, pipeline, num_frames: int = 1, frame_rate: float = LTX2_FRAME_RATE):
@@ -233,3 +235,7 @@ class LTX2Adapter(ModelFamilyAdapter):
         audio = audio.reshape(audio.shape[0], audio_frames, audio_channels, mel).transpose(1, 2)
         mel_spectrogram = pipe.audio_vae.decode(audio.to(pipe.audio_vae.dtype), return_dict=False)[0]
         return pipe.vocoder(mel_spectrogram).float()
+
+    def audio_sampling_rate(self) -> int:
+        """The vocoder's output rate (what ``LTX2Pipeline`` hands to its video export as the audio's rate)."""
+        return int(self.pipeline.vocoder.config.output_sampling_rate)

@@ -11,9 +11,11 @@ import importlib
 import importlib.util
 
 from .composition import (
+    AUDIO_COLUMNS,
     RewardOutput,
     RewardResult,
     RewardSet,
+    accepts_audio,
     accepts_video,
     resolve_reward_funcs,
     reward_statistics,
@@ -32,6 +34,8 @@ __all__ = [
     "reward_statistics",
     "RewardFailedError",
     "accepts_video",
+    "accepts_audio",
+    "AUDIO_COLUMNS",
 ]
 
 # Modules whose import registers built-in rewards. Each must keep heavy imports inside functions.

@@ -26,6 +26,11 @@ repeated per frame) and a video's score is the mean of its frames' scores (frame
 ``None`` when it scored none). A reward whose callable has ``accepts_video = True`` receives the videos themselves,
 one list of frames per sample.
 
+Sound: a reward whose callable has ``accepts_audio = True`` also receives the columns ``audio`` (one float32 numpy
+array ``(channels, samples)`` per sample) and ``audio_sampling_rate`` (samples per second, per sample), which the
+trainer decodes only when such a reward is present and only for families that generate sound (LTX-2). The other
+rewards never see these two columns.
+
 Asynchronous scoring: ``RewardSet.submit(prompts, images, **columns)`` returns a
 `concurrent.futures.Future` and scores in a small background thread pool, so that scoring batch k
 (OCR on CPU, a CLIP model, an HTTP round trip to a reward server) overlaps with sampling batch k + 1 on
@@ -65,11 +70,14 @@ from .registry import get_reward, list_rewards
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GROUP_IDS_COLUMN", "RewardOutput", "RewardResult", "RewardSet", "accepts_video", "combine_in_groups",
-           "is_groupwise", "resolve_reward_funcs", "reward_statistics"]
+__all__ = ["AUDIO_COLUMNS", "GROUP_IDS_COLUMN", "RewardOutput", "RewardResult", "RewardSet", "accepts_audio",
+           "accepts_video", "combine_in_groups", "is_groupwise", "resolve_reward_funcs", "reward_statistics"]
 
 #: the column that tells a group-wise reward which samples belong together
 GROUP_IDS_COLUMN = "group_ids"
+
+#: the columns of generated sound, given only to the rewards that score it (`accepts_audio`)
+AUDIO_COLUMNS = ("audio", "audio_sampling_rate")
 
 RewardSpec = str | Callable[..., Any]
 
@@ -198,24 +206,30 @@ class RewardResult:
         )
 
 
-def accepts_video(fn: Any) -> bool:
-    """Whether the reward ``fn`` scores whole videos (``fn.accepts_video = True``, also through functools.partial)."""
+def _has_flag(fn: Any, flag: str) -> bool:
+    """Whether ``fn`` (or the function a functools.partial wraps, at any depth) has ``flag`` set true."""
     while True:
-        if getattr(fn, "accepts_video", False):
+        if getattr(fn, flag, False):
             return True
         if not hasattr(fn, "func"):
             return False
         fn = fn.func
+
+
+def accepts_video(fn: Any) -> bool:
+    """Whether the reward ``fn`` scores whole videos (``fn.accepts_video = True``, also through functools.partial)."""
+    return _has_flag(fn, "accepts_video")
+
+
+def accepts_audio(fn: Any) -> bool:
+    """Whether the reward ``fn`` scores sound (``fn.accepts_audio = True``, also through functools.partial): it then
+    receives the ``audio`` and ``audio_sampling_rate`` columns (`AUDIO_COLUMNS`)."""
+    return _has_flag(fn, "accepts_audio")
 
 
 def is_groupwise(fn: Any) -> bool:
     """Whether the reward ``fn`` is group-wise (``fn.groupwise = True``, also through functools.partial)."""
-    while True:
-        if getattr(fn, "groupwise", False):
-            return True
-        if not hasattr(fn, "func"):
-            return False
-        fn = fn.func
+    return _has_flag(fn, "groupwise")
 
 
 def _unwrap_groupwise(fn: Any) -> Any:
@@ -472,6 +486,11 @@ class RewardSet:
     # ---- scoring ---------------------------------------------------------------------------------
 
     @property
+    def audio_rewards(self) -> list[str]:
+        """The names of the rewards that score sound (`accepts_audio`)."""
+        return [name for name, fn in zip(self.names, self.funcs) if accepts_audio(fn)]
+
+    @property
     def has_groupwise(self) -> bool:
         """Whether a reward of the set is group-wise."""
         return any(is_groupwise(fn) for fn in self.funcs)
@@ -500,17 +519,19 @@ class RewardSet:
         failed: dict[str, int] = {}
         notes: dict[str, list[str | None]] = {}
         metrics: dict[str, list[float | None]] = {}
+        without_audio = {k: v for k, v in cols.items() if k not in AUDIO_COLUMNS}
         for name, fn in zip(self.names, self.funcs):
             groupwise = is_groupwise(fn)
             scorer = _unwrap_groupwise(fn).score_samples if groupwise else fn
+            reward_cols = cols if accepts_audio(fn) else without_audio
             with collect_failed_samples() as reported:
                 try:
                     frame_scores = None
                     with scoring_on_device(_unwrap_groupwise(fn), self.offload):
                         if is_video and not accepts_video(fn):
-                            frame_scores = self._score_frames(name, scorer, prompts, images, cols)
+                            frame_scores = self._score_frames(name, scorer, prompts, images, reward_cols)
                         else:
-                            raw = scorer(prompts, images, **cols)
+                            raw = scorer(prompts, images, **reward_cols)
                 except Exception as e:
                     if self.on_failure.get(name, "raise") != "skip":
                         if hasattr(e, "add_note"):  # Python >= 3.11

@@ -43,7 +43,7 @@ from transformers.trainer_utils import set_seed
 from transformers.utils import logging
 
 from ..cpu_threads import apply_cpu_thread_plan, install_main_thread_yield, plan_cpu_threads
-from ..models import PromptEmbeds, get_family_adapter
+from ..models import PromptEmbeds, family_adapter_class, get_family_adapter
 from ..rewards import RewardSet, resolve_reward_funcs
 from ..schedulers import FlowMatchSDEScheduler
 from .base import FlowBaseTrainer
@@ -62,6 +62,7 @@ from .outputs.contact_sheet import make_contact_sheet
 from .outputs.lora_export import EXPERT_LORA_WEIGHTS_NAMES, save_diffusers_lora
 from .outputs.media import encode_gif, is_video, tensorboard_video_summary, video_grid
 from .rollout.pipeline import RolloutPipeline, _seed_for
+from .rollout.sound import audio_reward_names, check_audio_rewards
 from .run_state.ema import EMAWeights
 from .run_state.old_policy import OLD_POLICY_ADAPTER, OldPolicy, build_old_policy, old_adapter_left_out
 
@@ -191,6 +192,7 @@ class OnlineRLTrainer(HealthGuards, RolloutPipeline, Evaluation, PipelineLoading
                                                           on_failure=args.reward_on_failure,
                                                           offload=args.reward_offload)
         self.gold_reward_set: RewardSet | None = resolve_gold_rewards(args, self.reward_set)
+        self._audio_rewards = audio_reward_names(self.reward_set, self.gold_reward_set)
         self._check_health_setup(args)
         train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
         eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
@@ -202,12 +204,15 @@ class OnlineRLTrainer(HealthGuards, RolloutPipeline, Evaluation, PipelineLoading
             raise ValueError("A quantized transformer cannot be fully fine-tuned; pass a LoRA peft_config.")
         index = self._pipeline_index(model, pipeline_kwargs or {})
         self._check_family_settings(index, args, peft_config, (train_dataset, eval_dataset))
+        if self._audio_rewards and index and "_class_name" in index:
+            check_audio_rewards(family_adapter_class(index["_class_name"]), self._audio_rewards)
         _import_own_components(index)
 
         self.model_dtype = _torch_dtype(args.dtype)
         pipeline = self._load_pipeline(model, args, pipeline_kwargs or {})
         self.pipeline = pipeline
         self.adapter = get_family_adapter(pipeline, num_frames=args.num_frames)
+        check_audio_rewards(type(self.adapter), self._audio_rewards)
         if len(self.adapter.transformers()) > 1 and peft_config is None:
             raise ValueError(_TWO_EXPERTS_FULL_FINETUNE)
         if peft_config is not None and not getattr(peft_config, "target_modules", None):

@@ -48,4 +48,11 @@ class IndexedPromptDataset(Dataset):
         if PROMPT_COLUMN not in columns:
             raise ValueError(f"{name} has no '{PROMPT_COLUMN}' column (columns: {columns}); rename the column that "
                              f"holds the text, e.g. dataset.rename_column('text', '{PROMPT_COLUMN}').")
+        from ...rewards.composition import AUDIO_COLUMNS
+
+        reserved = [c for c in columns if c in AUDIO_COLUMNS]
+        if reserved:
+            raise ValueError(f"{name} has the column(s) {reserved}, reserved for the sound a model generates (given to "
+                             f"the rewards that score it); rename them, e.g. dataset.rename_column('{reserved[0]}', "
+                             f"'{reserved[0]}_reference').")
         return cls(data)

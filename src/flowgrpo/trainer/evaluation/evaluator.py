@@ -2,7 +2,8 @@
 seeds on the eval set, rewards, the paired change since the first evaluation (``eval_change.py``) and a contact sheet.
 
 What the class using it provides: the rollout pipeline's ``_encode_unique`` and ``_sample``, ``_generation_context``,
-``_eval_ode_solver``, ``ema``, ``_eval_baseline``, ``reward_set`` and ``Trainer``'s ``log`` and callbacks.
+``_eval_ode_solver``, ``ema``, ``_eval_baseline``, ``reward_set``, ``_audio_rewards`` and ``Trainer``'s ``log`` and
+callbacks.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..data.datasets import INDEX_COLUMN, IndexedPromptDataset
 from ..outputs.contact_sheet import make_contact_sheet
 from ..rollout.pipeline import _load_images, _seed_for, _to_pil
 from ..rollout.sliced_decode import decode_in_slices
+from ..rollout.sound import audio_columns
 
 
 class Evaluation:
@@ -27,6 +29,8 @@ class Evaluation:
 
     #: the gold evaluation rewards (``eval_reward_funcs``), or None
     gold_reward_set = None
+    #: the names of the training and gold rewards that score sound (their samples' audio is decoded for them)
+    _audio_rewards: list = []
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Deterministic sampling (``_eval_ode_solver``: Euler for Flow-GRPO, DiffusionNFT's ``sampler``) at the eval
@@ -87,6 +91,10 @@ class Evaluation:
                                         (0, 0), gens, record=False, ode_solver=self._eval_ode_solver())
                 pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
                                                args.vae_decode_batch_size))
+                if self._audio_rewards:  # the sound too, for the (training or gold) rewards that score it
+                    with torch.no_grad():
+                        cols.update(audio_columns(self.adapter, final.to(self.model_dtype), height, width,
+                                                  args.vae_decode_batch_size))
                 result = self.reward_set(prompts, pil, **cols)
                 gold = self._gold_scores(prompts, pil, cols)  # eval_reward_funcs: scored here only, never trained on
                 for j, i in enumerate(idx):

@@ -38,6 +38,7 @@ from ..data.condition_images import IMAGE_COLUMN, image_key, load_condition_imag
 from ..data.datasets import INDEX_COLUMN
 from .advantages import compute_reward_advantages
 from .sliced_decode import decode_in_slices
+from .sound import audio_columns
 
 
 def _to_pil(images: torch.Tensor) -> list:
@@ -109,15 +110,26 @@ class RolloutPipeline:
                        guidance_scale: float | None = None) -> tuple[PromptEmbeds, torch.Tensor]:
         """Encode each distinct prompt (editing families: each distinct (prompt, source image) pair) once; returns the
         embeddings and, per sample, its row. With CFG and a negative embedding that depends on the source image,
-        the negative prompt is encoded once per pair too (``PromptEmbeds.negative``)."""
+        the negative prompt is encoded once per pair too (``PromptEmbeds.negative``); with the prompt cache, once per
+        distinct source image, kept in the cache under (negative prompt, image) like any other pair: the stock
+        pipelines encode the negative prompt with the same call as the prompt."""
         args = self.args
         if images is None or not self.adapter.accepts_images:
             images = None
         guidance = args.guidance_scale if guidance_scale is None else guidance_scale
         per_image_negative = (images is not None and self.adapter.negative_depends_on_image
                               and self.adapter.uses_cfg(guidance))
-        if self.prompt_cache is not None and not per_image_negative:
-            return self.prompt_cache.encode_unique(prompts, device, conditions=images)
+        if self.prompt_cache is not None:
+            embeds, rows = self.prompt_cache.encode_unique(prompts, device, conditions=images)
+            if per_image_negative:
+                first: dict[int, int] = {}
+                for i, row in enumerate(rows.tolist()):
+                    first.setdefault(row, i)
+                pair_images = [images[first[row]] for row in range(len(first))]
+                negative, negative_rows = self.prompt_cache.encode_unique(
+                    [args.negative_prompt] * len(pair_images), device, conditions=pair_images)
+                embeds.negative = negative.index_select(negative_rows)
+            return embeds, rows
         keys = list(prompts) if images is None else [(p, image_key(im)) for p, im in zip(prompts, images)]
         unique: dict[Any, int] = {}
         rows = [unique.setdefault(k, len(unique)) for k in keys]
@@ -308,6 +320,9 @@ class RolloutPipeline:
         with torch.no_grad(), self.accelerator.autocast():
             pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
                                            self.args.vae_decode_batch_size))
+            if self.reward_set.audio_rewards:  # the sound too, for the rewards that score it
+                columns = {**columns, **audio_columns(self.adapter, final.to(self.model_dtype), height, width,
+                                                      self.args.vae_decode_batch_size)}
         seconds = self._clock() - tic
         # group-wise rewards (pickscore_rank) give raw scores here; they are combined over whole groups below
         return pil, self.reward_set.submit(prompts, pil, defer_groupwise=True, **columns), seconds
