@@ -10,6 +10,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from ...rewards.composition import AUDIO_COLUMNS
+
 INDEX_COLUMN = "_flowgrpo_index"
 PROMPT_COLUMN = "prompt"
 
@@ -48,8 +50,6 @@ class IndexedPromptDataset(Dataset):
         if PROMPT_COLUMN not in columns:
             raise ValueError(f"{name} has no '{PROMPT_COLUMN}' column (columns: {columns}); rename the column that "
                              f"holds the text, e.g. dataset.rename_column('text', '{PROMPT_COLUMN}').")
-        from ...rewards.composition import AUDIO_COLUMNS
-
         reserved = [c for c in columns if c in AUDIO_COLUMNS]
         if reserved:
             raise ValueError(f"{name} has the column(s) {reserved}, reserved for the sound a model generates (given to "

@@ -89,12 +89,10 @@ class Evaluation:
                 gens = [torch.Generator().manual_seed(_seed_for(args.seed, 7919, i)) for i in idx]
                 final, _ = self._sample(model, embeds, args.eval_num_inference_steps, guidance_scale, 0.0,
                                         (0, 0), gens, record=False, ode_solver=self._eval_ode_solver())
-                pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
-                                               args.vae_decode_batch_size))
+                final = final.to(self.model_dtype)
+                pil = _to_pil(decode_in_slices(self.adapter.decode, final, height, width, args.vae_decode_batch_size))
                 if self._audio_rewards:  # the sound too, for the (training or gold) rewards that score it
-                    with torch.no_grad():
-                        cols.update(audio_columns(self.adapter, final.to(self.model_dtype), height, width,
-                                                  args.vae_decode_batch_size))
+                    cols.update(audio_columns(self.adapter, final, height, width, args.vae_decode_batch_size))
                 result = self.reward_set(prompts, pil, **cols)
                 gold = self._gold_scores(prompts, pil, cols)  # eval_reward_funcs: scored here only, never trained on
                 for j, i in enumerate(idx):

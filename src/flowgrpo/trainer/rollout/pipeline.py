@@ -318,10 +318,10 @@ class RolloutPipeline:
         tic = self._clock()
         # Grad mode and autocast are thread-local: set them here too (this may run in the decode thread).
         with torch.no_grad(), self.accelerator.autocast():
-            pil = _to_pil(decode_in_slices(self.adapter.decode, final.to(self.model_dtype), height, width,
-                                           self.args.vae_decode_batch_size))
+            final = final.to(self.model_dtype)
+            pil = _to_pil(decode_in_slices(self.adapter.decode, final, height, width, self.args.vae_decode_batch_size))
             if self.reward_set.audio_rewards:  # the sound too, for the rewards that score it
-                columns = {**columns, **audio_columns(self.adapter, final.to(self.model_dtype), height, width,
+                columns = {**columns, **audio_columns(self.adapter, final, height, width,
                                                       self.args.vae_decode_batch_size)}
         seconds = self._clock() - tic
         # group-wise rewards (pickscore_rank) give raw scores here; they are combined over whole groups below
