@@ -28,7 +28,7 @@ with LoRA on LTX-2's video stream, the audio stream's first-block layers get no 
 attention; HunyuanVideo 1.5's first double block's text projections read the refined tokens, which the refiner's LoRA
 changes. Gradient checkpointing recomputes one more forward.
 
-``tests/test_benchmark.py`` checks these counts against ``torch.utils.flop_counter.FlopCounterMode`` on the tiny
+``tests/tooling/test_benchmark.py`` checks these counts against ``torch.utils.flop_counter.FlopCounterMode`` on the tiny
 models and on the full-size architectures (built on the meta device, where nothing is computed).
 """
 

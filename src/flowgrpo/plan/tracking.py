@@ -8,7 +8,7 @@ minus what existed before the mode started (weights, optimizer states: counted s
 dictionary update per output tensor, unlike ``torch.distributed._tools.mem_tracker.MemTracker``, whose per-module
 bookkeeping made a full-size SD3.5-M step take 452 s instead of 11.5 s, and which cannot enter a module with
 frozen parameters (it hooks every parameter's gradient), so not a LoRA model. On full fine-tuning steps the two
-agree: ``tests/test_plan.py`` enters ``MemTracker`` beside this mode (``run_step(..., also_track=...)``).
+agree: ``tests/tooling/test_plan.py`` enters ``MemTracker`` beside this mode (``run_step(..., also_track=...)``).
 
 :func:`flash_attention` replaces ``torch.nn.functional.scaled_dot_product_attention`` while planning
 (:func:`flash_attention_patched`): a custom operator whose fake implementation returns what GPU flash attention keeps,

@@ -25,7 +25,7 @@ A previous step that started at ``sigma_prev = 1`` has ``h_prev = inf``, so ``D1
 of the formula).
 
 The error of DPM-Solver++ 2M against the exact ODE solution falls as the square of the step size (Euler's as the
-step size); ``tests/test_algorithm_variants.py`` checks both orders on a Gaussian problem with the exact velocity.
+step size); ``tests/schedulers/test_algorithm_variants.py`` checks both orders on a Gaussian problem with the exact velocity.
 
 ``compress_sigmas`` makes a coarser schedule over the same range (MixGRPO-Flash solves the steps after the SDE
 window with fewer solver steps); ``solve_flow_ode`` integrates a trajectory over a list of noise levels.

@@ -11,7 +11,7 @@ frozen base with the LoRA adapter disabled (e_w_ref, e_l_ref, no gradient).
 Lowering the policy's error on the preferred sample relative to the reference, and raising it on the rejected one,
 lowers the loss. The gradient with respect to e_w of pair p is beta_dpo / 2 sigmoid(-inside_p) / P, and the opposite
 for e_l; at the start (policy = reference, inside = 0) it is beta_dpo / (4 P). Logged: the implicit accuracy
-(share of pairs with inside > 0) and the mean of inside. ``tests/test_dpo.py`` checks loss and gradient by hand.
+(share of pairs with inside > 0) and the mean of inside. ``tests/trainer/test_dpo.py`` checks loss and gradient by hand.
 """
 
 from __future__ import annotations

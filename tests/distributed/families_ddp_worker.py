@@ -1,0 +1,101 @@
+"""Two optimizer steps of every newer model family on two CPU ranks, for tests/models/test_model_families.py.
+
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml tests/distributed/families_ddp_worker.py \
+        --pipelines JSON --output_dir DIR
+
+One launch (one start-up) for all families: each rank builds a ``FlowGRPOTrainer`` on each tiny pipeline in turn and
+trains two optimizer steps under DDP; after every step it records the logged metrics, a digest of its trainable
+weights (equal on both ranks when gradients are synchronised) and a digest of its own samples (different: each
+rank samples its own noise). Rank ``r`` writes ``DIR/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared support package
+
+
+def _digest(tensors) -> str:
+    digest = hashlib.sha1()
+    for name, t in tensors:
+        digest.update(name.encode())
+        digest.update(t.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pipelines", required=True, help="JSON {case name: tiny pipeline folder}")
+    parser.add_argument("--output_dir", required=True)
+    cli = parser.parse_args()
+
+    from datasets import Dataset
+    from support.family_cases import CASES, brightness_reward, config_kwargs, dataset_rows
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+
+    from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
+
+    paths = json.loads(cli.pipelines)
+    out = Path(cli.output_dir)
+    records: dict[str, list] = {}
+    rank = world = None
+
+    def parts(trainer) -> dict[str, str]:
+        """Digest of the trainable weights, per expert for a two-expert model ("transformer", "transformer_2")."""
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        groups: dict[str, list] = {}
+        two = len(trainer.adapter.transformers()) > 1
+        for name, param in sorted(model.named_parameters()):
+            if param.requires_grad:
+                groups.setdefault(name.split(".")[2] if two else "all", []).append((name, param))
+        return {k: _digest(v) for k, v in groups.items()}
+
+    class Recorder(TrainerCallback):
+        def __init__(self, trainer, sink):
+            self.trainer, self.sink = trainer, sink
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.sink.append({"step": 0, "weights": parts(self.trainer)})
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = logs or {}
+            if "ratio_mean" not in logs:
+                return
+            images, _, rewards = self.trainer._last_samples
+            frames = [f for sample in images for f in (sample if isinstance(sample, list) else [sample])]
+            self.sink.append({
+                "step": state.global_step,
+                "logs": {k: float(v) for k, v in logs.items() if isinstance(v, (int, float))},
+                "weights": parts(self.trainer),
+                "samples": hashlib.sha1(b"".join(f.tobytes() for f in frames)).hexdigest(),
+                "num_frames": [len(sample) if isinstance(sample, list) else 1 for sample in images],
+                "rewards": rewards,
+            })
+
+    for case in CASES:
+        if case.name not in paths:  # a launch may train a subset of the families
+            continue
+        args = FlowGRPOConfig(output_dir=str(out / case.name), **config_kwargs(
+            case, max_steps=2, per_device_train_batch_size=2, num_generations=2, use_cpu=True, noise_level=1.0))
+        trainer = FlowGRPOTrainer(model=paths[case.name], reward_funcs=brightness_reward, args=args,
+                                  train_dataset=Dataset.from_dict(dataset_rows(case)),
+                                  peft_config=LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian"))
+        rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
+        records[case.name] = []
+        trainer.add_callback(Recorder(trainer, records[case.name]))
+        trainer.train()
+        trainer.reward_set.close()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": world, "cases": records,
+                                                      "pid": os.getpid()}))
+
+
+if __name__ == "__main__":
+    main()

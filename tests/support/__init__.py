@@ -1,0 +1,1 @@
+"""Helpers shared by tests of several folders (trainer callbacks, the tiny family cases)."""
