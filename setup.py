@@ -10,6 +10,9 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
+# The reward modules of flowgrpo.rewards (kept equal to flowgrpo.rewards.registry.BUILTIN_REWARD_MODULES by a test).
+BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge", "geneval", "imagereward", "hpsv2",
+                          "hpsv3", "unifiedreward", "vqascore", "deqa")
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "src/flowgrpo/__init__.py").read_text()).group(1)
 
 INSTALL_REQUIRES = [
@@ -68,6 +71,12 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={
+        # Reward modules, registered when flowgrpo.rewards is imported (flowgrpo.rewards.registry); a third-party
+        # package adds its rewards to the same group.
+        "flowgrpo.rewards": [f"{name} = flowgrpo.rewards.{name}" for name in BUILTIN_REWARD_MODULES] + [
+            "toy = flowgrpo.toy.rewards",
+            "toy_hackable = flowgrpo.toy.hackable",
+        ],
         "console_scripts": [
             "flowgrpo=flowgrpo.cli.command:main",
             "flowgrpo-reward-server=flowgrpo.rewards.server:main",

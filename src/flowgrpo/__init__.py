@@ -4,18 +4,22 @@
     from flowgrpo import DiffusionNFTConfig, DiffusionNFTTrainer
     from flowgrpo import AWMConfig, AWMTrainer
     from flowgrpo import DiffusionDPOConfig, DiffusionDPOTrainer
+
+Every trainer of the registry (``flowgrpo.trainer.registry.TRAINERS``) is exported with its configuration.
 """
 
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["AWMConfig", "AWMTrainer", "DiffusionDPOConfig", "DiffusionDPOTrainer", "DiffusionNFTConfig",
-           "DiffusionNFTTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "__version__"]
-_TRAINER_NAMES = frozenset(__all__) - {"__version__"}
+from .trainer.registry import lazy_exports as _lazy_exports  # a light module: no torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .trainer import (
+_TRAINER_NAMES = frozenset(_lazy_exports())
+
+__all__ = sorted(_TRAINER_NAMES) + ["__version__"]
+
+if TYPE_CHECKING:  # pragma: no cover  (the names __all__ lists, from the registry)
+    from .trainer import (  # noqa: F401
         AWMConfig,
         AWMTrainer,
         DiffusionDPOConfig,

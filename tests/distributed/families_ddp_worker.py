@@ -36,8 +36,8 @@ def main() -> None:
     cli = parser.parse_args()
 
     from datasets import Dataset
-    from support.family_cases import CASES, brightness_reward, config_kwargs, dataset_rows
     from peft import LoraConfig
+    from support.family_cases import CASES, brightness_reward, config_kwargs, dataset_rows
     from transformers import TrainerCallback
 
     from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
@@ -68,7 +68,7 @@ def main() -> None:
             logs = logs or {}
             if "ratio_mean" not in logs:
                 return
-            images, _, rewards = self.trainer._last_samples
+            images, _, rewards = self.trainer.rollouts.last_samples
             frames = [f for sample in images for f in (sample if isinstance(sample, list) else [sample])]
             self.sink.append({
                 "step": state.global_step,

@@ -24,9 +24,18 @@ import pytest
 import torch
 from datasets import Dataset
 from diffusers import DiffusionPipeline
-from support.family_cases import CASE_IDS, CASES, SIZE, FamilyCase, brightness_reward, config_kwargs, dataset_rows, source_image
 from peft import LoraConfig
 from PIL import Image
+from support.family_cases import (
+    CASE_IDS,
+    CASES,
+    SIZE,
+    FamilyCase,
+    brightness_reward,
+    config_kwargs,
+    dataset_rows,
+    source_image,
+)
 
 from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
 from flowgrpo.models import WanAdapter
@@ -178,9 +187,9 @@ def assert_sampling_matches_stock(trainer, case: FamilyCase, path, monkeypatch) 
     images = dataset_rows(case).get("image")
     stock = DiffusionPipeline.from_pretrained(str(path))
     stock.set_progress_bar_config(disable=True)
-    with trainer._generation_context() as model:
-        embeds, rows = trainer._encode_unique(prompts, trainer.accelerator.device, images, case.guidance_scale)
-        final, _ = trainer._sample(model, embeds.index_select(rows), 3, case.guidance_scale, 0.0, (0, 0),
+    with trainer.policy.generation_context() as model:
+        embeds, rows = trainer.rollouts.encode_unique(prompts, images, case.guidance_scale)
+        final, _ = trainer.rollouts.sample(model, embeds.index_select(rows), 3, case.guidance_scale, 0.0, (0, 0),
                                    torch.Generator().manual_seed(0), record=False)
         pixels = trainer.adapter.decode(final, SIZE, SIZE)
     ref_latents = stock_call(stock, case, prompts, images, "latent", monkeypatch)

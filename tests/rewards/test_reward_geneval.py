@@ -209,7 +209,7 @@ def test_training_step_with_geneval(tiny_sd3_path, tiny_models, tmp_path):
     for key in ("rewards/geneval/counting", "rewards/geneval/position", "rewards/geneval/accuracy",
                 "rewards/geneval/strict_accuracy"):
         assert 0.0 <= log[key] <= 1.0, key
-    assert trainer._last_sample_notes and all(n.startswith("geneval: ") for n in trainer._last_sample_notes)
+    assert trainer.rollouts.last_sample_notes and all(n.startswith("geneval: ") for n in trainer.rollouts.last_sample_notes)
     metrics = trainer.evaluate()
     assert 0.0 <= metrics["eval_rewards/geneval/counting"] <= 1.0 and "eval_rewards/geneval/position" in metrics
 

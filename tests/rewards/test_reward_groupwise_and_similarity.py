@@ -122,7 +122,7 @@ class BrightnessRank:
 
 
 def test_trainer_ranks_whole_groups_across_micro_batches(tiny_sd3_path, tmp_path):
-    from test_trainer import make_trainer
+    from support.trainer_cases import make_trainer
 
     reward = BrightnessRank()
     # 4 images per prompt scored in micro-batches of 2: ranks over micro-batches would average 1/4; over the whole

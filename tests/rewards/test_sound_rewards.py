@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from support.family_cases import CASES, brightness_reward, config_kwargs, dataset_rows
 from peft import LoraConfig
 from PIL import Image
+from support.family_cases import CASES, brightness_reward, config_kwargs, dataset_rows
 
 from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
 from flowgrpo.rewards import AUDIO_COLUMNS, RewardSet, accepts_audio

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from support.callbacks import StopAfter
 from datasets import Dataset
 from peft import LoraConfig
+from support.callbacks import StopAfter
 from transformers import TrainerCallback
 
 from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
@@ -18,9 +18,6 @@ from flowgrpo.schedulers import (
     FlowODESolver,
     compress_sigmas,
     dpmpp_2m_step,
-    gaussian_kl,
-    grpo_guard_log_ratio,
-    kl_estimate,
     progressive_window_start,
     rollout_steps,
     sample_sde_window,
@@ -29,8 +26,9 @@ from flowgrpo.schedulers import (
     solve_flow_ode,
     valid_window_starts,
 )
-from flowgrpo.trainer.algorithms.flow_grpo_trainer import _seed_for
+from flowgrpo.trainer.algorithms.flow_grpo_loss import gaussian_kl, grpo_guard_log_ratio, kl_estimate
 from flowgrpo.trainer.rollout.advantages import compute_group_advantages, compute_reward_advantages
+from flowgrpo.trainer.rollout.seeds import seed_for
 
 # ---------------------------------------------------------------------------------------------------------------------
 # DPM-Solver++ 2M on a Gaussian problem with the exact velocity
@@ -361,9 +359,9 @@ def test_first_pass_ratio_is_one_and_every_kl_estimator_zero(tiny_sd3_path, tmp_
     assert abs(log["ratio_mean"] - 1.0) < 1e-6 and log["on_policy_ratio_max_dev"] < 1e-6, log
     assert log["kl"] == pytest.approx(0.0, abs=1e-10)
     assert log["clip_frac"] == 0.0 and math.isfinite(log["policy_loss"])
-    window = trainer._buffer[0]["window"]
+    window = trainer.buffer[0]["window"]
     assert log["sde_window_start"] == window[0]
-    window_generator = torch.Generator().manual_seed(_seed_for(args.seed, 0))
+    window_generator = torch.Generator().manual_seed(seed_for(args.seed, 0))
     assert window == scheduled_sde_window(args.sde_window_strategy, 0, args.num_inference_steps, args.sde_window_size,
                                           args.sde_window_range, generator=window_generator)
     # Rollout forwards (CFG runs both branches in one call): the steps up to the window's end, then the (possibly
@@ -379,13 +377,13 @@ def test_first_pass_ratio_is_one_and_every_kl_estimator_zero(tiny_sd3_path, tmp_
     if args.same_noise_per_group:
         # One group of 4 split over two micro-batches: every member starts from the same x_1 (the window starts at
         # step 0, so the first stored latent is x_1), and the SDE noise still differs per member.
-        first = torch.cat([b["latents"][:, 0] for b in trainer._buffer])
-        nxt = torch.cat([b["next_latents"][:, 0] for b in trainer._buffer])
+        first = torch.cat([b["latents"][:, 0] for b in trainer.buffer])
+        nxt = torch.cat([b["next_latents"][:, 0] for b in trainer.buffer])
         assert first.shape[0] == 4 and all(torch.equal(first[0], f) for f in first[1:])
         assert not torch.equal(nxt[0], nxt[1]) and not torch.equal(nxt[0], nxt[2])
         # The noise is a function of (seed, generation, group): the same rows whatever the split.
-        together = trainer._group_initial_latents(torch.tensor([3, 3, 5, 5]), 7)
-        torch.testing.assert_close(trainer._group_initial_latents(torch.tensor([5, 3]), 7), together[[2, 0]])
+        together = trainer.rollouts.strategy.group_initial_latents(trainer.adapter, torch.tensor([3, 3, 5, 5]), 7)
+        torch.testing.assert_close(trainer.rollouts.strategy.group_initial_latents(trainer.adapter, torch.tensor([5, 3]), 7), together[[2, 0]])
         assert not torch.equal(together[0], together[2])
 
 
@@ -403,16 +401,16 @@ def test_sample_integrates_whole_trajectories_with_either_solver(tiny_sd3_path, 
     h, w = trainer.args.image_size
     embeds = trainer.adapter.encode_prompts(PROMPTS[:2], 16, trainer.accelerator.device)
     x1 = trainer.adapter.prepare_latents(2, h, w, torch.Generator().manual_seed(0), torch.device("cpu"), torch.float32)
-    with trainer._generation_context() as model:
+    with trainer.policy.generation_context() as model:
         def velocity(x, sigma):
             t = torch.full((2,), sigma * 1000.0)
-            return trainer._velocity(model, x, t, embeds, 1.0, h, w)
+            return trainer.policy.velocity(model, x, t, embeds, 1.0, h, w)
 
         outputs = {}
         for solver in ("euler", "dpmpp_2m"):
-            outputs[solver], _ = trainer._sample(model, embeds, 5, 1.0, 0.0, (0, 0), None, record=False,
+            outputs[solver], _ = trainer.rollouts.sample(model, embeds, 5, 1.0, 0.0, (0, 0), None, record=False,
                                                  ode_solver=solver, initial_latents=x1)
-            sigmas = trainer.sde_scheduler.sigmas.float()
+            sigmas = trainer.rollouts.scheduler.sigmas.float()
             expected = solve_flow_ode(velocity, x1, sigmas, solver)
             torch.testing.assert_close(outputs[solver], expected, atol=1e-5, rtol=1e-5)
     assert (outputs["euler"] - outputs["dpmpp_2m"]).abs().max() > 1e-4

@@ -158,12 +158,12 @@ def test_dancegrpo_trains_a_random_subset_of_each_samples_steps_on_policy(tiny_s
     trainer.train()
     log = [h for h in trainer.state.log_history if "ratio_mean" in h][0]
     assert log["on_policy_ratio_max_dev"] < 1e-5
-    batch = trainer._buffer[0]
+    batch = trainer.buffer[0]
     assert batch["latents"].shape[1] == 3  # every step but the last is recorded
     # The images of a group start from the same noise.
     assert torch.equal(batch["latents"][0, 0], batch["latents"][1, 0])
     trainer._micro_step = 0
-    picked = trainer._trained_steps(batch)
+    picked = trainer._prepare_batch(batch)
     assert picked["latents"].shape[1] == 1
     chosen = [int((batch["timesteps"][i] == picked["timesteps"][i, 0]).nonzero()) for i in range(8)]
     assert len(set(chosen)) > 1, chosen  # a subset per sample

@@ -10,11 +10,11 @@ from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 from flowgrpo.schedulers import (
     FlowMatchSDEScheduler,
     FlowMatchSDESchedulerOutput,
-    gaussian_kl,
     sample_sde_window,
     sde_step_from_sigmas,
     sde_step_with_logprob,
 )
+from flowgrpo.trainer.algorithms.flow_grpo_loss import gaussian_kl
 
 
 @pytest.fixture(autouse=True, scope="module")

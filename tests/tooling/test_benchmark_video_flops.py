@@ -174,19 +174,19 @@ def test_full_size_video_presets_build_on_the_meta_device(name, monkeypatch):
 def test_video_frames_and_sizes_are_checked_before_loading(family, bad, message, tiny_pipeline_path, tmp_path):
     """The frame count and the size against the folder's VAE config (the tiny VAEs compress time 2x; LTX-2's pipeline
     wants sides divisible by 32, HunyuanVideo 1.5's its VAE's spatial factor), from the folder's configs alone."""
-    from flowgrpo.trainer.model_loading import PipelineLoading
     from flowgrpo.trainer.online_config import OnlineRLConfig
+    from flowgrpo.trainer.policy.loading import check_family_settings, read_pipeline_index
 
     path = str(tiny_pipeline_path(family))
-    index = PipelineLoading._pipeline_index(path, {})
+    index = read_pipeline_index(path, {})
     assert index["_vae_config"]["_class_name"].startswith("AutoencoderKL")
     if family == "hunyuanvideo15" and "resolution" in bad:
         index["_vae_config"]["spatial_compression_ratio"] = 32
     good = dict(num_frames=5, resolution=32)
-    PipelineLoading._check_family_settings(index, OnlineRLConfig(output_dir=str(tmp_path), **good), None, (None,))
+    check_family_settings(index, OnlineRLConfig(output_dir=str(tmp_path), **good), None, (None,))
     args = OnlineRLConfig(output_dir=str(tmp_path), **{**good, **bad})
     with pytest.raises(ValueError, match=message):
-        PipelineLoading._check_family_settings(index, args, None, (None,))
+        check_family_settings(index, args, None, (None,))
 
 
 @pytest.mark.parametrize("recipe, family", [("ltx2_t2v.yaml", "ltx2"), ("hunyuanvideo15_t2v.yaml", "hunyuanvideo15")])

@@ -48,9 +48,13 @@ def _trainer(path, tmp_path, **kwargs):
                            peft_config=LoraConfig(r=2, lora_alpha=4, target_modules=["to_q", "to_v"]))
 
 
-def test_training_shows_one_bar_and_evaluation_tables_not_dictionaries(tiny_sd3_path, tmp_path, capsys):
+def test_training_shows_one_bar_and_evaluation_tables_not_dictionaries(tiny_sd3_path, tmp_path, capsys,
+                                                                       monkeypatch):
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+    import flowgrpo.trainer.console as console
+
+    monkeypatch.setattr(console, "terminal_is_interactive", lambda: True)  # as on a terminal
     trainer = _trainer(tiny_sd3_path, tmp_path, disable_tqdm=False)
     kinds = [type(cb) for cb in trainer.callback_handler.callbacks]
     assert TrainingConsole in kinds and ProgressCallback not in kinds and PrinterCallback not in kinds
@@ -78,3 +82,15 @@ def test_log_lines_without_a_bar_and_full_dictionaries_on_request(tiny_sd3_path,
     trainer.train()
     out = capsys.readouterr().out
     assert "'timing/rollout'" in out and "'eval_reward'" in out
+
+
+def test_a_log_file_gets_one_line_per_logging_step_and_no_bar_refreshes(tiny_sd3_path, tmp_path, capsys):
+    """Without a terminal (a cluster job's log), the console prints lines even when the bar is not disabled: nothing
+    carriage-return-refreshed, one line per logging step (the rollout label never rewrites anything)."""
+    trainer = _trainer(tiny_sd3_path, tmp_path, disable_tqdm=False, max_steps=2)
+    capsys.readouterr()  # what loading printed (diffusers' own bars)
+    trainer.train()
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and "training:" not in out + err
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [s.split(" | ")[0] for s in steps] == ["step 1/2", "step 2/2"]

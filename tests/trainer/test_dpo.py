@@ -11,7 +11,7 @@ import torch
 
 from flowgrpo import DiffusionDPOConfig
 from flowgrpo.trainer.algorithms.dpo_loss import dpo_loss
-from flowgrpo.trainer.algorithms.dpo_trainer import DiffusionDPOTrainer
+from flowgrpo.trainer.algorithms.dpo_trainer import DiffusionDPOTrainer, best_and_worst
 from flowgrpo.trainer.algorithms.flow_matching import flow_matching_error
 
 
@@ -63,7 +63,7 @@ def test_at_the_reference_the_loss_is_log_2_and_the_pull_is_beta_over_4p():
 def test_online_pairs_are_each_groups_best_and_worst():
     groups = torch.tensor([7, 7, 7, 3, 3, 3, 5, 5])
     adv = torch.tensor([0.1, 0.9, -1.0, 0.5, 0.5, 0.5, -0.2, 0.4])
-    best, worst = DiffusionDPOTrainer._best_and_worst(groups, adv)
+    best, worst = best_and_worst(groups, adv)
     assert (best, worst) == ([1, 7], [2, 6])  # group 3 scores the same everywhere: no pair
 
 

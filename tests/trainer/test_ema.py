@@ -1,9 +1,9 @@
-"""The EMA of the trainable weights (flowgrpo.trainer.run_state.ema), with and without Flow-GRPO's warm-up."""
+"""The EMA of the trainable weights (flowgrpo.trainer.policy.ema), with and without Flow-GRPO's warm-up."""
 
 import pytest
 import torch
 
-from flowgrpo.trainer.run_state.ema import EMAWeights
+from flowgrpo.trainer.policy.ema import EMAWeights
 
 
 def test_ema_update_with_and_without_warmup():

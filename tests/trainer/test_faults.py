@@ -286,7 +286,7 @@ def test_second_signal_exits_at_once():
 
 def inject_nan(trainer, steps):
     """Make the training forward of the given optimizer steps return NaN velocities (NaN loss and gradients)."""
-    velocity = trainer._velocity
+    velocity = trainer.policy.velocity
 
     def poisoned(model, *args, **kwargs):
         v = velocity(model, *args, **kwargs)
@@ -294,7 +294,7 @@ def inject_nan(trainer, steps):
             return v * float("nan")
         return v
 
-    trainer._velocity = poisoned
+    trainer.policy.velocity = poisoned
 
 
 def test_nan_loss_skips_the_update_and_resume_is_exact(recipe, tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from flowgrpo.trainer.algorithms.flow_grpo_loss import gated_mean
 from flowgrpo.trainer.health import metrics as hm
 from flowgrpo.trainer.health.alarms import DiversityAlarm, HackingAlarm
 from flowgrpo.trainer.health.dynamic_sampling import (
@@ -23,7 +24,6 @@ from flowgrpo.trainer.health.gardo import (
     ReferenceResetSchedule,
     descending_ranks,
     diversity_aware_advantages,
-    gated_mean,
     reward_uncertainty,
     uncertainty_gate,
 )
@@ -248,7 +248,7 @@ def test_monitor_state_round_trip(tmp_path):
 def test_reference_adapter_refresh_and_checkpoint(tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from flowgrpo.trainer.health.reference import ReferencePolicy
+    from flowgrpo.trainer.policy.reference import ReferencePolicy
 
     torch.manual_seed(0)
     model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraConfig(r=2, target_modules=["0"],

@@ -10,7 +10,7 @@ import pytest
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file
-from test_trainer import PROMPTS, lora_config, make_args
+from support.trainer_cases import PROMPTS, lora_config, make_args
 from transformers import TrainerCallback
 
 from flowgrpo import DiffusionNFTConfig, DiffusionNFTTrainer, FlowGRPOTrainer
@@ -109,9 +109,9 @@ def test_best_export_hacking_stop_diagnostics_and_resume(tiny_sd3_path, tmp_path
     assert saved["hacking"]["best"]["gold"] == [pytest.approx(0.9), 1] and saved["diversity"]["first"] > 0
     resumed = trainer_with_gold(tmp_path, tiny_sd3_path, max_steps=1, on_hacking="warn")
     resumed.train(resume_from_checkpoint=best)
-    assert resumed.health.hacking.best == {"gold": (pytest.approx(0.9), 1)}
-    assert resumed.health.hacking.train_rewards[0] == pytest.approx(trainer.health.hacking.train_rewards[0])
-    assert resumed.health.diversity.first == pytest.approx(trainer.health.diversity.first)
+    assert resumed.health.monitor.hacking.best == {"gold": (pytest.approx(0.9), 1)}
+    assert resumed.health.monitor.hacking.train_rewards[0] == pytest.approx(trainer.health.monitor.hacking.train_rewards[0])
+    assert resumed.health.monitor.diversity.first == pytest.approx(trainer.health.monitor.diversity.first)
     assert resumed.state.best_metric == pytest.approx(0.9)
 
 
@@ -129,7 +129,7 @@ def test_dynamic_sampling_keeps_batch_shapes(tiny_sd3_path, tmp_path):
     log = [h for h in trainer.state.log_history if "health/dropped_groups" in h][0]
     assert log["health/dropped_groups"] == 1.0 and log["health/zero_std_groups_kept"] == 0.0
     assert log["health/resample_rounds"] >= 1 and log["health/zero_std_groups"] == 0.0
-    [batch] = trainer._buffer
+    [batch] = trainer.buffer
     assert batch["advantages"].shape == (8,) and batch["latents"].shape[0] == 8 and len(batch["embeds"]) == 8
 
 
@@ -140,19 +140,19 @@ def test_gardo_reference_refresh_and_tail_flow_grpo(tiny_sd3_path, tmp_path):
                        sde_window_range=[0, 2], scale_rewards="none", save_strategy="steps", save_steps=2)
     trainer = FlowGRPOTrainer(model=str(tiny_sd3_path), reward_funcs=[rising(), redness], args=config,
                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=lora_config())
-    assert trainer.reference.kind == "adapter"
+    assert trainer.policy.reference.kind == "adapter"
     trainer.train()
     logs = [h for h in trainer.state.log_history if "gardo/gate_fraction" in h]
     assert logs and logs[0]["gardo/gate_fraction"] == pytest.approx(0.1) and "gardo/diversity_factor" in logs[0]
-    assert "kl_gate" in trainer._buffer[0] and trainer._buffer[0]["kl_gate"].dtype == torch.bool
-    assert trainer.reference.refreshes >= 2  # the TRL-style sync every step and GARDO's scheduled reset
+    assert "kl_gate" in trainer.buffer[0] and trainer.buffer[0]["kl_gate"].dtype == torch.bool
+    assert trainer.policy.reference.refreshes >= 2  # the TRL-style sync every step and GARDO's scheduled reset
     ckpt = os.path.join(trainer.args.output_dir, "checkpoint-2")
     assert os.path.exists(os.path.join(ckpt, "reference_policy.safetensors"))
     assert not os.path.exists(os.path.join(ckpt, "ref"))  # not saved as a peft adapter folder
     # A rollout whose tail would reach a recorded SDE step stops with the same advice; a bad setting, before loading.
     trainer.args.base_model_tail_steps = 3
     with pytest.raises(ValueError, match="base_model_tail_steps=3 reaches a trained"):
-        trainer._generate_and_score([{"prompt": p, INDEX_COLUMN: i} for i, p in enumerate(PROMPTS[:4])])
+        trainer._generate([{"prompt": p, INDEX_COLUMN: i} for i, p in enumerate(PROMPTS[:4])])
     with pytest.raises(ValueError, match="base_model_tail_steps=2 reaches the trained SDE window"):
         FlowGRPOTrainer(model=str(tiny_sd3_path), reward_funcs=rising(),
                         args=make_args(tmp_path, base_model_tail_steps=2, sde_window_size=0),

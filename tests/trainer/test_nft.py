@@ -10,7 +10,7 @@ import torch
 
 from flowgrpo.trainer.algorithms.nft_config import FLOW_GRPO_ONLY_SETTINGS, DiffusionNFTConfig
 from flowgrpo.trainer.algorithms.nft_loss import implicit_policies, nft_loss, noised_sample, reward_weight
-from flowgrpo.trainer.run_state.old_policy import AdapterOldPolicy, FrozenCopyOldPolicy, old_policy_decay
+from flowgrpo.trainer.policy.old_policy import AdapterOldPolicy, FrozenCopyOldPolicy, old_policy_decay
 
 B, N = 4, 6  # samples, elements per sample
 

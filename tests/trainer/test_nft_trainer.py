@@ -12,13 +12,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from support.callbacks import StopAfter
 from datasets import Dataset
 from peft import LoraConfig
+from support.callbacks import StopAfter
 from transformers import TrainerCallback
 
 from flowgrpo import DiffusionNFTConfig, DiffusionNFTTrainer, FlowGRPOTrainer
-from flowgrpo.trainer.run_state.old_policy import OLD_POLICY_ADAPTER, OLD_POLICY_WEIGHTS_NAME, old_policy_decay
+from flowgrpo.trainer.policy.old_policy import OLD_POLICY_ADAPTER, OLD_POLICY_WEIGHTS_NAME, old_policy_decay
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle", "a cat"]
 #: the old policy's decay after step k: 0 at step 1, then 0.3, 0.5, 0.5 (it moves slower than the policy)
@@ -51,8 +51,8 @@ class Snapshots(TrainerCallback):
         self.trainer, self.theta, self.old = trainer, [], []
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.theta.append([t.detach().clone() for t, _ in self.trainer.old_policy.pairs])
-        self.old.append([o.detach().clone() for _, o in self.trainer.old_policy.pairs])
+        self.theta.append([t.detach().clone() for t, _ in self.trainer.policy.old_policy.pairs])
+        self.old.append([o.detach().clone() for _, o in self.trainer.policy.old_policy.pairs])
 
 
 
@@ -63,8 +63,8 @@ def nft_logs(trainer):
 def test_old_policy_follows_its_schedule_and_resume_is_exact(tiny_sd3_path, tmp_path):
     common = dict(max_steps=3, save_strategy="steps", save_steps=2, use_ema=True)
     straight = make_trainer(tiny_sd3_path, tmp_path / "a" / "out", **common)
-    initial_theta = [t.detach().clone() for t, _ in straight.old_policy.pairs]
-    for (_, o), t in zip(straight.old_policy.pairs, initial_theta):
+    initial_theta = [t.detach().clone() for t, _ in straight.policy.old_policy.pairs]
+    for (_, o), t in zip(straight.policy.old_policy.pairs, initial_theta):
         torch.testing.assert_close(o, t)  # the old policy starts as the trained one
     snapshots = Snapshots(straight)
     straight.add_callback(snapshots)
@@ -103,10 +103,10 @@ def test_old_policy_follows_its_schedule_and_resume_is_exact(tiny_sd3_path, tmp_
         for key in ("loss", "nft/positive_loss", "nft/negative_loss", "nft/old_policy_deviation", "reward",
                     "grad_norm"):
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
-    for (p, o), (q, r) in zip(straight.old_policy.pairs, resumed.old_policy.pairs):
+    for (p, o), (q, r) in zip(straight.policy.old_policy.pairs, resumed.policy.old_policy.pairs):
         torch.testing.assert_close(p, q)
         torch.testing.assert_close(o, r)
-    for s, t in zip(straight.ema.shadow, resumed.ema.shadow):
+    for s, t in zip(straight.policy.ema.shadow, resumed.policy.ema.shadow):
         torch.testing.assert_close(s, t)
     # a checkpoint without an old policy cannot continue a DiffusionNFT run exactly
     flow_grpo_like = tmp_path / "c" / "checkpoint-1"
@@ -147,17 +147,17 @@ def test_exported_lora_is_the_trained_adapter_and_loads_in_the_stock_pipeline(ti
 def test_full_finetuning_keeps_a_frozen_old_copy_in_checkpoints(tiny_sd3_path, tmp_path):
     trainer = make_trainer(tiny_sd3_path, tmp_path / "out", peft=False, max_steps=2, save_strategy="steps",
                            save_steps=2, learning_rate=1e-3, timestep_fraction=0.34)
-    assert trainer.old_policy.module is not trainer.model
-    assert not any(p.requires_grad for p in trainer.old_policy.module.parameters())
+    assert trainer.policy.old_policy.module is not trainer.model
+    assert not any(p.requires_grad for p in trainer.policy.old_policy.module.parameters())
     trainer.train()
     ckpt = tmp_path / "out" / "checkpoint-2"
     assert (ckpt / OLD_POLICY_WEIGHTS_NAME).exists()
-    saved = [o.detach().clone() for _, o in trainer.old_policy.pairs]
-    assert any((o - t).abs().max() > 0 for t, o in trainer.old_policy.pairs)  # decay 0.3 at step 2
-    for _, o in trainer.old_policy.pairs:
+    saved = [o.detach().clone() for _, o in trainer.policy.old_policy.pairs]
+    assert any((o - t).abs().max() > 0 for t, o in trainer.policy.old_policy.pairs)  # decay 0.3 at step 2
+    for _, o in trainer.policy.old_policy.pairs:
         o.data.zero_()
-    trainer.old_policy.load(ckpt)
-    for (_, o), s in zip(trainer.old_policy.pairs, saved):
+    trainer.policy.old_policy.load(ckpt)
+    for (_, o), s in zip(trainer.policy.old_policy.pairs, saved):
         torch.testing.assert_close(o, s)
 
 

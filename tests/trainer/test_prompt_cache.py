@@ -61,15 +61,15 @@ def test_each_prompt_encoded_once_over_steps_and_evaluation(tiny_sd3_path, tmp_p
     trainer = make_trainer(tiny_sd3_path, tmp_path, max_steps=3)
     seen = count_encodes(trainer)
     drawn = []
-    original = trainer._generate_and_score
-    trainer._generate_and_score = lambda inputs: (drawn.extend(r["prompt"] for r in inputs), original(inputs))[1]
+    original = trainer._generate
+    trainer._generate = lambda inputs: (drawn.extend(r["prompt"] for r in inputs), original(inputs))[1]
     trainer.train()
     first = trainer.evaluate()
     second = trainer.evaluate()
     assert len(drawn) == 3 * 4  # 3 generation batches of 2 prompts x 2 images
     assert set(seen) == set(drawn) | set(EVAL)
     assert max(seen.values()) == 1, seen  # nothing encoded twice: 6 prompt draws from 4 prompts, two evaluations
-    cache = trainer.prompt_cache
+    cache = trainer.rollouts.prompt_cache
     assert cache.encoded == len(seen) and cache.hits >= 2 + len(EVAL)
     assert first["eval_reward"] == second["eval_reward"]  # the cached embeddings equal the encoded ones
 
@@ -77,7 +77,7 @@ def test_each_prompt_encoded_once_over_steps_and_evaluation(tiny_sd3_path, tmp_p
 def test_precompute_offload_and_sliced_decode_keep_the_first_pass_ratio_one(tiny_sd3_path, tmp_path):
     trainer = make_trainer(tiny_sd3_path, tmp_path, precompute_prompt_embeddings=True, offload_text_encoders=True,
                            vae_decode_batch_size=1, guidance_scale=3.0, beta=0.04)
-    cache, offload = trainer.prompt_cache, trainer.prompt_cache.offload
+    cache, offload = trainer.rollouts.prompt_cache, trainer.rollouts.prompt_cache.offload
     assert len(cache) == cache.encoded == len(set(TRAIN) | set(EVAL))  # every dataset prompt, each once
     assert set(offload.modules) == {"text_encoder", "text_encoder_2", "text_encoder_3"}
     assert offload.offloaded and offload.history == [("offload", "cpu")]
@@ -199,7 +199,7 @@ def test_qwenimage_trains_from_prompts_cached_one_at_a_time(tiny_pipeline_path, 
         trainer.train()
         rewards[cached] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
         if cached:
-            assert trainer.prompt_cache.encoded == 4 and trainer.prompt_cache.misses == 0
+            assert trainer.rollouts.prompt_cache.encoded == 4 and trainer.rollouts.prompt_cache.misses == 0
     assert len(rewards[True]) == 2 and rewards[True] == pytest.approx(rewards[False], abs=1e-4)
 
 
@@ -274,15 +274,15 @@ def test_cache_keeps_the_negative_of_each_source_image(family, tiny_pipeline_pat
         prompts = [rows["prompt"][0], rows["prompt"][0], rows["prompt"][1]]
         images = [rows["image"][0], rows["image"][0], rows["image"][1]]
         with torch.no_grad():
-            embeds, index = trainer._encode_unique(prompts, trainer.accelerator.device, images)
+            embeds, index = trainer.rollouts.encode_unique(prompts, images)
         assert index.tolist() == [0, 0, 1] and embeds.negative is not None
         results[cached] = embeds
         if cached:
             assert seen[" "] == 2  # one negative per distinct source image
             with torch.no_grad():  # again, and a new prompt on a source image already seen: no negative encoded
-                again, _ = trainer._encode_unique(prompts[:1] + ["a new prompt"], trainer.accelerator.device,
-                                                  images[:1] + images[:1])
-            assert seen[" "] == 2 and seen["a new prompt"] == 1 and trainer.prompt_cache.hits == 2  # (p0, im0), (" ", im0)
+                again, _ = trainer.rollouts.encode_unique(prompts[:1] + ["a new prompt"],
+                                                          images[:1] + images[:1])
+            assert seen[" "] == 2 and seen["a new prompt"] == 1 and trainer.rollouts.prompt_cache.hits == 2  # (p0, im0), (" ", im0)
             for name, value in again.negative.tensors.items():
                 assert torch.equal(value[0], embeds.negative.tensors[name][0]), name
     for name, value in results[False].tensors.items():

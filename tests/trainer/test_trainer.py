@@ -11,76 +11,23 @@ import os
 import numpy as np
 import pytest
 import torch
-from support.callbacks import StopAfter
 from datasets import Dataset
-from peft import LoraConfig
 from PIL import Image
+from support.callbacks import StopAfter
+from support.trainer_cases import (
+    PROMPTS,
+    TRAINER_KINDS,
+    brightness_reward,
+    lora_config,
+    make_args,
+    make_trainer,
+    redness_reward,
+)
 
 from flowgrpo import (
-    AWMConfig,
-    AWMTrainer,
-    DiffusionDPOConfig,
-    DiffusionDPOTrainer,
-    FlowGRPOConfig,
     FlowGRPOTrainer,
 )
 from flowgrpo.schedulers import sde_step_from_sigmas
-
-PROMPTS = ["a red circle", "two blue squares", 'a sign that says "hi"', "a green triangle on the left",
-           "three yellow stars", "a cat", "a dog", "an apple"]
-
-
-def brightness_reward(prompts, images, **columns):
-    """Cheap deterministic reward: mean brightness in [0, 1]."""
-    return [float(np.asarray(im, dtype=np.float32).mean() / 255.0) for im in images]
-
-
-def redness_reward(prompts, images, **columns):
-    out = []
-    for im in images:
-        a = np.asarray(im, dtype=np.float32) / 255.0
-        out.append(float(a[..., 0].mean() - a[..., 1:].mean()))
-    return out
-
-
-def lora_config(init="gaussian"):
-    # init_lora_weights=True keeps B = 0 (identity at start); "gaussian" too (A gaussian, B zero).
-    return LoraConfig(r=4, lora_alpha=8, init_lora_weights=init, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
-
-
-#: the trainers on the shared base that the resume and export tests run: configuration and trainer classes, the
-#: settings that make a short run exercise their own state (SDE window; AWM's EMA adapter sampling off-policy;
-#: online DPO pairs), and the logged keys a resumed run must reproduce
-TRAINER_KINDS = {
-    "flow_grpo": (FlowGRPOConfig, FlowGRPOTrainer, dict(sde_window_size=2, sde_window_range=[0, 2]),
-                  ("reward", "policy_loss", "ratio_mean", "grad_norm")),
-    "awm": (AWMConfig, AWMTrainer, dict(train_timesteps=2, beta=0.01, off_policy=True),
-            ("reward", "policy_loss", "ratio_mean", "kl", "grad_norm")),
-    "diffusion_dpo": (DiffusionDPOConfig, DiffusionDPOTrainer, dict(dpo_mode="online", beta_dpo=50.0),
-                      ("reward", "loss", "dpo/inside", "grad_norm")),
-}
-
-
-def make_args(tmp_path, config_class=FlowGRPOConfig, **kwargs):
-    base = dict(
-        output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=4, num_generations=4,
-        resolution=64, num_inference_steps=4, eval_num_inference_steps=4, guidance_scale=1.0, max_steps=1,
-        learning_rate=1e-2, beta=0.0, max_sequence_length=16, logging_steps=1, save_strategy="no",
-        disable_tqdm=True, seed=0, log_images_steps=0, dtype="float32",
-    )
-    base.update(kwargs)
-    return config_class(**base)
-
-
-def make_trainer(path, tmp_path, reward=brightness_reward, peft=True, dataset=None, kind="flow_grpo", **kwargs):
-    """A trainer of ``kind`` (`TRAINER_KINDS`) on the tiny pipeline at ``path`` with test-sized defaults (``kwargs``
-    go to its configuration)."""
-    config_class, trainer_class, _, _ = TRAINER_KINDS[kind]
-    return trainer_class(
-        model=str(path), reward_funcs=reward, args=make_args(tmp_path, config_class, **kwargs),
-        train_dataset=dataset if dataset is not None else Dataset.from_dict({"prompt": PROMPTS}),
-        peft_config=lora_config() if peft else None,
-    )
 
 
 def train_logs(trainer, key="ratio_mean"):
@@ -121,12 +68,12 @@ def stored_log_probs(trainer, batch):
     out = []
     with torch.no_grad():
         for j in range(batch["latents"].shape[1]):
-            v = trainer._velocity(model, batch["latents"][:, j], batch["timesteps"][:, j], batch["embeds"],
+            v = trainer.policy.velocity(model, batch["latents"][:, j], batch["timesteps"][:, j], batch["embeds"],
                                   args.guidance_scale, h, w)
             step = sde_step_from_sigmas(v, batch["latents"][:, j], batch["sigmas"][:, j], batch["sigmas_next"][:, j],
                                         prev_sample=batch["next_latents"][:, j], noise_level=args.noise_level,
                                         sde_type=args.sde_type,
-                                        sigma_max_fallback=float(trainer.sde_scheduler.sigmas[1]))
+                                        sigma_max_fallback=float(trainer.rollouts.scheduler.sigmas[1]))
             out.append(step.log_prob)
     return torch.stack(out, 1)
 
@@ -136,7 +83,7 @@ def test_one_step_moves_log_probs_with_advantages(tiny_sd3_path, tmp_path):
                            num_generations=4, epsilon=10.0, learning_rate=3e-3, sde_window_size=2,
                            sde_window_range=[0, 2], noise_level=1.0)
     trainer.train()
-    batch = trainer._buffer[0]
+    batch = trainer.buffer[0]
     before = batch["log_probs"]
     after = stored_log_probs(trainer, batch)
     delta = (after - before).sum(1)
@@ -157,10 +104,10 @@ def test_training_runs_only_window_steps(tiny_sd3_path, tmp_path):
     handle.remove()
     assert calls["eval"] == 6  # one rollout micro-batch, all steps
     assert calls["train"] == 2  # only the window's two steps are trained
-    batch = trainer._buffer[0]
+    batch = trainer.buffer[0]
     start, end = batch["window"]
     assert end - start == 2 and 1 <= start < 4
-    sigmas = trainer.sde_scheduler.sigmas
+    sigmas = trainer.rollouts.scheduler.sigmas
     torch.testing.assert_close(batch["sigmas"][0], sigmas[start:end].float())
 
 
@@ -269,10 +216,10 @@ def test_resume_matches_uninterrupted(tiny_sd3_path, tmp_path, kind):
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
     for p, q in zip(straight.model.parameters(), resumed.model.parameters()):
         torch.testing.assert_close(p, q)
-    for s, t in zip(straight.ema.shadow, resumed.ema.shadow):
+    for s, t in zip(straight.policy.ema.shadow, resumed.policy.ema.shadow):
         torch.testing.assert_close(s, t)
-    if straight.old_policy is not None:  # AWM's EMA adapter
-        for (_, o), (_, r) in zip(straight.old_policy.pairs, resumed.old_policy.pairs):
+    if straight.policy.old_policy is not None:  # AWM's EMA adapter
+        for (_, o), (_, r) in zip(straight.policy.old_policy.pairs, resumed.policy.old_policy.pairs):
             torch.testing.assert_close(o, r)
 
 
@@ -317,7 +264,7 @@ def test_bad_inputs_fail_before_loading(tmp_path):
 
 def test_quantized_loading_configuration(tmp_path):
     pytest.importorskip("bitsandbytes", reason="the bnb extra is not installed")
-    from flowgrpo.trainer.quantization import build_quantization_config
+    from flowgrpo.trainer.policy.quantization import build_quantization_config
 
     cfg4 = build_quantization_config("4bit", torch.bfloat16)
     assert cfg4.load_in_4bit and cfg4.bnb_4bit_quant_type == "nf4" and cfg4.bnb_4bit_compute_dtype == torch.bfloat16
@@ -386,8 +333,8 @@ def test_num_iterations_reuse_one_generation(tiny_sd3_path, tmp_path):
     trainer = make_trainer(tiny_sd3_path, tmp_path, num_iterations=2, max_steps=2, learning_rate=5e-2,
                            sde_window_size=2, sde_window_range=[0, 2], epsilon=1e-4, noise_level=1.0)
     rollouts = []
-    original = trainer._generate_and_score
-    trainer._generate_and_score = lambda inputs: (rollouts.append(len(inputs)), original(inputs))[1]
+    original = trainer._generate
+    trainer._generate = lambda inputs: (rollouts.append(len(inputs)), original(inputs))[1]
     trainer.train()
     logs = train_logs(trainer)
     assert len(rollouts) == 1  # two optimizer steps on one generation batch
@@ -447,3 +394,21 @@ log_images_steps: 0
     assert trainer.state.global_step == 1 and (tmp_path / "run" / "pytorch_lora_weights.safetensors").exists()
     if kind == "diffusion_dpo":
         assert trainer.state.log_history[0]["dpo/pairs"] == 2
+
+
+def test_the_trainer_owns_its_four_parts_and_they_do_not_read_it(tiny_sd3_path, tmp_path):
+    """``trainer.policy``, ``trainer.rollouts``, ``trainer.evaluator`` and ``trainer.health`` are the parts (the
+    contract's names); none of them holds the trainer: they get what they need at construction."""
+    from flowgrpo.trainer.evaluation import Evaluator
+    from flowgrpo.trainer.health import HealthGuards
+    from flowgrpo.trainer.policy import Policy
+    from flowgrpo.trainer.rollout import RolloutEngine
+
+    trainer = make_trainer(tiny_sd3_path, tmp_path, beta=0.04)
+    parts = {"policy": Policy, "rollouts": RolloutEngine, "evaluator": Evaluator, "health": HealthGuards}
+    for name, cls in parts.items():
+        part = getattr(trainer, name)
+        assert isinstance(part, cls), name
+        assert all(value is not trainer for value in vars(part).values()), f"trainer.{name} holds the trainer"
+    assert trainer.rollouts.policy is trainer.policy and trainer.evaluator.rollouts is trainer.rollouts
+    assert trainer.policy.reference is not None and trainer.policy.reference.kind == "base"  # LoRA: adapter off

@@ -90,10 +90,10 @@ def _build_flux2_klein(seed: int, device: str):
     from transformers import Qwen3ForCausalLM
 
     from ..testing.tiny_tokenizers import build_qwen3_tokenizer
-    from .presets import _building
+    from .full_size_components import building
 
     tokenizer = build_qwen3_tokenizer()
-    with _building(device, torch.bfloat16, seed):
+    with building(device, torch.bfloat16, seed):
         parts = {"text_encoder": Qwen3ForCausalLM(_qwen3_config(tokenizer)),
                  "transformer": Flux2Transformer2DModel(**FLUX2_KLEIN_4B_TRANSFORMER),
                  "vae": AutoencoderKLFlux2(**FLUX2_VAE)}
@@ -106,7 +106,7 @@ def _build_flux2_dev(seed: int, device: str):
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     from ..testing.tiny_tokenizers import build_mistral_tokenizer
-    from .presets import _building
+    from .full_size_components import building
 
     tokenizer = build_mistral_tokenizer()
     text = dict(MISTRAL_SMALL_31_TEXT, rope_parameters=dict(MISTRAL_SMALL_31_TEXT["rope_parameters"]),
@@ -114,7 +114,7 @@ def _build_flux2_dev(seed: int, device: str):
                 eos_token_id=tokenizer.eos_token_id)
     config = Mistral3Config(text_config=text, vision_config=dict(PIXTRAL_VISION), spatial_merge_size=2,
                             image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)
-    with _building(device, torch.bfloat16, seed):
+    with building(device, torch.bfloat16, seed):
         parts = {"text_encoder": Mistral3ForConditionalGeneration(config),
                  "transformer": Flux2Transformer2DModel(**FLUX2_DEV_TRANSFORMER),
                  "vae": AutoencoderKLFlux2(**FLUX2_VAE)}
@@ -127,10 +127,10 @@ def _build_zimage_turbo(seed: int, device: str):
     from transformers import Qwen3Model
 
     from ..testing.tiny_tokenizers import build_qwen3_tokenizer
-    from .presets import _building
+    from .full_size_components import building
 
     tokenizer = build_qwen3_tokenizer()
-    with _building(device, torch.bfloat16, seed):
+    with building(device, torch.bfloat16, seed):
         parts = {"text_encoder": Qwen3Model(_qwen3_config(tokenizer)),
                  "transformer": ZImageTransformer2DModel(**ZIMAGE_TURBO_TRANSFORMER),
                  "vae": AutoencoderKL(**FLUX1_VAE)}
@@ -162,7 +162,7 @@ def _build_qwenimage21(seed: int, device: str):
     )
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from .presets import _building
+    from .full_size_components import building
 
     processor = qwenimage21_processor()
     tokenizer = processor.tokenizer
@@ -173,7 +173,7 @@ def _build_qwenimage21(seed: int, device: str):
     config = Qwen3VLConfig(text_config=text, vision_config=dict(QWEN3_VL_8B_VISION),
                            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    with _building(device, torch.bfloat16, seed):
+    with building(device, torch.bfloat16, seed):
         parts = {"text_encoder": Qwen3VLForConditionalGeneration(config),
                  "transformer": QwenImage21Transformer2DModel(**QWENIMAGE21_TRANSFORMER),
                  "vae": AutoencoderKLQwenImage21()}
@@ -187,9 +187,9 @@ def _build_qwenimage_edit_plus(seed: int, device: str):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from ..testing.tiny_qwenimage import ImageOnlyQwen2VLProcessor
-    from .presets import _build_qwen_image
+    from .full_size_components import build_qwen_image
 
-    components = dict(_build_qwen_image(seed, device).components)
+    components = dict(build_qwen_image(seed, device).components)
     components["processor"] = ImageOnlyQwen2VLProcessor(
         image_processor=Qwen2VLImageProcessorPil(patch_size=14, temporal_patch_size=2, merge_size=2),
         tokenizer=components["tokenizer"])

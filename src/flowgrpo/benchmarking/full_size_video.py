@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .presets import UMT5_XXL, WAN_14B_TRANSFORMER, WAN_UNIPC_SCHEDULER, WAN_VAE
+from .full_size_components import UMT5_XXL, WAN_14B_TRANSFORMER, WAN_UNIPC_SCHEDULER, WAN_VAE
 
 __all__ = ["BYT5_SMALL", "CLIP_VIT_H_14_VISION", "GEMMA3_12B_TEXT", "HUNYUANVIDEO15_480P_T2V_TRANSFORMER", "LTX2_AUDIO_VAE",
            "LTX2_CONNECTORS", "LTX2_SCHEDULER", "LTX2_TRANSFORMER", "LTX2_VAE", "LTX2_VOCODER", "SIGLIP_SO400M_VISION",
@@ -98,12 +98,12 @@ def _build_wan_i2v_14b(seed: int, device: str):
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
     from ..testing.tiny_tokenizers import build_t5_tokenizer
-    from .presets import _building
+    from .full_size_components import building
 
     tokenizer = build_t5_tokenizer()
     umt5 = dict(UMT5_XXL)
     vocab = max(int(umt5.pop("vocab_size")), len(tokenizer))
-    with _building(device, torch.bfloat16, seed):
+    with building(device, torch.bfloat16, seed):
         parts = {"text_encoder": UMT5EncoderModel(UMT5Config(
                      vocab_size=vocab, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                      decoder_start_token_id=tokenizer.pad_token_id, **umt5)),
@@ -132,7 +132,7 @@ def _build_ltx2(seed: int, device: str):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     from ..testing.tiny_ltx2 import build_gemma_tokenizer
-    from .presets import _building
+    from .full_size_components import building
 
     tokenizer = build_gemma_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<start_of_image>", "<end_of_image>", "<image_soft_token>")}
@@ -140,7 +140,7 @@ def _build_ltx2(seed: int, device: str):
                           vision_config=dict(SIGLIP_SO400M_VISION), mm_tokens_per_image=256,
                           boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
                           image_token_index=ids["<image_soft_token>"])
-    with _building(device, torch.bfloat16, seed):
+    with building(device, torch.bfloat16, seed):
         parts = {"text_encoder": Gemma3ForConditionalGeneration(config),
                  "transformer": LTX2VideoTransformer3DModel(**LTX2_TRANSFORMER),
                  "connectors": LTX2TextConnectors(**LTX2_CONNECTORS), "vae": AutoencoderKLLTX2Video(**LTX2_VAE),
@@ -162,13 +162,13 @@ def _build_hunyuanvideo15_480p(seed: int, device: str):
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
     from ..testing.tiny_tokenizers import build_qwen3_tokenizer
-    from .presets import QWEN25_VL_7B_TEXT, _building
+    from .full_size_components import QWEN25_VL_7B_TEXT, building
 
     tokenizer, tokenizer_2 = build_qwen3_tokenizer(), ByT5Tokenizer()
     text = dict(QWEN25_VL_7B_TEXT, rope_parameters=dict(QWEN25_VL_7B_TEXT["rope_parameters"]),
                 pad_token_id=tokenizer.pad_token_id)
     text["vocab_size"] = max(int(text["vocab_size"]), len(tokenizer))
-    with _building(device, torch.bfloat16, seed):
+    with building(device, torch.bfloat16, seed):
         parts = {"text_encoder": Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**text)),
                  "text_encoder_2": T5EncoderModel(T5Config(vocab_size=len(tokenizer_2),
                                                            pad_token_id=tokenizer_2.pad_token_id,

@@ -64,11 +64,12 @@ _TRAINER_TIMINGS = {
 }
 
 
-# ``--ab NAME``: the trainer overlaps switched on and off on alternate measured steps, to measure what they buy.
+# ``--ab NAME``: the rollout engine's overlaps switched on and off on alternate measured steps, to measure what they
+# buy (attributes of ``trainer.rollouts``).
 AB_SWITCHES = {
-    "decode": ("_overlap_decode",),
-    "reward": ("_overlap_reward_with_training",),
-    "all": ("_overlap_decode", "_overlap_reward_with_training"),
+    "decode": ("overlap_decode",),
+    "reward": ("overlap_reward_with_training",),
+    "all": ("overlap_decode", "overlap_reward_with_training"),
 }
 
 
@@ -113,7 +114,7 @@ class FloorRunner:
         self.micro_batches = args.steps_per_generation
         self.rollout_calls = self.micro_batches * args.num_inference_steps
         # DiffusionNFT trains num_trained_timesteps noise levels, each with a forward of the old policy too.
-        self.old_policy = getattr(trainer, "old_policy", None)
+        self.old_policy = trainer.policy.old_policy
         if self.old_policy is not None:
             self.trained_steps = args.num_trained_timesteps
         else:
@@ -122,7 +123,7 @@ class FloorRunner:
         self.ref_calls = self.train_calls if args.beta > 0 else 0
         self.old_calls = self.train_calls if self.old_policy is not None else 0
 
-        dtype = trainer.model_dtype
+        dtype = trainer.policy.dtype
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             source = None  # editing families: a plain source image of the working size
@@ -155,7 +156,7 @@ class FloorRunner:
         model = trainer.model
         accelerator = trainer.accelerator
         was_training = model.training
-        params = trainer._trainable_parameters()
+        params = trainer.policy.trainable_parameters()
         saved_grads = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -177,7 +178,7 @@ class FloorRunner:
                     self._pass(old)
             if self.ref_calls:
                 ctx = accelerator.unwrap_model(model).disable_adapter() if trainer.is_peft else nullcontext()
-                ref_model = model if trainer.is_peft else trainer.ref_model
+                ref_model = model if trainer.is_peft else trainer.policy.reference_copy
                 with torch.no_grad(), accelerator.autocast(), ctx:
                     self._pass(ref_model)
         _sync(self.device)
@@ -229,17 +230,17 @@ class _BenchmarkClock(TrainerCallback):
         device = self.trainer.accelerator.device
         _sync(device)
         now = time.perf_counter()
-        metrics = self.trainer._metrics["train"]
+        metrics = self.trainer.metrics.train
         record: dict[str, Any] = {"step": state.global_step, "step_time_s": now - self._t_last}
         parts = {key: 0.0 for key in BREAKDOWN_KEYS}
         for metric, key in _TRAINER_TIMINGS.items():
             parts[key] = float(sum(metrics.get(metric, []) or [0.0]))
         parts["optimizer"] = self._optimizer
-        if self.trainer._overlap_decode:  # decoded in the background: its wait is part of "reward"
+        if self.trainer.rollouts.overlap_decode:  # decoded in the background: its wait is part of "reward"
             record["vae_decode_background_s"] = parts["vae_decode"]
             parts["vae_decode"] = 0.0
         if self.ab_switches:
-            record["ab_arm"] = "on" if getattr(self.trainer, self.ab_switches[0]) else "off"
+            record["ab_arm"] = "on" if getattr(self.trainer.rollouts, self.ab_switches[0]) else "off"
         parts["other"] = record["step_time_s"] - sum(v for k, v in parts.items() if k != "other")
         record["breakdown"] = parts
         record["sampling_s"] = float(sum(metrics.get("timing/sampling", []) or [0.0]))
@@ -257,7 +258,7 @@ class _BenchmarkClock(TrainerCallback):
         self.records.append(record)
         if self.ab_switches:  # the next step: "on" on even step numbers, "off" on odd ones
             for name in self.ab_switches:
-                setattr(self.trainer, name, (state.global_step + 1) % 2 == 0)
+                setattr(self.trainer.rollouts, name, (state.global_step + 1) % 2 == 0)
         _sync(device)
         if self.timeline is not None:
             self.timeline.reset()  # the floor measurement is not part of the next step
@@ -404,7 +405,7 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
         lock = threading.Lock()
         reward_set = trainer.reward_set
         reward_set.funcs = [_TimedReward(f, reward_times, lock) for f in reward_set.funcs]
-        trainer._timing_sync = trainer.accelerator.device.type == "cuda"
+        trainer.rollouts.timing_sync = trainer.accelerator.device.type == "cuda"
         clock = _BenchmarkClock(trainer, measure_floor, reward_times, lock, ab=ab)
         trainer.add_callback(clock)
         say(f"[benchmark] built in {build_s:.1f}s; running {warmup} warm-up + {steps} measured steps")
@@ -461,7 +462,7 @@ def _summarize(preset: BenchmarkPreset, trainer, clock: _BenchmarkClock, warmup:
     transformer = trainer.accelerator.unwrap_model(trainer.model)
     result["parameters"] = {
         "transformer": sum(p.numel() for n, p in transformer.named_parameters() if "lora_" not in n),
-        "trainable": sum(p.numel() for p in trainer._trainable_parameters()),
+        "trainable": sum(p.numel() for p in trainer.policy.trainable_parameters()),
     }
     floor = clock.floor
     if floor is not None:

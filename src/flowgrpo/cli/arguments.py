@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..models import FAMILIES
+
 #: LoRA targets of the published Flow-GRPO SD3.5 recipes: the joint attention's image and text projections, the
 #: default of the SD3, FLUX(-Kontext) and Qwen-Image(-Edit) families (FLUX's single-stream blocks have no ``add_*``
 #: projections; peft skips them). Wan's default names its ``attn1`` / ``attn2`` modules instead; each family's
@@ -31,8 +33,7 @@ LORA_INITS = {
 
 #: ``build_tiny_pipeline_if_missing`` values: the random tiny pipelines of ``flowgrpo.testing`` and the pretrained
 #: toy world of ``flowgrpo.toy`` (a small SD3 pipeline that follows shape prompts).
-TINY_PIPELINE_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "flux2_klein", "zimage",
-                          "flux2", "qwenimage_edit_plus", "qwenimage21", "wan_i2v", "ltx2", "hunyuanvideo15", "toy")
+TINY_PIPELINE_FAMILIES = (*FAMILIES, "toy")
 
 
 @dataclass

@@ -28,7 +28,7 @@ PROMPT_FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")
 _NO_SPLIT = ("", "none", "null", "no")
 
 
-def _looks_local(name: str) -> bool:
+def looks_local(name: str) -> bool:
     """True when ``name`` can only be a local path (a Hub id is ``namespace/name`` with no extension)."""
     if os.path.exists(name):
         return True
@@ -200,7 +200,7 @@ def _finish(dataset: Any, args: ScriptArguments, role: str, source: str, limit: 
 
 
 def _load(name: str, config: str | None, split: str | None, role: str):
-    if _looks_local(name):
+    if looks_local(name):
         return _load_local(name, split, role)
     return _load_hub(name, config, split, role)
 
@@ -228,7 +228,7 @@ def load_prompt_dataset(script_args: ScriptArguments) -> tuple[Any, Any | None]:
         eval_ds = _load(eval_name, script_args.dataset_config, test_split or "test", "eval")
         if eval_ds is None:
             raise RecipeError(f"eval_dataset_name={eval_name!r} has no '{test_split or 'test'}' split or file.")
-    elif test_split is not None and not (_looks_local(name) and Path(name).expanduser().is_file()):
+    elif test_split is not None and not (looks_local(name) and Path(name).expanduser().is_file()):
         eval_name = name
         eval_ds = _load(name, script_args.dataset_config, test_split, "eval")
     if eval_ds is not None:

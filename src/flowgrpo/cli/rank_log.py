@@ -11,7 +11,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .train import RANK_LOG_ENV
+#: the folder each rank of a launch writes its log to (`RankLogCallback`), when set
+RANK_LOG_ENV = "FLOWGRPO_RANK_LOG_DIR"
+
 
 
 def _sample_digest(sample: Any) -> str:
@@ -41,12 +43,12 @@ class RankLogCallback(TrainerCallback):
             "logs": {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None)
                      for k, v in logs.items() if isinstance(v, (int, float))},
         }
-        samples = getattr(trainer, "_last_samples", None)
+        samples = trainer.rollouts.last_samples
         if samples:
             images, prompts, rewards = samples
             record["samples"] = [{"prompt": p, "reward": r, "image_sha1": _sample_digest(im)}
                                  for im, p, r in zip(images, prompts, rewards)]
-        buffer = getattr(trainer, "_buffer", None) or []
+        buffer = trainer.buffer or []
         advantages = [float(a) for batch in buffer for a in batch.get("advantages", []).reshape(-1).tolist()] \
             if buffer else []
         record["local_advantages"] = advantages

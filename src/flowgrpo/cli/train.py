@@ -28,9 +28,7 @@ from typing import Any
 from .arguments import ModelArguments, ScriptArguments
 from .notices import quiet_library_notices
 from .parser import RecipeError, check_training_hardware, parse_recipe
-
-RANK_LOG_ENV = "FLOWGRPO_RANK_LOG_DIR"
-"""Set to a folder to have every process append its training records there (``flowgrpo.cli.rank_log``)."""
+from .rank_log import RANK_LOG_ENV, RankLogCallback
 
 
 def _looks_like_local_path(name: str) -> bool:
@@ -134,10 +132,10 @@ def _prepare_toy_dpo_pairs(script_args: ScriptArguments, model: str, training_ar
 
 
 def _hub_dataset_name(script_args: ScriptArguments) -> str | None:
-    from .data import _looks_local
+    from .data import looks_local
 
     name = script_args.dataset_name
-    return None if not name or _looks_local(name) else name
+    return None if not name or looks_local(name) else name
 
 
 def run(script_args: ScriptArguments, model_args: ModelArguments, training_args: Any) -> Any:
@@ -176,10 +174,8 @@ def run(script_args: ScriptArguments, model_args: ModelArguments, training_args:
         model=model, reward_funcs=list(script_args.reward_funcs), args=training_args, train_dataset=train_dataset,
         eval_dataset=eval_dataset, peft_config=peft_config, pipeline_kwargs=pipeline_kwargs,
     )
-    rank_log_dir = os.environ.get(RANK_LOG_ENV)
+    rank_log_dir = os.environ.get(RANK_LOG_ENV)  # set to a folder: every process appends its records there
     if rank_log_dir:
-        from .rank_log import RankLogCallback
-
         trainer.add_callback(RankLogCallback(trainer, rank_log_dir))
 
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

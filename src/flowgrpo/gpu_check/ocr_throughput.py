@@ -89,15 +89,15 @@ def measure_rollout(preset_name: str = "sd35m-random", micro_batches: int = 2, w
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        with trainer._generation_context() as model:
-            embeds, rows = trainer._encode_unique(prompts, device)
+        with trainer.policy.generation_context() as model:
+            embeds, rows = trainer.rollouts.encode_unique(prompts)
             embeds = embeds.index_select(rows)
             for _ in range(warmup + micro_batches):
                 sync()
                 tic = time.perf_counter()
-                final, _ = trainer._sample(model, embeds, args.num_inference_steps, args.guidance_scale,
-                                           args.noise_level, window, generator, record=True)
-                trainer.adapter.decode(final.to(trainer.model_dtype), height, width)
+                final, _ = trainer.rollouts.sample(model, embeds, args.num_inference_steps, args.guidance_scale,
+                                                   args.noise_level, window, generator, record=True)
+                trainer.adapter.decode(final.to(trainer.policy.dtype), height, width)
                 sync()
                 times.append(time.perf_counter() - tic)
         trainer.reward_set.close()

@@ -25,15 +25,12 @@ from typing import Any
 
 CONFIG_DIR = Path(__file__).with_name("model_configs")
 
-#: adapter family -> the diffusers pipeline class (for models read from a folder whose model_index names it).
-_FAMILY_OF_PIPELINE = {
-    "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext",
-    "QwenImagePipeline": "qwenimage", "QwenImageEditPipeline": "qwenimage_edit", "QwenImageEditPlusPipeline":
-    "qwenimage_edit_plus", "WanPipeline": "wan",
-    "Flux2Pipeline": "flux2", "Flux2KleinPipeline": "flux2_klein", "ZImagePipeline": "zimage",
-    "QwenImage21Pipeline": "qwenimage21", "WanImageToVideoPipeline": "wan_i2v", "LTX2Pipeline": "ltx2",
-    "HunyuanVideo15Pipeline": "hunyuanvideo15",
-}
+def family_of_pipeline() -> dict[str, str]:
+    """Diffusers pipeline class -> adapter family, from the family table (``flowgrpo.models.FAMILIES``), for models
+    read from a folder whose model_index names the class."""
+    from ..models import adapter_classes
+
+    return {name: cls.family for cls in adapter_classes() for name in cls.pipeline_class_names}
 
 
 @dataclass
@@ -111,10 +108,11 @@ def _class_name(folder: Path) -> str:
 def _from_folder(folder: Path, origin: str, fallback: dict[str, Any] | None) -> ModelSpec:
     index = json.loads((folder / "model_index.json").read_text())
     pipeline_class = index["_class_name"]
-    family = _FAMILY_OF_PIPELINE.get(pipeline_class) or (fallback or {}).get("family")
+    known = family_of_pipeline()
+    family = known.get(pipeline_class) or (fallback or {}).get("family")
     if family is None:
         raise ValueError(f"{folder}: pipeline {pipeline_class} is not a family the planner knows "
-                         f"({', '.join(sorted(set(_FAMILY_OF_PIPELINE)))}).")
+                         f"({', '.join(sorted(known))}).")
     encoders = {}
     for key in sorted(index):
         if key.startswith("text_encoder") and index[key] and index[key][0] is not None:

@@ -73,8 +73,8 @@ def load_clip(model_id: str, processor_id: str | None, device: Any, dtype: Any) 
         return model, processor
 
 
-def _features(output: Any) -> Any:
-    """Projected embeddings from ``get_*_features`` (a tensor, or an output object whose pooler is projected)."""
+def model_features(output: Any) -> Any:
+    """Projected embeddings from ``get_*model_features`` (a tensor, or an output object whose pooler is projected)."""
     import torch
 
     if isinstance(output, torch.Tensor):
@@ -152,7 +152,7 @@ class _CLIPScorer:
             batch = [_as_pil(im) for im in images[start:start + self.batch_size]]
             inputs = processor(images=batch, return_tensors="pt")
             pixel_values = inputs["pixel_values"].to(model.device, model.dtype)
-            feats = _features(model.get_image_features(pixel_values=pixel_values)).float()
+            feats = model_features(model.get_image_features(pixel_values=pixel_values)).float()
             chunks.append(feats / feats.norm(dim=-1, keepdim=True))
         return torch.cat(chunks)
 
@@ -169,7 +169,7 @@ class _CLIPScorer:
                 max_length=max_length, return_tensors="pt",
             )
             inputs = {k: v.to(model.device) for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
-            feats = _features(model.get_text_features(**inputs)).float()
+            feats = model_features(model.get_text_features(**inputs)).float()
             chunks.append(feats / feats.norm(dim=-1, keepdim=True))
         return torch.cat(chunks)
 
@@ -478,7 +478,7 @@ class ImageSimilarity(_CLIPScorer):
         for start in range(0, len(images), self.batch_size):
             pixels = torch.stack([reference_clip_pixels(im, int(size), int(crop), ip.image_mean, ip.image_std)
                                   for im in images[start:start + self.batch_size]])
-            feats = _features(model.get_image_features(pixel_values=pixels.to(model.device, model.dtype))).float()
+            feats = model_features(model.get_image_features(pixel_values=pixels.to(model.device, model.dtype))).float()
             chunks.append(feats / feats.norm(dim=-1, keepdim=True))
         return torch.cat(chunks)
 

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from .geneval import GENEVAL_COLORS, GENEVAL_OBJECT_NAMES, THRESHOLD, Detection, geneval_label
+from .geneval_labels import GENEVAL_COLORS, GENEVAL_OBJECT_NAMES, THRESHOLD, Detection, geneval_label
 from .placement import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -416,6 +416,6 @@ class CLIPColourClassifier:
 
 
 def _features(output: Any) -> Any:
-    from .clip_scorers import _features as features
+    from .clip_scorers import model_features as features
 
     return features(output)

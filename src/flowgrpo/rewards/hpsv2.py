@@ -315,7 +315,7 @@ def hps_pixels(image: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """CLIP's reversible byte -> printable character table."""
     kept = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) \
         + list(range(ord("\xae"), ord("\xff") + 1))
@@ -349,7 +349,7 @@ class OpenCLIPTokenizer:
                 raise ValueError(f"the CLIP vocabulary has no {token!r} token")
         self.ranks = {tuple(m.split()): i for i, m in enumerate(merges)}
         self.context_length = int(context_length)
-        self.byte_encoder = _byte_to_unicode()
+        self.byte_encoder = byte_to_unicode()
         # open_clip names its special tokens <start_of_text> / <end_of_text>: written in a prompt, they are single
         # tokens (and "<|endoftext|>" is plain text), as in open_clip
         self.encoder["<start_of_text>"] = self.encoder[self.START]

@@ -17,10 +17,28 @@ Register a function or a class under a name::
         def __call__(self, prompts, images, **columns): ...
 
 ``get_reward(name, **kwargs)`` instantiates a registered class with ``kwargs`` and binds ``kwargs`` to a
-registered function with ``functools.partial``. The built-in rewards (``ocr``, ``jpeg_compressibility``,
-``jpeg_incompressibility``, ``aesthetic``, ``clipscore``, ``pickscore``, ``remote``, ``vlm_judge``, ``hpsv3``,
-``unifiedreward``, ``vqascore``, ``deqa``) register themselves when ``flowgrpo.rewards`` is imported; their heavy
-dependencies (OCR engines, CLIP models, VLMs) load only when a reward is first called.
+registered function with ``functools.partial``. Rewards register themselves when their module is imported; their
+heavy dependencies (OCR engines, CLIP models, VLMs) load only when a reward is first called.
+
+Rewards are plugins: every reward module, built-in or third-party, is found through the Python entry-point group
+``flowgrpo.rewards``.
+
+An entry point names a module, whose import registers its rewards with `register_reward`::
+
+    # a third-party package's pyproject.toml
+    [project.entry-points."flowgrpo.rewards"]
+    my_rewards = "my_package.rewards"          # registers with @register_reward("my_reward") at import
+
+or a callable, registered under the entry point's name::
+
+    [project.entry-points."flowgrpo.rewards"]
+    my_reward = "my_package.rewards:my_reward"
+
+flowgrpo declares its own reward modules the same way (setup.py), the toy world's among them, so that
+``flowgrpo.rewards`` itself imports no reward module and nothing of ``flowgrpo.toy``. `load_reward_plugins` runs once,
+when ``flowgrpo.rewards`` is imported. A built-in module that fails to import raises; a third-party one is skipped
+with a warning that names it. Run from a source tree that was never installed (no entry points of flowgrpo's
+distribution), the built-in modules of `BUILTIN_REWARD_MODULES` are imported instead, without the toy world's.
 """
 
 from __future__ import annotations
@@ -28,11 +46,17 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
+import logging
 import threading
 from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
+from types import ModuleType
 from typing import Any, TypeVar
 
-__all__ = ["register_reward", "get_reward", "list_rewards"]
+__all__ = ["BUILTIN_REWARD_MODULES", "ENTRY_POINT_GROUP", "get_reward", "list_rewards", "load_reward_plugins",
+           "register_reward"]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -86,8 +110,7 @@ def register_reward(name: str, *, overwrite: bool = False) -> Callable[[T], T]:
 
 
 def _ensure_builtins() -> None:
-    # Importing the package registers the built-in rewards (cheap: heavy dependencies load lazily).
-    importlib.import_module("flowgrpo.rewards")
+    load_reward_plugins()  # cheap: the reward modules load their heavy dependencies lazily
 
 
 def list_rewards() -> list[str]:
@@ -125,3 +148,53 @@ def get_reward(name: str, **kwargs: Any) -> Callable[..., list[float | None]]:
         functools.update_wrapper(bound, obj)
         return bound
     return obj
+
+
+# ---- plugins ---------------------------------------------------------------------------------------------------
+ENTRY_POINT_GROUP = "flowgrpo.rewards"
+#: the reward modules of flowgrpo.rewards, as setup.py declares them (the fallback of an uninstalled source tree)
+BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge", "geneval", "imagereward", "hpsv2",
+                          "hpsv3", "unifiedreward", "vqascore", "deqa")
+
+_loaded = False
+
+
+def _is_builtin(entry_point: EntryPoint) -> bool:
+    return entry_point.value.split(":")[0].startswith("flowgrpo.")
+
+
+def _load_one(entry_point: EntryPoint) -> None:
+    loaded = entry_point.load()
+    if isinstance(loaded, ModuleType):
+        return  # importing it registered its rewards
+    if not callable(loaded):
+        raise TypeError(f"the {ENTRY_POINT_GROUP!r} entry point {entry_point.name} = {entry_point.value} is neither "
+                        "a module nor a callable reward.")
+    if entry_point.name not in list_rewards():
+        register_reward(entry_point.name)(loaded)
+
+
+def load_reward_plugins() -> list[str]:
+    """Import every ``flowgrpo.rewards`` entry point (once); returns the names of the entry points loaded."""
+    global _loaded
+    if _loaded:
+        return []
+    _loaded = True
+    points = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (not _is_builtin(ep), ep.name))
+    if not any(_is_builtin(ep) for ep in points):  # a source tree that was never installed
+        for module in BUILTIN_REWARD_MODULES:
+            importlib.import_module(f"flowgrpo.rewards.{module}")
+    loaded = []
+    for entry_point in points:
+        if _is_builtin(entry_point):
+            _load_one(entry_point)
+        else:
+            try:
+                _load_one(entry_point)
+            except Exception as err:  # a broken third-party plugin must not take the built-in rewards down
+                logger.warning(f"The reward plugin {entry_point.name} = {entry_point.value} (entry point group "
+                               f"{ENTRY_POINT_GROUP!r}) could not be loaded and is skipped: "
+                               f"{type(err).__name__}: {err}")
+                continue
+        loaded.append(entry_point.name)
+    return loaded

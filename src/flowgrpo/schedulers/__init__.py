@@ -9,13 +9,12 @@
   optionally compressed.
 - `dpmpp_2m_step` / `FlowODESolver` / `solve_flow_ode` / `compress_sigmas`: deterministic steps with Euler or
   DPM-Solver++ 2M, and coarser schedules over the same noise range (MixGRPO-Flash).
-- `gaussian_kl` / `kl_estimate`: KL between two transitions with the same std, and its estimators.
-- `grpo_guard_log_ratio`: GRPO-Guard's normalised log-likelihood ratio.
+
+The losses built on these steps (the clipped ratio, GRPO-Guard's ratio, the KL estimators) are the trainers':
+``flowgrpo.trainer.algorithms.flow_grpo_loss``.
 """
 
 from .dpm_solver import ODE_SOLVERS, FlowODESolver, compress_sigmas, dpmpp_2m_step, euler_step, solve_flow_ode
-from .kl import KL_ESTIMATORS, gaussian_kl, kl_estimate
-from .policy_ratio import RATIO_NORMALIZATIONS, grpo_guard_log_ratio
 from .scheduling_flow_match_sde import FlowMatchSDEScheduler
 from .sde_step import FlowMatchSDESchedulerOutput, sde_step_from_sigmas, sde_step_with_logprob
 from .sde_window import (
@@ -29,9 +28,7 @@ from .sde_window import (
 )
 
 __all__ = [
-    "KL_ESTIMATORS",
     "ODE_SOLVERS",
-    "RATIO_NORMALIZATIONS",
     "SDE_WINDOW_STRATEGIES",
     "FlowMatchSDEScheduler",
     "FlowMatchSDESchedulerOutput",
@@ -40,9 +37,6 @@ __all__ = [
     "compress_sigmas",
     "dpmpp_2m_step",
     "euler_step",
-    "gaussian_kl",
-    "grpo_guard_log_ratio",
-    "kl_estimate",
     "progressive_window_start",
     "rollout_steps",
     "sample_sde_window",

@@ -24,12 +24,12 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin  # noqa: F401
 
 from .sde_step import (
     FlowMatchSDESchedulerOutput,
-    _flow_step,
     check_cps_log_prob,
     check_noise_level,
     check_reduction,
     check_sde_type,
     compute_dtype_for,
+    flow_step,
 )
 from .sde_window import check_window_range, sample_sde_window
 
@@ -297,7 +297,7 @@ class FlowMatchSDEScheduler(FlowMatchEulerDiscreteScheduler):
                     "per_token_timesteps is only supported on ODE steps; SDE steps use one noise level per step. "
                     "Use noise_level=0 or an SDE window that excludes this step."
                 )
-            output = _flow_step(
+            output = flow_step(
                 model_output,
                 sample,
                 self.sigmas[index],

@@ -195,7 +195,7 @@ def _draw_noise(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _flow_step(
+def flow_step(
     model_output: torch.Tensor,
     sample: torch.Tensor,
     sigma: float | torch.Tensor,
@@ -404,7 +404,7 @@ def sde_step_from_sigmas(
         `FlowMatchSDESchedulerOutput` with ``prev_sample`` (the sample's dtype when drawn here), ``log_prob``
         ``(batch,)``, ``prev_sample_mean`` and ``std`` ``(batch,)``.
     """
-    return _flow_step(
+    return flow_step(
         model_output,
         sample,
         sigma,
@@ -491,7 +491,7 @@ def sde_step_with_logprob(
     sigma = sigmas[indices]
     sigma_next = sigmas[indices + 1]
     fallback = scheduler.sigmas[1] if scheduler.sigmas.numel() > 1 else None
-    return _flow_step(
+    return flow_step(
         model_output,
         sample,
         sigma,

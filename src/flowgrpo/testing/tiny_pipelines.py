@@ -69,6 +69,7 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+from ..models import FAMILIES
 from .seeding import seeded_component
 from .tiny_flux2 import (
     FLUX2_CONFIGS,
@@ -102,8 +103,8 @@ from .tiny_wan import WAN_CONFIGS, WAN_I2V_CONFIGS, WAN_I2V_VARIANTS, WAN_VARIAN
 
 __all__ = ["TINY_FAMILIES", "TINY_VARIANTS", "build_tiny_pipeline", "save_tiny_pipeline", "cached_tiny_pipeline_path"]
 
-TINY_FAMILIES = ("sd3", "flux", "qwenimage", "wan", "flux_kontext", "qwenimage_edit", "flux2_klein", "zimage",
-                 "flux2", "qwenimage_edit_plus", "qwenimage21", "wan_i2v", "ltx2", "hunyuanvideo15")
+#: A tiny pipeline of every family of the family table (``flowgrpo.models.FAMILIES``).
+TINY_FAMILIES = tuple(FAMILIES)
 
 #: Variants a family can be built in besides its default layout.
 TINY_VARIANTS: dict[str, tuple[str, ...]] = {"wan": WAN_VARIANTS, "flux2_klein": FLUX2_KLEIN_VARIANTS,
@@ -381,7 +382,7 @@ def _fingerprint(family: str, seed: int, variant: str | None = None) -> str:
     return digest.hexdigest()[:16]
 
 
-def _default_cache_dir() -> Path:
+def default_tiny_cache_dir() -> Path:
     explicit = os.environ.get("FLOWGRPO_TINY_PIPELINE_CACHE")
     if explicit:
         return Path(explicit)
@@ -402,7 +403,7 @@ def cached_tiny_pipeline_path(family: str = "sd3", seed: int = 0, cache_dir: str
 
     family, seed = _check_family(family), _check_seed(seed)
     variant = _check_variant(family, variant)
-    cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_tiny_cache_dir()
     name = family if variant is None else f"{family}-{variant}"
     target = cache_dir / f"{name}-seed{seed}-{_fingerprint(family, seed, variant)}"
     return build_folder_once(target, lambda path: save_tiny_pipeline(family, path, seed, variant=variant),

@@ -116,7 +116,7 @@ _QWEN_IMAGE_PROCESSOR = {"patch_size": 14, "temporal_patch_size": 2, "merge_size
 QWEN_CONFIGS = [_QWEN_TEXT, _QWEN_VISION, _QWEN_TRANSFORMER, _QWEN_VAE, _QWEN_SCHEDULER, _QWEN_IMAGE_PROCESSOR]
 
 
-def _text_encoder(tokenizer) -> Qwen2_5_VLForConditionalGeneration:
+def build_qwen25_vl_text_encoder(tokenizer) -> Qwen2_5_VLForConditionalGeneration:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in
            ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|endoftext|>", "<|im_end|>")}
     text = dict(_QWEN_TEXT, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=ids["<|im_end|>"],
@@ -132,7 +132,7 @@ def _text_encoder(tokenizer) -> Qwen2_5_VLForConditionalGeneration:
 def _components(seed: int) -> dict[str, Any]:
     tokenizer = build_qwen2_tokenizer()
     with seeded_component(seed, 11):
-        text_encoder = _text_encoder(tokenizer)
+        text_encoder = build_qwen25_vl_text_encoder(tokenizer)
     with seeded_component(seed, 12):
         transformer = QwenImageTransformer2DModel(**_QWEN_TRANSFORMER)
     with seeded_component(seed, 13):

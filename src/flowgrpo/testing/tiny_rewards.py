@@ -118,7 +118,7 @@ def save_tiny_hpsv2(folder: str | os.PathLike[str], seed: int = 0, filename: str
     checkpoint (half-precision state dict under ``state_dict``); returns ``checkpoint`` and ``tokenizer`` paths."""
     import torch
 
-    from ..rewards.hpsv2 import _byte_to_unicode, build_hps_clip, ours_to_open_clip
+    from ..rewards.hpsv2 import build_hps_clip, byte_to_unicode, ours_to_open_clip
     from .tiny_tokenizers import clip_vocab_and_merges
 
     folder = Path(folder)
@@ -127,7 +127,7 @@ def save_tiny_hpsv2(folder: str | os.PathLike[str], seed: int = 0, filename: str
     _, merges = clip_vocab_and_merges()
     # open_clip's vocabulary construction: bytes, bytes + "</w>", one token per merge (a repeated token keeps its
     # last id), then the start and end tokens
-    symbols = list(_byte_to_unicode().values())
+    symbols = list(byte_to_unicode().values())
     tokens = symbols + [s + "</w>" for s in symbols] + [m.replace(" ", "") for m in merges]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
     vocab = dict(zip(tokens, range(len(tokens))))

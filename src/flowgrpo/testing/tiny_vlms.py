@@ -150,10 +150,10 @@ def _qwen3_vl(tokenizer: Any, seed: int) -> Any:
 
 def _qwen2_5_vl(tokenizer: Any, seed: int) -> Any:
     from .seeding import seeded_component
-    from .tiny_qwenimage import _text_encoder
+    from .tiny_qwenimage import build_qwen25_vl_text_encoder
 
     with seeded_component(seed, 32):
-        return _text_encoder(tokenizer).eval()
+        return build_qwen25_vl_text_encoder(tokenizer).eval()
 
 
 _PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
@@ -214,11 +214,11 @@ def cached_tiny_vlm_path(kind: str = "qwen2_5_vl", seed: int = 0,
     inputs and the library versions.
     """
     from ..build_cache import build_folder_once
-    from .tiny_pipelines import _default_cache_dir
+    from .tiny_pipelines import default_tiny_cache_dir
 
     if kind not in TINY_VLM_KINDS:
         raise ValueError(f"unknown tiny VLM {kind!r}; choose one of {', '.join(TINY_VLM_KINDS)}")
-    cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_tiny_cache_dir()
     target = cache_dir / f"vlm-{kind}-seed{seed}-{_fingerprint(kind, seed)}"
     return build_folder_once(target, lambda path: save_tiny_vlm(kind, path, seed), marker="config.json",
                              what="tiny VLM cache folder")

@@ -24,6 +24,6 @@ def toy_area(prompts: list[str], images: list[Image.Image], **columns: Any) -> l
     """Deliberately hackable: the foreground fraction of the canvas (0..1), whatever the prompt asks for."""
     if len(prompts) != len(images):
         raise ValueError(f"got {len(prompts)} prompts but {len(images)} images")
-    from .rewards import FOREGROUND_THRESHOLD, _to_array  # here: this module is imported while .rewards loads
+    from .rewards import FOREGROUND_THRESHOLD, to_array  # here: this module is imported while .rewards loads
 
-    return [float((_to_array(image).max(axis=2) >= FOREGROUND_THRESHOLD).mean()) for image in images]
+    return [float((to_array(image).max(axis=2) >= FOREGROUND_THRESHOLD).mean()) for image in images]

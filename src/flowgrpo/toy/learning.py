@@ -25,26 +25,19 @@ import json
 import math
 import os
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from ..trainer.registry import TRAINERS
 from .build import METADATA_FILE, evaluate_pipeline, quiet_toy_truncation_warnings, read_prompts
 
 __all__ = ["RLSettings", "TOY_TRAINERS", "run_toy_rl", "plot_accuracy_curve", "before_after_sheet"]
 
-#: Trainers a toy run can use: name -> (config class, trainer class) as ``"module:attribute"`` paths, imported on
-#: use. The trainer is built as ``Trainer(model=..., reward_funcs=..., args=Config(...), train_dataset=...,
-#: peft_config=...)``; ``RLSettings.config_kwargs()`` gives the config's fields.
-TOY_TRAINERS: dict[str, tuple[str, str]] = {
-    "flow_grpo": ("flowgrpo.trainer.algorithms.flow_grpo_config:FlowGRPOConfig",
-                  "flowgrpo.trainer.algorithms.flow_grpo_trainer:FlowGRPOTrainer"),
-    "diffusion_nft": ("flowgrpo.trainer.algorithms.nft_config:DiffusionNFTConfig",
-                      "flowgrpo.trainer.algorithms.nft_trainer:DiffusionNFTTrainer"),
-    "awm": ("flowgrpo.trainer.algorithms.awm_config:AWMConfig", "flowgrpo.trainer.algorithms.awm_trainer:AWMTrainer"),
-    "diffusion_dpo": ("flowgrpo.trainer.algorithms.dpo_config:DiffusionDPOConfig",
-                      "flowgrpo.trainer.algorithms.dpo_trainer:DiffusionDPOTrainer"),
-}
+#: Trainers a toy run can use: the trainer registry's (``flowgrpo.trainer.registry.TRAINERS``), as name -> (config
+#: class, trainer class) ``"module:attribute"`` paths, imported on use. The trainer is built as ``Trainer(model=...,
+#: reward_funcs=..., args=Config(...), train_dataset=..., peft_config=...)``; ``RLSettings.config_kwargs()`` gives
+#: the config's fields.
+TOY_TRAINERS: dict[str, tuple[str, str]] = {name: (spec.config, spec.trainer) for name, spec in TRAINERS.items()}
 
 #: RLSettings fields that configure Flow-GRPO's sampler and objective: passed only to the ``flow_grpo`` trainer.
 FLOW_GRPO_FIELDS = (
@@ -227,7 +220,7 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
 
     def evaluate(return_images: bool = False) -> dict[str, Any]:
         # as the trainer's own evaluation: with use_ema, the EMA of the weights is what is evaluated
-        ema = trainer.ema.swapped_in(trainer._trainable_parameters()) if trainer.ema is not None else nullcontext()
+        ema = trainer.policy.ema_weights()
         was_training = pipeline.transformer.training
         with ema:
             result = evaluate_pipeline(pipeline, eval_prompts, images_per_prompt=eval_images_per_prompt,

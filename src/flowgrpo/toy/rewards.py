@@ -110,7 +110,7 @@ def label_components(mask: np.ndarray) -> tuple[np.ndarray, int]:
     return out, len(roots)
 
 
-def _to_array(image: Any) -> np.ndarray:
+def to_array(image: Any) -> np.ndarray:
     if isinstance(image, Image.Image):
         return np.asarray(image.convert("RGB"), dtype=np.float64)
     array = np.asarray(image)
@@ -142,7 +142,7 @@ def _template(shape: str, area: float, cx: float, cy: float, x0: int, y0: int, h
 
 def detect_objects(image: Any) -> list[ToyObject]:
     """The objects in a toy-world image (PIL image or HxWx3 array), in label order (top-left first)."""
-    rgb = _to_array(image)
+    rgb = to_array(image)
     h, w, _ = rgb.shape
     brightness = rgb.max(axis=2)
     mask = brightness >= FOREGROUND_THRESHOLD

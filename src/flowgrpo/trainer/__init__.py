@@ -1,30 +1,31 @@
-"""Trainers and their configuration. The trainer modules (transformers.Trainer, diffusers, peft) load on first use,
-so that parsing a recipe or printing ``--help`` only imports the configurations."""
+"""Trainers and their configuration. The names are those of the trainer registry (`registry.TRAINERS`); trainer
+modules (transformers.Trainer, diffusers, peft) load on first use, so that parsing a recipe or printing ``--help``
+only imports the configurations."""
 
 from typing import TYPE_CHECKING
 
-from .algorithms.awm_config import AWMConfig
-from .algorithms.dpo_config import DiffusionDPOConfig
-from .algorithms.flow_grpo_config import FlowGRPOConfig
-from .algorithms.nft_config import DiffusionNFTConfig
-from .online_config import OnlineRLConfig
+from .registry import lazy_exports
 
-__all__ = ["AWMConfig", "AWMTrainer", "DiffusionDPOConfig", "DiffusionDPOTrainer", "DiffusionNFTConfig",
-           "DiffusionNFTTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "OnlineRLConfig"]
+_LAZY = {**lazy_exports(), "OnlineRLConfig": "flowgrpo.trainer.online_config:OnlineRLConfig"}
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .algorithms.awm_trainer import AWMTrainer
-    from .algorithms.dpo_trainer import DiffusionDPOTrainer
-    from .algorithms.flow_grpo_trainer import FlowGRPOTrainer
-    from .algorithms.nft_trainer import DiffusionNFTTrainer
+__all__ = sorted(_LAZY)
 
-_LAZY = {"FlowGRPOTrainer": ".algorithms.flow_grpo_trainer", "DiffusionNFTTrainer": ".algorithms.nft_trainer",
-         "AWMTrainer": ".algorithms.awm_trainer", "DiffusionDPOTrainer": ".algorithms.dpo_trainer"}
+if TYPE_CHECKING:  # pragma: no cover  (the names __all__ lists, from the registry)
+    from .algorithms.awm_config import AWMConfig  # noqa: F401
+    from .algorithms.awm_trainer import AWMTrainer  # noqa: F401
+    from .algorithms.dpo_config import DiffusionDPOConfig  # noqa: F401
+    from .algorithms.dpo_trainer import DiffusionDPOTrainer  # noqa: F401
+    from .algorithms.flow_grpo_config import FlowGRPOConfig  # noqa: F401
+    from .algorithms.flow_grpo_trainer import FlowGRPOTrainer  # noqa: F401
+    from .algorithms.nft_config import DiffusionNFTConfig  # noqa: F401
+    from .algorithms.nft_trainer import DiffusionNFTTrainer  # noqa: F401
+    from .online_config import OnlineRLConfig  # noqa: F401
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        module, _, attribute = _LAZY[name].partition(":")
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'flowgrpo.trainer' has no attribute {name!r}")

@@ -9,8 +9,9 @@ replaces it (and ``PrinterCallback``, its ``disable_tqdm`` twin) on the main pro
   (``s/step``). While a step samples, the bar's description shows how far its rollout is (``rollout 40%``);
 * at each evaluation, a table: per reward its mean, std, images scored, and the change since the first evaluation
   with its standard error when there is one;
-* with ``disable_tqdm`` (log files, CI), one line per logging step with the same figures and the seconds per step,
-  and the same tables.
+* with ``disable_tqdm``, or when standard error is not a terminal (a cluster job's log file, CI), one line per
+  logging step with the same figures and the seconds per step, and the same tables: a log file never receives the
+  bar's refreshes.
 
 The full dictionaries still reach every ``report_to`` logger and ``trainer_state.json``; the configuration flag
 ``print_full_logs`` prints them on the terminal too.
@@ -181,6 +182,14 @@ def rollout_progress(console: TrainingConsole | None, total: int) -> RolloutProg
     return console.rollout_progress(total) if console is not None else RolloutProgress(None, total)
 
 
+def terminal_is_interactive() -> bool:
+    """Whether standard error (where the bar draws) is a terminal; a file or a pipe gets lines instead."""
+    import sys
+
+    stream = sys.stderr
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
 def install_training_console(trainer: Any) -> TrainingConsole | None:
     """Replace transformers' ``ProgressCallback`` / ``PrinterCallback`` of ``trainer`` by a `TrainingConsole`.
 
@@ -193,11 +202,12 @@ def install_training_console(trainer: Any) -> TrainingConsole | None:
     for callback in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(callback)
     args = trainer.args
-    console = TrainingConsole(trainer.reward_set.names, show_bar=not args.disable_tqdm,
+    console = TrainingConsole(trainer.reward_set.names, show_bar=not args.disable_tqdm and terminal_is_interactive(),
                               print_full_logs=bool(getattr(args, "print_full_logs", False)))
     trainer.add_callback(console)
     return console
 
 
 __all__ = ["BAR_FORMAT", "MAX_REWARDS_SHOWN", "RolloutProgress", "TrainingConsole", "evaluation_table",
-           "full_dictionary", "install_training_console", "rollout_progress", "train_figures"]
+           "full_dictionary", "install_training_console", "rollout_progress", "terminal_is_interactive",
+           "train_figures"]

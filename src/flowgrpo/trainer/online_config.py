@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .config_docs import document_config
 from .health.arguments import HealthArguments, check_health_arguments
 
 SCALE_REWARDS = ("batch", "group", "none")
@@ -28,6 +29,7 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(map(repr, choices))}.")
 
 
+@document_config
 @dataclass
 class OnlineRLConfig(HealthArguments, TrainingArguments):
     r"""The settings shared by [`FlowGRPOConfig`] and [`DiffusionNFTConfig`].
@@ -188,7 +190,7 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                           "T5-XXL, about 11 GB in bf16 off the GPU). A prompt that is not cached brings them back to "
                           "the accelerator for that one encode, before sampling starts, and sends them away again. "
                           "Needs cache_prompt_embeddings. The pipeline's other components stay where they are: call "
-                          "trainer.prompt_cache.offload.restore() before calling trainer.pipeline(...) yourself."},
+                          "trainer.rollouts.prompt_cache.offload.restore() before calling trainer.pipeline(...) yourself."},
     )
     vae_decode_batch_size: int | None = field(
         default=None,

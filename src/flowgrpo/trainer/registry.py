@@ -1,26 +1,48 @@
 """The trainers a recipe can name (``trainer: flow_grpo | diffusion_nft | awm | diffusion_dpo``), each with its
-configuration class.
+configuration class: the one table that the command line, the toy world and the package's lazy exports read.
 
-Configurations import cheaply (for ``--help`` and recipe checks); trainer classes load on first use.
+Configurations import cheaply (for ``--help`` and recipe checks); trainer classes load on first use. Adding an
+algorithm is one `TrainerSpec` here (docs/architecture.md, "How to add an algorithm").
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
-#: name -> (configuration class, trainer class), as "module:attribute" paths
-TRAINERS: dict[str, tuple[str, str]] = {
-    "flow_grpo": ("flowgrpo.trainer.algorithms.flow_grpo_config:FlowGRPOConfig",
-                  "flowgrpo.trainer.algorithms.flow_grpo_trainer:FlowGRPOTrainer"),
-    "diffusion_nft": ("flowgrpo.trainer.algorithms.nft_config:DiffusionNFTConfig",
-                      "flowgrpo.trainer.algorithms.nft_trainer:DiffusionNFTTrainer"),
-    "awm": ("flowgrpo.trainer.algorithms.awm_config:AWMConfig", "flowgrpo.trainer.algorithms.awm_trainer:AWMTrainer"),
-    "diffusion_dpo": ("flowgrpo.trainer.algorithms.dpo_config:DiffusionDPOConfig",
-                      "flowgrpo.trainer.algorithms.dpo_trainer:DiffusionDPOTrainer"),
-}
+__all__ = ["DEFAULT_TRAINER", "TRAINERS", "TrainerSpec", "check_trainer_name", "config_class", "lazy_exports",
+           "trainer_class"]
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """A trainer: its recipe name, and its configuration and trainer classes as ``"module:Class"`` paths."""
+
+    name: str
+    config: str
+    trainer: str
+
+    @property
+    def config_name(self) -> str:
+        return self.config.partition(":")[2]
+
+    @property
+    def trainer_name(self) -> str:
+        return self.trainer.partition(":")[2]
+
+
+_ALGORITHMS = "flowgrpo.trainer.algorithms"
+#: name -> spec, in the order the documentation lists them
+TRAINERS: dict[str, TrainerSpec] = {spec.name: spec for spec in (
+    TrainerSpec("flow_grpo", f"{_ALGORITHMS}.flow_grpo_config:FlowGRPOConfig",
+                f"{_ALGORITHMS}.flow_grpo_trainer:FlowGRPOTrainer"),
+    TrainerSpec("diffusion_nft", f"{_ALGORITHMS}.nft_config:DiffusionNFTConfig",
+                f"{_ALGORITHMS}.nft_trainer:DiffusionNFTTrainer"),
+    TrainerSpec("awm", f"{_ALGORITHMS}.awm_config:AWMConfig", f"{_ALGORITHMS}.awm_trainer:AWMTrainer"),
+    TrainerSpec("diffusion_dpo", f"{_ALGORITHMS}.dpo_config:DiffusionDPOConfig",
+                f"{_ALGORITHMS}.dpo_trainer:DiffusionDPOTrainer"),
+)}
 DEFAULT_TRAINER = "flow_grpo"
-
-__all__ = ["DEFAULT_TRAINER", "TRAINERS", "check_trainer_name", "config_class", "trainer_class"]
 
 
 def check_trainer_name(name: str) -> str:
@@ -36,9 +58,19 @@ def _load(path: str):
 
 def config_class(name: str) -> type:
     """The configuration class of trainer ``name`` (e.g. ``DiffusionNFTConfig`` for ``"diffusion_nft"``)."""
-    return _load(TRAINERS[check_trainer_name(name)][0])
+    return _load(TRAINERS[check_trainer_name(name)].config)
 
 
 def trainer_class(name: str) -> type:
     """The trainer class of ``name`` (imports transformers, diffusers and peft)."""
-    return _load(TRAINERS[check_trainer_name(name)][1])
+    return _load(TRAINERS[check_trainer_name(name)].trainer)
+
+
+def lazy_exports() -> dict[str, str]:
+    """Every registered class name -> its ``"module:Class"`` path (what ``flowgrpo`` and ``flowgrpo.trainer``
+    export lazily)."""
+    out = {}
+    for spec in TRAINERS.values():
+        out[spec.config_name] = spec.config
+        out[spec.trainer_name] = spec.trainer
+    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
 
 AWM_SAMPLERS = ("dpmpp_2m", "euler")
@@ -27,6 +28,7 @@ KL_EMA_DECAY_TYPES = ("linear", "constant")
 __all__ = ["AWM_SAMPLERS", "KL_EMA_DECAY_TYPES", "KL_WEIGHTS", "LOSS_TYPES", "TIME_TYPES", "WEIGHTINGS", "AWMConfig"]
 
 
+@document_config
 @dataclass
 class AWMConfig(OnlineRLConfig):
     r"""Configuration for [`AWMTrainer`]: the shared settings of [`OnlineRLConfig`] plus AWM's rollouts, trained noise

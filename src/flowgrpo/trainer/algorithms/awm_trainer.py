@@ -21,23 +21,62 @@ Logged besides the shared reward and timing keys: ``policy_loss``, ``ratio_mean`
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any
-
 import torch
 
 from ...models import PromptEmbeds
-from ..online_trainer import OnlineRLTrainer
+from ..online_trainer import LossPart, OnlineRLTrainer
+from ..rollout.strategies import FinalSampleRollout
 from .awm_config import AWMConfig
 from .awm_loss import awm_log_prob, awm_loss, ema_adapter_decay, sample_train_timesteps
 from .flow_matching import noised_sample, sigma_timesteps
 
-__all__ = ["AWMTrainer"]
+__all__ = ["AWMTrainer", "AWMRollout"]
+
+
+def training_points(record: dict, embeds: PromptEmbeds, train_timesteps: int, num_train_timesteps: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PromptEmbeds]:
+    """The level-major rows of a micro-batch: x0 repeated, x = (1 - t) x0 + t eps, the model's timesteps, and the
+    prompt embeddings repeated."""
+    x0 = record["x0"]
+    x0_rows = torch.cat([x0] * train_timesteps)
+    x_t = noised_sample(x0_rows, record["noise"], record["t"])
+    timesteps = sigma_timesteps(record["t"], num_train_timesteps)
+    rows = torch.arange(x0.shape[0]).repeat(train_timesteps)
+    return x0_rows, x_t, timesteps, embeds.index_select(rows)
+
+
+class AWMRollout(FinalSampleRollout):
+    """AWM's rollout: a deterministic trajectory keeping x0 (by the EMA adapter with ``off_policy``), the micro-batch's
+    ``train_timesteps`` noise levels t (``time_type``) and fresh noise eps for each (level, sample), and the sampling
+    policy's surrogate log-probs when it is not the policy trained at the micro-batch's first forward
+    (``old_log_probs_at_rollout``)."""
+
+    def __init__(self, args: AWMConfig, old_log_probs_at_rollout: bool):
+        super().__init__(args, args.sampler, by_old_policy=args.off_policy)
+        self.old_log_probs_at_rollout = old_log_probs_at_rollout
+
+    def rollout(self, engine, model, embeds, plan, generator, progress, group_ids, gen_index):
+        args = self.args
+        with self.sampling_model(engine, model) as policy:
+            final, record = engine.final_sample(policy, embeds, generator, progress, self.solver)
+            batch = final.shape[0]
+            record["t"] = sample_train_timesteps(args.time_type, args.train_timesteps, batch, record["sigmas"][0],
+                                                 args.timestep_fraction, args.time_shift, generator).to(final.device)
+            noise = torch.randn((args.train_timesteps, *final.shape), generator=generator, dtype=torch.float32)
+            record["noise"] = noise.reshape(-1, *final.shape[1:]).to(final.device)
+            if self.old_log_probs_at_rollout:
+                height, width = args.image_size
+                x0_rows, x_t, timesteps, rows_embeds = training_points(
+                    record, embeds, args.train_timesteps, engine.scheduler.config.num_train_timesteps)
+                v = engine.policy.velocity(policy, x_t, timesteps, rows_embeds, args.guidance_scale, height, width)
+                log_prob = awm_log_prob(v, record["noise"], x0_rows, record["t"], args.weighting, args.ghuber_power)
+                record["old_log_probs"] = log_prob.reshape(args.train_timesteps, batch)
+        return final, record
 
 
 class AWMTrainer(OnlineRLTrainer):
-    """Online RL of a flow-matching pipeline with Advantage Weighted Matching; the constructor is
-    `FlowGRPOTrainer`'s (``args``: an ``AWMConfig``)."""
+    """Online RL of a flow-matching pipeline with Advantage Weighted Matching (see `OnlineRLTrainer` for the
+    arguments; ``args``: an ``AWMConfig``)."""
 
     _tag_names = ["awm", "flowgrpo", "lora", "text-to-image", "diffusers"]
     _name = "AWM"
@@ -58,101 +97,56 @@ class AWMTrainer(OnlineRLTrainer):
     def _eval_ode_solver(self) -> str:
         return self.args.sampler
 
-    def _old_log_probs_at_rollout(self) -> bool:
+    def _rollout_strategy(self, args: AWMConfig) -> AWMRollout:
         """The sampling policy's log-probs are computed at the rollout when it is not the policy being trained at the
         micro-batch's first forward: off-policy, or micro-batches trained after an optimizer step of their
         generation (more micro-batches per generation than accumulation steps, or several passes)."""
-        args = self.args
-        return args.off_policy or args.steps_per_generation * args.num_iterations > args.gradient_accumulation_steps
-
-    # ------------------------------------------------------------------------------------------------
-    # rollouts: the clean latent, the trained levels and their noise
-    # ------------------------------------------------------------------------------------------------
-    def _rollout(self, model, embeds: PromptEmbeds, plan: Any, generator: torch.Generator, progress,
-                 group_ids: torch.Tensor, gen_index: int) -> tuple[torch.Tensor, dict]:
-        args = self.args
-        sampling = self.old_policy.forward_model(model) if args.off_policy else nullcontext(model)
-        with sampling as policy:
-            final, record = self._final_sample_rollout(policy, embeds, generator, progress, args.sampler)
-            batch = final.shape[0]
-            record["t"] = sample_train_timesteps(args.time_type, args.train_timesteps, batch, record["sigmas"][0],
-                                                 args.timestep_fraction, args.time_shift, generator).to(final.device)
-            noise = torch.randn((args.train_timesteps, *final.shape), generator=generator, dtype=torch.float32)
-            record["noise"] = noise.reshape(-1, *final.shape[1:]).to(final.device)
-            if self._old_log_probs_at_rollout():
-                log_prob, _ = self._surrogate(policy, record, embeds)
-                record["old_log_probs"] = log_prob.reshape(args.train_timesteps, batch)
-        return final, record
-
-    def _points(self, record: dict, embeds: PromptEmbeds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                    PromptEmbeds]:
-        """The level-major rows of a micro-batch: x0 repeated, x = (1 - t) x0 + t eps, the model's timesteps, and
-        the prompt embeddings repeated."""
-        x0 = record["x0"]
-        repeats = self.args.train_timesteps
-        x0_rows = torch.cat([x0] * repeats)
-        x_t = noised_sample(x0_rows, record["noise"], record["t"])
-        timesteps = sigma_timesteps(record["t"], self.sde_scheduler.config.num_train_timesteps)
-        rows = torch.arange(x0.shape[0]).repeat(repeats)
-        return x0_rows, x_t, timesteps, embeds.index_select(rows)
-
-    def _surrogate(self, model, record: dict, embeds: PromptEmbeds) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weighted surrogate log-probs ``(T * B,)`` of ``model`` and its velocities."""
-        args = self.args
-        height, width = args.image_size
-        x0_rows, x_t, timesteps, rows_embeds = self._points(record, embeds)
-        v = self._velocity(model, x_t, timesteps, rows_embeds, args.guidance_scale, height, width)
-        return awm_log_prob(v, record["noise"], x0_rows, record["t"], args.weighting, args.ghuber_power), v
+        at_rollout = args.off_policy or args.steps_per_generation * args.num_iterations > \
+            args.gradient_accumulation_steps
+        return AWMRollout(args, old_log_probs_at_rollout=at_rollout)
 
     # ------------------------------------------------------------------------------------------------
     # training: the clipped ratio of the weighted flow-matching surrogate, and the KL terms
     # ------------------------------------------------------------------------------------------------
-    def _train_on_batch(self, model, batch: dict, first_pass: bool) -> torch.Tensor:
+    def _batch_loss(self, model, batch: dict, part: int, first_pass: bool) -> LossPart:
         args = self.args
         height, width = args.image_size
-        scale = 1.0 / self.current_gradient_accumulation_steps
-        m = self._metrics["train"]
-        x0_rows, x_t, timesteps, rows_embeds = self._points(batch, batch["embeds"])
-        tic = self._clock()
+        policy = self.policy
+        x0_rows, x_t, timesteps, rows_embeds = training_points(
+            batch, batch["embeds"], args.train_timesteps, self.rollouts.scheduler.config.num_train_timesteps)
         with self.accelerator.autocast():
-            v = self._velocity(model, x_t, timesteps, rows_embeds, args.guidance_scale, height, width)
-        tic = self._await_scoring(tic)  # the rewards of the last micro-batches were scored while this forward ran
+            v = policy.velocity(model, x_t, timesteps, rows_embeds, args.guidance_scale, height, width)
+        advantages = self._advantages(batch)  # the last rewards were scored while this forward ran
         v_ref = v_ema = None
         if args.beta > 0:
             with self.accelerator.autocast():
-                v_ref = self._reference_velocity(model, x_t, timesteps, rows_embeds, height, width)
+                v_ref = policy.reference_velocity(model, x_t, timesteps, rows_embeds, height, width)
             if args.ema_beta > 0:
-                with torch.no_grad(), self.accelerator.autocast(), self.old_policy.forward_model(model) as ema:
-                    v_ema = self._velocity(ema, x_t, timesteps, rows_embeds, args.guidance_scale, height, width)
-        out = awm_loss(v, batch["noise"], x0_rows, batch["t"], batch["advantages"], batch.get("old_log_probs"),
+                with torch.no_grad(), self.accelerator.autocast(), policy.old_policy.forward_model(model) as ema:
+                    v_ema = policy.velocity(ema, x_t, timesteps, rows_embeds, args.guidance_scale, height, width)
+        out = awm_loss(v, batch["noise"], x0_rows, batch["t"], advantages, batch.get("old_log_probs"),
                        train_timesteps=args.train_timesteps, weighting=args.weighting, ghuber_power=args.ghuber_power,
                        loss_type=args.loss_type, clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
                        advantage_max=args.advantage_max, v_ref=v_ref, beta=args.beta, kl_weight=args.kl_weight,
                        v_ema=v_ema, ema_beta=args.ema_beta, kl_ema_weight=args.kl_ema_weight,
                        kl_gate=batch.get("kl_gate"))  # GARDO: the gated samples only
-        tac = self._clock()
-        self.accelerator.backward(out.loss * scale, **self._backward_kwargs())
-        toc = self._clock()
-        m["timing/training_forward"].append(tac - tic)
-        m["timing/training_backward"].append(toc - tac)
         with torch.no_grad():
-            m["policy_loss"].append(float(out.policy_loss))
-            m["ratio_mean"].append(float(out.ratio.mean()))
-            m["clip_frac"].append(float(((out.ratio - 1).abs() > args.clip_range).float().mean()))
             error = (v.detach().float() - (batch["noise"] - x0_rows)).square().mean()
-            m["awm/flow_matching_error"].append(float(error))
+            metrics = {"policy_loss": float(out.policy_loss), "ratio_mean": float(out.ratio.mean()),
+                       "clip_frac": float(((out.ratio - 1).abs() > args.clip_range).float().mean()),
+                       "awm/flow_matching_error": float(error)}
             if out.kl is not None:
-                m["kl"].append(float(out.kl))
+                metrics["kl"] = float(out.kl)
             if out.ema_kl is not None:
-                m["awm/ema_kl"].append(float(out.ema_kl))
-        return (out.loss.detach() * scale).float()
+                metrics["awm/ema_kl"] = float(out.ema_kl)
+        return LossPart(out.loss, metrics)
 
     def _on_optimizer_step_end(self, step: int) -> None:
-        if self.old_policy is None:
+        if self.policy.old_policy is None:
             return
         decay = ema_adapter_decay(step, self.args.kl_ema_decay, self.args.kl_ema_decay_type)
         self._update_old_policy(decay)
-        self._metrics["train"]["awm/ema_decay"].append(decay)
+        self.metrics.train["awm/ema_decay"].append(decay)
 
     def _card_setup_lines(self) -> list[str]:
         args = self.args

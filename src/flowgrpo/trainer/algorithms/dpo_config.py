@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
 
 DPO_MODES = ("offline", "online")
@@ -21,6 +22,7 @@ CHOSEN_COLUMN, REJECTED_COLUMN = "chosen", "rejected"
 __all__ = ["CHOSEN_COLUMN", "DPO_MODES", "DPO_SAMPLERS", "REJECTED_COLUMN", "DiffusionDPOConfig"]
 
 
+@document_config
 @dataclass
 class DiffusionDPOConfig(OnlineRLConfig):
     r"""Configuration for [`DiffusionDPOTrainer`]: the shared settings of [`OnlineRLConfig`] plus the preference pairs

@@ -20,7 +20,7 @@ Logged besides the shared keys: ``dpo/accuracy`` (pairs preferred the right way 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import ChainMap, defaultdict
 from typing import Any
 
 import torch
@@ -28,7 +28,9 @@ import torch
 from ...models import PromptEmbeds, family_adapter_class
 from ..data.condition_images import load_condition_image
 from ..data.sampler import RepeatSampler
-from ..online_trainer import OnlineRLTrainer, _seed_for
+from ..online_trainer import LossPart, OnlineRLTrainer
+from ..rollout.seeds import seed_for
+from ..rollout.strategies import FinalSampleRollout
 from .dpo_config import CHOSEN_COLUMN, REJECTED_COLUMN, DiffusionDPOConfig
 from .dpo_loss import dpo_loss
 from .flow_matching import flow_matching_error, noised_sample, sigma_timesteps
@@ -46,9 +48,26 @@ def _load_column(rows: list[dict], column: str) -> list:
     return images
 
 
+def best_and_worst(group_ids: torch.Tensor, advantages: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Per group of the micro-batch (in order of first appearance): the rows of its best and worst sample, by
+    advantage (the first on ties); groups whose samples all score the same give no pair."""
+    rows_of: dict[int, list[int]] = defaultdict(list)
+    for row, group in enumerate(group_ids.tolist()):
+        rows_of[group].append(row)
+    best, worst = [], []
+    adv = advantages.detach().cpu()
+    for rows in rows_of.values():
+        values = adv[rows]
+        if len(rows) < 2 or not bool(values.max() > values.min()):
+            continue
+        best.append(rows[int(values.argmax())])
+        worst.append(rows[int(values.argmin())])
+    return best, worst
+
+
 class DiffusionDPOTrainer(OnlineRLTrainer):
-    """Diffusion-DPO of a flow-matching pipeline, on preference pairs or on each group's best and worst rollout; the
-    constructor is `FlowGRPOTrainer`'s (``args``: a ``DiffusionDPOConfig``; offline, ``reward_funcs`` score the
+    """Diffusion-DPO of a flow-matching pipeline, on preference pairs or on each group's best and worst rollout (see
+    `OnlineRLTrainer` for the arguments; ``args``: a ``DiffusionDPOConfig``; offline, ``reward_funcs`` score the
     evaluation only)."""
 
     _tag_names = ["diffusion-dpo", "flowgrpo", "lora", "text-to-image", "diffusers"]
@@ -68,9 +87,7 @@ class DiffusionDPOTrainer(OnlineRLTrainer):
     # ------------------------------------------------------------------------------------------------
     # set-up: the offline dataset's columns and the family's image encoder, checked before loading
     # ------------------------------------------------------------------------------------------------
-    def _check_family_settings(self, index: dict | None, args: DiffusionDPOConfig, peft_config: Any,
-                               datasets: tuple) -> None:
-        super()._check_family_settings(index, args, peft_config, datasets)
+    def _check_datasets(self, index: dict | None, args: DiffusionDPOConfig, datasets: tuple) -> None:
         if args.dpo_mode != "offline":
             return
         train = datasets[0]
@@ -96,6 +113,10 @@ class DiffusionDPOTrainer(OnlineRLTrainer):
     def _eval_ode_solver(self) -> str:
         return self.args.sampler
 
+    def _rollout_strategy(self, args: DiffusionDPOConfig) -> FinalSampleRollout:
+        """Online: a deterministic rollout keeping x0 and each row's group (the pairs are picked within groups)."""
+        return FinalSampleRollout(args, args.sampler, record_group_ids=True)
+
     def _get_train_sampler(self, train_dataset=None):
         if self.args.dpo_mode == "online":
             return super()._get_train_sampler(train_dataset)
@@ -108,106 +129,79 @@ class DiffusionDPOTrainer(OnlineRLTrainer):
     # ------------------------------------------------------------------------------------------------
     # the pairs: read from the dataset (offline) or sampled and scored (online)
     # ------------------------------------------------------------------------------------------------
-    def _generate_and_score(self, inputs: list[dict]) -> list[dict]:
+    def _generate(self, inputs: list[dict]) -> list[dict]:
         if self.args.dpo_mode == "online":
-            return super()._generate_and_score(inputs)
+            return super()._generate(inputs)
         args = self.args
         device = self.accelerator.device
         height, width = args.image_size
+        adapter = self.policy.adapter
         prompts = [row["prompt"] for row in inputs]
         micro = args.per_device_train_batch_size
         tic = time.perf_counter()
         records = []
-        with self._generation_context():
-            unique, rows = self._encode_unique(prompts, device)
+        with self.policy.generation_context():
+            unique, rows = self.rollouts.encode_unique(prompts)
             embeds = unique.index_select(rows)
             for start in range(0, len(prompts), micro):
                 chunk = inputs[start:start + micro]
                 records.append({
                     "embeds": embeds[start:start + micro],
-                    "x0_w": self.adapter.encode_images(_load_column(chunk, CHOSEN_COLUMN), height, width, device),
-                    "x0_l": self.adapter.encode_images(_load_column(chunk, REJECTED_COLUMN), height, width, device),
+                    "x0_w": adapter.encode_images(_load_column(chunk, CHOSEN_COLUMN), height, width, device),
+                    "x0_l": adapter.encode_images(_load_column(chunk, REJECTED_COLUMN), height, width, device),
                 })
-        self._metrics["train"]["timing/sampling"].append(time.perf_counter() - tic)
+        self.metrics.train["timing/sampling"].append(time.perf_counter() - tic)
         return records
-
-    def _rollout(self, model, embeds: PromptEmbeds, plan: Any, generator: torch.Generator, progress,
-                 group_ids: torch.Tensor, gen_index: int) -> tuple[torch.Tensor, dict]:
-        final, record = self._final_sample_rollout(model, embeds, generator, progress, self.args.sampler)
-        record["group_ids"] = group_ids
-        return final, record
-
-    @staticmethod
-    def _best_and_worst(group_ids: torch.Tensor, advantages: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Per group of the micro-batch (in order of first appearance): the rows of its best and worst sample, by
-        advantage (the first on ties); groups whose samples all score the same give no pair."""
-        rows_of: dict[int, list[int]] = defaultdict(list)
-        for row, group in enumerate(group_ids.tolist()):
-            rows_of[group].append(row)
-        best, worst = [], []
-        adv = advantages.detach().cpu()
-        for rows in rows_of.values():
-            values = adv[rows]
-            if len(rows) < 2 or not bool(values.max() > values.min()):
-                continue
-            best.append(rows[int(values.argmax())])
-            worst.append(rows[int(values.argmin())])
-        return best, worst
 
     # ------------------------------------------------------------------------------------------------
     # training: the DPO loss on the pairs' flow-matching errors
     # ------------------------------------------------------------------------------------------------
-    def _train_on_batch(self, model, batch: dict, first_pass: bool) -> torch.Tensor:
+    def _prepare_batch(self, record: dict) -> dict:
+        """The pairs (offline: the record's; online: each group's best and worst rollout, once the rewards are in)
+        and one noise level and one noise per pair, shared by its two samples: functions of the seed, the
+        micro-step and the process (exact on resume)."""
         args = self.args
         device = self.accelerator.device
-        height, width = args.image_size
-        m = self._metrics["train"]
-        tic = self._clock()
-        embeds: PromptEmbeds = batch["embeds"]
+        embeds: PromptEmbeds = record["embeds"]
         weight = 1.0
-        if "x0_w" in batch:  # offline
-            x_w, x_l = batch["x0_w"], batch["x0_l"]
+        if "x0_w" in record:  # offline
+            x_w, x_l = record["x0_w"], record["x0_l"]
             pair_embeds = PromptEmbeds.cat([embeds, embeds])
         else:  # online: rewards are needed to pick the pairs
-            tic = self._await_scoring(tic)
-            best, worst = self._best_and_worst(batch["group_ids"], batch["advantages"])
+            best, worst = best_and_worst(record["group_ids"], self._advantages(record))
             if not best:  # no group with a preference: a zero-weight pass keeps every process's backward in step
                 best, worst, weight = [0], [0], 0.0
-            x_w, x_l = batch["x0"][best], batch["x0"][worst]
+            x_w, x_l = record["x0"][best], record["x0"][worst]
             pair_embeds = embeds.index_select(torch.tensor(best + worst, dtype=torch.long))
         pairs = x_w.shape[0]
-        # One noise level and one noise per pair, shared by its two samples: functions of the seed, the micro-step
-        # and the process (exact on resume).
-        gen = torch.Generator().manual_seed(_seed_for(args.seed, 4099, self._micro_step,
-                                                      self.accelerator.process_index))
+        gen = torch.Generator().manual_seed(seed_for(args.seed, 4099, self._micro_step, self.accelerator.process_index))
         u = torch.rand(pairs, generator=gen, dtype=torch.float32)
         t = (args.time_shift * u / (1 + (args.time_shift - 1) * u)).to(device)
         noise = torch.randn(x_w.shape, generator=gen, dtype=torch.float32).to(device)
-        x0 = torch.cat([x_w, x_l]).float()
-        eps = torch.cat([noise, noise])
-        levels = torch.cat([t, t])
+        return ChainMap({"x0_pairs": torch.cat([x_w, x_l]).float(), "eps": torch.cat([noise, noise]),
+                         "levels": torch.cat([t, t]), "pair_embeds": pair_embeds, "pairs": pairs,
+                         "weight": weight}, record)
+
+    def _batch_loss(self, model, batch: dict, part: int, first_pass: bool) -> LossPart:
+        args = self.args
+        height, width = args.image_size
+        policy = self.policy
+        pairs, weight = batch["pairs"], batch["weight"]
+        x0, eps, levels, pair_embeds = batch["x0_pairs"], batch["eps"], batch["levels"], batch["pair_embeds"]
         x_t = noised_sample(x0, eps, levels)
-        timesteps = sigma_timesteps(levels, self.sde_scheduler.config.num_train_timesteps)
+        timesteps = sigma_timesteps(levels, self.rollouts.scheduler.config.num_train_timesteps)
         with self.accelerator.autocast():
-            v = self._velocity(model, x_t, timesteps, pair_embeds, args.guidance_scale, height, width)
-            v_ref = self._reference_velocity(model, x_t, timesteps, pair_embeds, height, width)
+            v = policy.velocity(model, x_t, timesteps, pair_embeds, args.guidance_scale, height, width)
+            v_ref = policy.reference_velocity(model, x_t, timesteps, pair_embeds, height, width)
         errors = flow_matching_error(v, eps, x0)
         ref_errors = flow_matching_error(v_ref, eps, x0)
         out = dpo_loss(errors[:pairs], errors[pairs:], ref_errors[:pairs], ref_errors[pairs:], args.beta_dpo)
-        loss = out.loss * weight
-        scale = 1.0 / self.current_gradient_accumulation_steps
-        tac = self._clock()
-        self.accelerator.backward(loss * scale, **self._backward_kwargs())
-        toc = self._clock()
-        m["timing/training_forward"].append(tac - tic)
-        m["timing/training_backward"].append(toc - tac)
+        metrics: dict[str, Any] = {"dpo/pairs": float(pairs if weight > 0 else 0)}
         if weight > 0:
-            m["dpo/accuracy"].append(float(out.accuracy))
-            m["dpo/inside"].append(float(out.inside.detach().mean()))
-            m["dpo/error_w"].append(float(errors[:pairs].detach().mean()))
-            m["dpo/error_l"].append(float(errors[pairs:].detach().mean()))
-        m["dpo/pairs"].append(float(pairs if weight > 0 else 0))
-        return loss.detach() * scale
+            metrics.update({"dpo/accuracy": float(out.accuracy), "dpo/inside": float(out.inside.detach().mean()),
+                            "dpo/error_w": float(errors[:pairs].detach().mean()),
+                            "dpo/error_l": float(errors[pairs:].detach().mean())})
+        return LossPart(out.loss * weight, metrics)
 
     def _card_setup_lines(self) -> list[str]:
         args = self.args

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config_docs import document_config
 from ..online_config import DTYPES, QUANTIZATIONS, REWARD_AGGREGATIONS, SCALE_REWARDS, OnlineRLConfig, check_choice
 
 SDE_TYPES = ("sde", "cps", "dance")
 SDE_WINDOW_STRATEGIES = ("random", "progressive", "fixed")
 ODE_SOLVERS = ("euler", "dpmpp_2m")
+#: the objective's choices (flow_grpo_loss.py implements them)
 RATIO_NORMALIZATIONS = ("none", "grpo_guard")
 KL_ESTIMATORS = ("analytic", "k1", "k3", "velocity")
 
@@ -24,6 +26,7 @@ __all__ = ["DTYPES", "KL_ESTIMATORS", "ODE_SOLVERS", "QUANTIZATIONS", "RATIO_NOR
            "SCALE_REWARDS", "SDE_TYPES", "SDE_WINDOW_STRATEGIES", "FlowGRPOConfig"]
 
 
+@document_config
 @dataclass
 class FlowGRPOConfig(OnlineRLConfig):
     r"""Configuration for [`FlowGRPOTrainer`]: the shared settings of [`OnlineRLConfig`] (groups and batches,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
 
 NFT_SAMPLERS = ("dpmpp_2m", "euler")
@@ -51,11 +52,12 @@ def flow_grpo_only_error(names: list[str]) -> str:
             "trainer: flow_grpo):\n" + "\n".join(lines))
 
 
+@document_config
 @dataclass
 class DiffusionNFTConfig(OnlineRLConfig):
     r"""Configuration for [`DiffusionNFTTrainer`]: the shared settings of [`OnlineRLConfig`] plus DiffusionNFT's
     deterministic rollouts, negative-aware loss and old policy (the math: ``flowgrpo.trainer.algorithms.nft_loss`` and
-    ``flowgrpo.trainer.run_state.old_policy``)."""
+    ``flowgrpo.trainer.policy.old_policy``)."""
 
     # ---- rollouts ------------------------------------------------------------------------------------
     sampler: str = field(

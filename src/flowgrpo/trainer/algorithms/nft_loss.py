@@ -114,7 +114,7 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, x_t: 
     kl = None
     loss = policy
     if v_ref is not None:
-        from ..health.gardo import gated_mean
+        from .flow_grpo_loss import gated_mean
 
         kl = gated_mean((v_theta - v_ref.detach().to(dtype)).square().mean(dim=dims), kl_gate)
         loss = policy + beta * kl

@@ -30,36 +30,24 @@ Logged besides Flow-GRPO's reward and timing keys: ``loss``, ``nft/policy_loss``
 
 from __future__ import annotations
 
-from typing import Any
+from collections import ChainMap
 
 import torch
 
-from ...models import PromptEmbeds
-from ..online_trainer import OnlineRLTrainer, _seed_for
-from ..run_state.old_policy import old_policy_decay
+from ..online_trainer import LossPart, OnlineRLTrainer
+from ..policy.old_policy import old_policy_decay
+from ..rollout.seeds import seed_for
+from ..rollout.strategies import FinalSampleRollout
+from .flow_matching import noised_sample
 from .nft_config import DiffusionNFTConfig
-from .nft_loss import nft_loss, noised_sample, reward_weight
+from .nft_loss import nft_loss, reward_weight
 
 __all__ = ["DiffusionNFTTrainer"]
 
 
 class DiffusionNFTTrainer(OnlineRLTrainer):
-    """Online RL of a flow-matching pipeline with DiffusionNFT; the constructor is `FlowGRPOTrainer`'s.
-
-    Args:
-        model: a hub id or local folder of a diffusers pipeline, or a loaded ``DiffusionPipeline`` (SD3/SD3.5,
-            FLUX.1, Qwen-Image, Wan, FLUX.1 Kontext, Qwen-Image-Edit). Its transformer is trained; everything else
-            is frozen.
-        reward_funcs: a registry name, a callable ``fn(prompts, images, **columns) -> list[float | None]``, a
-            ``"package.module:function"`` path, or a list of those (weighted by ``args.reward_weights``).
-        args: a ``DiffusionNFTConfig``.
-        train_dataset / eval_dataset: a ``datasets.Dataset`` (or list of dicts / strings) with a ``prompt``
-            column; other columns are passed to the rewards (editing families also need an ``image`` column).
-        peft_config: a ``peft.LoraConfig`` for LoRA training (the old policy is then a second adapter); ``None``
-            fine-tunes the whole transformer (the old policy is then a frozen copy of it).
-        callbacks, optimizers: as in ``transformers.Trainer``.
-        pipeline_kwargs: extra ``from_pretrained`` arguments (e.g. ``revision``) when ``model`` is a string.
-    """
+    """Online RL of a flow-matching pipeline with DiffusionNFT (see `OnlineRLTrainer` for the arguments; ``args``: a
+    ``DiffusionNFTConfig``; with a LoRA the old policy is a second adapter, with full fine-tuning a frozen copy)."""
 
     _tag_names = ["diffusion-nft", "flowgrpo", "lora", "text-to-image", "diffusers"]
     _name = "DiffusionNFT"
@@ -78,81 +66,68 @@ class DiffusionNFTTrainer(OnlineRLTrainer):
     def _uses_old_policy(self, args: DiffusionNFTConfig) -> bool:
         return True  # it samples the rollouts and gives v_old in the loss
 
-    # ------------------------------------------------------------------------------------------------
-    # rollouts: the old policy, a deterministic solver, the final latent only
-    # ------------------------------------------------------------------------------------------------
     def _eval_ode_solver(self) -> str:
         return self.args.sampler
 
-    def _rollout(self, model, embeds: PromptEmbeds, plan: Any, generator: torch.Generator, progress,
-                 group_ids: torch.Tensor, gen_index: int) -> tuple[torch.Tensor, dict]:
-        """The old policy samples the micro-batch with ``sampler``; records x0 and the rollout's noise levels."""
-        with self.old_policy.forward_model(model) as old:
-            return self._final_sample_rollout(old, embeds, generator, progress, self.args.sampler)
+    def _rollout_strategy(self, args: DiffusionNFTConfig) -> FinalSampleRollout:
+        """The old policy samples each micro-batch with ``sampler``; the record keeps x0 and the noise levels."""
+        return FinalSampleRollout(args, args.sampler, by_old_policy=True)
 
     # ------------------------------------------------------------------------------------------------
     # training: the negative-aware loss at random noise levels of each sample
     # ------------------------------------------------------------------------------------------------
-    def _train_on_batch(self, model, batch: dict, first_pass: bool) -> torch.Tensor:
+    def _prepare_batch(self, record: dict) -> dict:
+        """Each sample's trained noise levels (a random subset of the rollout's) and fresh noise for each: functions
+        of the seed, the micro-step and the process (exact on resume)."""
         args = self.args
         device = self.accelerator.device
-        height, width = args.image_size
-        x0, embeds = batch["x0"], batch["embeds"]
-        size, levels = batch["sigmas"].shape
+        x0 = record["x0"]
+        size, levels = record["sigmas"].shape
         trained = min(args.num_trained_timesteps, levels)
-        scale = 1.0 / (trained * self.current_gradient_accumulation_steps)
-        # Timesteps and noise are functions of the seed, the micro-step and the process (exact on resume).
-        gen = torch.Generator().manual_seed(_seed_for(args.seed, 6007, self._micro_step,
-                                                      self.accelerator.process_index))
+        gen = torch.Generator().manual_seed(seed_for(args.seed, 6007, self._micro_step, self.accelerator.process_index))
         order = torch.stack([torch.randperm(levels, generator=gen)[:trained] for _ in range(size)]).to(device)
-        rows = torch.arange(size, device=device)
-        total = torch.zeros((), device=device)
-        m = self._metrics["train"]
-        backward_kwargs = self._backward_kwargs()
-        for j in range(trained):
-            sigma = batch["sigmas"][rows, order[:, j]]
-            t = batch["timesteps"][rows, order[:, j]]
-            noise = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(device)
-            x_t = noised_sample(x0, noise, sigma)
-            with self._sync_on_last(model, j, trained):  # one backward per noise level
-                tic = self._clock()
-                with torch.no_grad(), self.accelerator.autocast(), self.old_policy.forward_model(model) as old:
-                    v_old = self._velocity(old, x_t, t, embeds, args.guidance_scale, height, width)
-                with self.accelerator.autocast():
-                    v = self._velocity(model, x_t, t, embeds, args.guidance_scale, height, width)
-                if j == 0:  # the rewards of the last micro-batches were scored while these forwards ran
-                    tic = self._await_scoring(tic)
-                    weights = reward_weight(batch["advantages"], args.adv_clip_max)
-                v_ref = None
-                if args.beta > 0:
-                    with self.accelerator.autocast():
-                        v_ref = self._reference_velocity(model, x_t, t, embeds, height, width)
-                out = nft_loss(v, v_old, x0, x_t, sigma, weights, args.nft_beta, adv_clip_max=args.adv_clip_max,
-                               v_ref=v_ref, beta=args.beta, kl_gate=batch.get("kl_gate"))
-                tac = self._clock()
-                self.accelerator.backward(out.loss * scale, **backward_kwargs)
-                toc = self._clock()
-                m["timing/training_forward"].append(tac - tic)
-                m["timing/training_backward"].append(toc - tac)
-            total += out.loss.detach() * scale
-            with torch.no_grad():
-                m["nft/policy_loss"].append(float(out.policy_loss))
-                m["nft/positive_loss"].append(float(out.positive_loss.mean()))
-                m["nft/negative_loss"].append(float(out.negative_loss.mean()))
-                m["nft/old_policy_deviation"].append(float((v.detach() - v_old).square().mean()))
-                if out.kl is not None:
-                    m["kl"].append(float(out.kl))
-        return total
+        noise = [torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(device) for _ in range(trained)]
+        return ChainMap({"order": order, "noise": noise}, record)
+
+    def _loss_parts(self, batch: dict) -> int:
+        return len(batch["noise"])
+
+    def _batch_loss(self, model, batch: dict, j: int, first_pass: bool) -> LossPart:
+        args = self.args
+        height, width = args.image_size
+        policy = self.policy
+        x0, embeds, order = batch["x0"], batch["embeds"], batch["order"]
+        rows = torch.arange(x0.shape[0], device=x0.device)
+        sigma, t = batch["sigmas"][rows, order[:, j]], batch["timesteps"][rows, order[:, j]]
+        x_t = noised_sample(x0, batch["noise"][j], sigma)
+        with torch.no_grad(), self.accelerator.autocast(), policy.old_policy.forward_model(model) as old:
+            v_old = policy.velocity(old, x_t, t, embeds, args.guidance_scale, height, width)
+        with self.accelerator.autocast():
+            v = policy.velocity(model, x_t, t, embeds, args.guidance_scale, height, width)
+        weights = reward_weight(self._advantages(batch), args.adv_clip_max)  # scored while these forwards ran
+        v_ref = None
+        if args.beta > 0:
+            with self.accelerator.autocast():
+                v_ref = policy.reference_velocity(model, x_t, t, embeds, height, width)
+        out = nft_loss(v, v_old, x0, x_t, sigma, weights, args.nft_beta, adv_clip_max=args.adv_clip_max,
+                       v_ref=v_ref, beta=args.beta, kl_gate=batch.get("kl_gate"))
+        with torch.no_grad():
+            metrics = {"nft/policy_loss": float(out.policy_loss), "nft/positive_loss": float(out.positive_loss.mean()),
+                       "nft/negative_loss": float(out.negative_loss.mean()),
+                       "nft/old_policy_deviation": float((v.detach() - v_old).square().mean())}
+            if out.kl is not None:
+                metrics["kl"] = float(out.kl)
+        return LossPart(out.loss, metrics)
 
     # ------------------------------------------------------------------------------------------------
-    # the old policy after each optimizer step (kept, saved and restored by OnlineRLTrainer)
+    # the old policy after each optimizer step (kept, saved and restored by the policy)
     # ------------------------------------------------------------------------------------------------
     def _on_optimizer_step_end(self, step: int) -> None:
         args = self.args
         decay = old_policy_decay(step, args.old_policy_decay_start, args.old_policy_decay_rate,
                                  args.old_policy_decay_max)
         self._update_old_policy(decay)
-        self._metrics["train"]["nft/old_policy_decay"].append(decay)
+        self.metrics.train["nft/old_policy_decay"].append(decay)
 
     # ------------------------------------------------------------------------------------------------
     # model card

@@ -3,7 +3,7 @@
 The text encoders are frozen, so the embedding of a prompt never changes during a run. With
 ``cache_prompt_embeddings`` every distinct prompt is encoded once; its embedding rows are kept in host memory and
 every later rollout or evaluation batch that holds the prompt reuses them (both go through
-``FlowGRPOTrainer._encode_unique``). The cache is keyed by :func:`prompt_cache_key`: the prompt text plus an
+``RolloutEngine.encode_unique``). The cache is keyed by :func:`prompt_cache_key`: the prompt text plus an
 optional digest of a conditioning input (the image of an editing model), so families whose embedding depends on
 an image can share it.
 
@@ -258,7 +258,7 @@ class PromptEmbeddingCache:
                       conditions: Sequence[Any] | None = None) -> tuple[PromptEmbeds, torch.Tensor]:
         """Embeddings of the distinct prompts of ``prompts`` (first-seen order) and, per sample, its row.
 
-        The contract of ``FlowGRPOTrainer._encode_unique``; prompts not in the cache are encoded together (the text
+        The contract of ``RolloutEngine.encode_unique``; prompts not in the cache are encoded together (the text
         encoders visit the accelerator once if they are offloaded) and kept.
         """
         device = torch.device(device) if device is not None else self.device

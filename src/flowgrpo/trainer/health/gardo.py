@@ -14,7 +14,7 @@ a^(1..K) (other reward models, weight 0 in training), groups g (the images of on
    above where the proxy places it.
 2. **Gate** (`uncertainty_gate`). Among the images with u_i >= 0, those above the (100 - 100 f)-th percentile
    (numpy's linear interpolation) of their u are *gated*: u_i > percentile({u_j : u_j >= 0}, 100 - 100 f).
-   Only gated images get the KL penalty: KL = mean over gated images of (mu_theta - mu_ref)^2 / (2 std^2)
+   Only gated images get the KL penalty (`flow_grpo_loss.gated_mean`): KL = mean over gated images of (mu_theta - mu_ref)^2 / (2 std^2)
    (nothing when none is gated); loss = policy loss + beta KL.
 3. **Adaptive gate fraction** (`GateFraction`, the official ``RiskCompensator``): f starts at 0.1; each batch,
    with m = mean({u_j >= 0}) and the buffer B of the last 20 such means: f <- f (1 + 0.1) if m > max(B),
@@ -52,7 +52,6 @@ __all__ = [
     "ReferenceResetSchedule",
     "descending_ranks",
     "diversity_aware_advantages",
-    "gated_mean",
     "reward_uncertainty",
     "uncertainty_gate",
 ]
@@ -84,16 +83,6 @@ def uncertainty_gate(uncertainty: torch.Tensor, fraction: float) -> torch.Tensor
         return torch.zeros_like(u, dtype=torch.bool)
     threshold = float(np.percentile(candidates, 100 - fraction * 100))
     return u > threshold
-
-
-def gated_mean(per_sample: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-    """Mean of ``per_sample`` over the gated samples (0 when none is gated); the plain mean when ``gate`` is None."""
-    if gate is None:
-        return per_sample.mean()
-    gate = gate.to(per_sample.device)
-    if not bool(gate.any()):
-        return per_sample.sum() * 0.0
-    return per_sample[gate].mean()
 
 
 class GateFraction:

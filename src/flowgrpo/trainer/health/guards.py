@@ -1,31 +1,40 @@
-"""HealthGuards: the trainer side of the health features (composed into `OnlineRLTrainer`).
+"""`HealthGuards`: the trainer's observer of reward hacking and collapse, with explicit hooks.
 
-* gold rewards at evaluation (``eval_reward_funcs``), the hacking alarm after each evaluation and ``on_hacking``;
-* early stopping (transformers' ``EarlyStoppingCallback``) and the best model's export (``load_best_model_at_end``
-  restores the best checkpoint's weights and EMA before the final save, the model card names its step);
-* the diagnostics of every rollout (``health/...``), the KL to the reference every ``health_kl_steps`` and the
-  update ratio every step;
-* dynamic sampling (``filter_zero_std_groups``), the reference policy and its refresh (``sync_ref_model``), GARDO
-  (``regularizer: gardo``) and the base-model tail (``base_model_tail_steps``);
-* the run-long state of all of it in every checkpoint (`monitor.HealthMonitor`, the reference's weights).
+What it does, and when the trainer calls it:
 
-What the class using it provides: the rollout pipeline (``_generate_and_score``, ``_pending_scoring``, ``_velocity``),
-``reward_set``, ``args``, ``accelerator``, ``model``, ``is_peft``, ``ref_model``, ``_metrics``, ``state`` /
-``control`` and the crash-safety mixin's ``_any_process``.
+* before anything is loaded, `check_health_setup` (GARDO's auxiliary rewards, the base-model tail against the SDE
+  window, dynamic sampling's group shares); `resolve_gold_rewards` builds the gold evaluation rewards;
+* `callbacks`: transformers' ``EarlyStoppingCallback`` and the reference refresh (``sync_ref_model``);
+* `on_generation_start`: GARDO's reference reset before a generation;
+* `on_generation`: dynamic sampling (``filter_zero_std_groups``): groups without signal are replaced by fresh ones,
+  sampled through the rollout engine's public methods, and the merged generation is scored;
+* `on_scores` (the rollout engine's hook on every scored rollout): the diagnostics ``health/...`` and, with GARDO, the
+  KL gate and diversity-aware advantages; returns the advantages the loss uses;
+* `on_step_end` (after each optimizer step): the update ratio, the KL to the reference every ``health_kl_steps``,
+  GARDO's KL watch, the hacking alarm's state;
+* `on_evaluate` (after each evaluation): the hacking alarm on the gold rewards; with ``on_hacking: stop`` it asks the
+  trainer to save and stop;
+* `save` / `load`: the run-long state (`monitor.HealthMonitor`) in every checkpoint; `card_lines`: the model card's
+  best evaluation.
+
+It reads the policy (the reference, the trained weights) and the rollout engine's public methods; it never writes
+another part's state.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from concurrent.futures import Future
-from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.utils import logging
 
 from ...rewards import RewardResult, RewardSet, resolve_reward_funcs
+from ..rollout.generation import Generation
+from ..rollout.seeds import seed_for
+from ..step_metrics import StepMetrics
 from . import metrics as hm
 from .dynamic_sampling import (
     concat_records,
@@ -37,11 +46,10 @@ from .dynamic_sampling import (
 )
 from .gardo import diversity_aware_advantages, reward_uncertainty, uncertainty_gate
 from .monitor import HealthMonitor
-from .reference import REFERENCE_ADAPTER, ReferencePolicy, ReferenceSyncCallback
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["HealthGuards", "needs_reference_copy", "resolve_gold_rewards"]
+__all__ = ["HealthGuards", "HackingDecision", "check_health_setup", "needs_reference_copy", "resolve_gold_rewards"]
 
 #: samples of the last rollout used by the KL-to-reference probe
 KL_PROBE_SAMPLES = 4
@@ -73,148 +81,117 @@ def needs_reference_copy(args: Any) -> bool:
     return bool(args.beta > 0 or args.sync_ref_model or args.base_model_tail_steps > 0 or args.regularizer == "gardo")
 
 
+def check_health_setup(args: Any, reward_names: list[str]) -> None:
+    """The checks that need the rewards but nothing loaded."""
+    if args.regularizer == "gardo":
+        missing = [n for n in args.gardo_auxiliary_rewards if n not in reward_names]
+        if missing:
+            raise ValueError(f"gardo_auxiliary_rewards {missing} are not among reward_funcs {reward_names}; add them "
+                             "there with weight 0.")
+    tail = args.base_model_tail_steps
+    size = getattr(args, "sde_window_size", None)
+    if tail and size is not None and getattr(args, "ode_compression_ratio", 1.0) == 1.0:
+        steps = args.num_inference_steps
+        last_trained = steps - 2 if size == 0 else args.sde_window_range[1] + size - 2
+        if tail > steps - 1 - last_trained:
+            raise ValueError(f"base_model_tail_steps={tail} reaches the trained SDE window (its last step can be "
+                             f"step {last_trained} of {steps}: sde_window_size={size}, sde_window_range="
+                             f"{args.sde_window_range}); use at most {steps - 1 - last_trained} or move the "
+                             "window earlier.")
+    if args.filter_zero_std_groups:
+        share = args.per_device_train_batch_size * args.steps_per_generation
+        if share % args.num_generations:
+            raise ValueError(f"filter_zero_std_groups replaces whole groups on each process, but a process's "
+                             f"share of a generation ({share} images = per_device_train_batch_size x "
+                             f"steps_per_generation) is not a multiple of num_generations={args.num_generations}; "
+                             "make it one.")
+
+
+@dataclass
+class HackingDecision:
+    """What `HealthGuards.on_evaluate` asks of the trainer: ``stop`` (save this step and end training)."""
+
+    stop: bool = False
+
+
 class HealthGuards:
-    """See the module docstring."""
+    """See the module docstring.
 
-    gold_reward_set: RewardSet | None = None
-    health: HealthMonitor | None = None
-    reference: ReferencePolicy | None = None
-    stopped_by_hacking_alarm = False
-    _tail_steps_active = 0
-    _in_checkpoint = False
-    _kl_seen = 0
-    _base_norms: dict | None = None
+    Args:
+        args: the trainer's configuration (the fields of `arguments.HealthArguments` and the rollout settings).
+        rewards: the training rewards; ``gold_rewards``: the gold evaluation rewards or None.
+        policy: the `Policy` (the reference, the trained weights, velocities).
+        accelerator: gathers and reductions over processes.
+        metrics: where logged values go.
+    """
 
-    # ------------------------------------------------------------------------------------------------
-    # set-up
-    # ------------------------------------------------------------------------------------------------
-    def _check_health_setup(self, args: Any) -> None:
-        """Cheap checks before any model is loaded."""
-        if args.regularizer == "gardo":
-            missing = [n for n in args.gardo_auxiliary_rewards if n not in self.reward_set.names]
-            if missing:
-                raise ValueError(f"gardo_auxiliary_rewards {missing} are not among reward_funcs "
-                                 f"{self.reward_set.names}; add them there with weight 0.")
-        tail = args.base_model_tail_steps
-        size = getattr(args, "sde_window_size", None)
-        if tail and size is not None and getattr(args, "ode_compression_ratio", 1.0) == 1.0:
-            steps = args.num_inference_steps
-            last_trained = steps - 2 if size == 0 else args.sde_window_range[1] + size - 2
-            if tail > steps - 1 - last_trained:
-                raise ValueError(f"base_model_tail_steps={tail} reaches the trained SDE window (its last step can be "
-                                 f"step {last_trained} of {steps}: sde_window_size={size}, sde_window_range="
-                                 f"{args.sde_window_range}); use at most {steps - 1 - last_trained} or move the "
-                                 "window earlier.")
-        if args.filter_zero_std_groups:
-            share = args.per_device_train_batch_size * args.steps_per_generation
-            if share % args.num_generations:
-                raise ValueError(f"filter_zero_std_groups replaces whole groups on each process, but a process's "
-                                 f"share of a generation ({share} images = per_device_train_batch_size x "
-                                 f"steps_per_generation) is not a multiple of num_generations={args.num_generations}; "
-                                 "make it one.")
+    def __init__(self, args: Any, rewards: RewardSet, gold_rewards: RewardSet | None, policy: Any, accelerator: Any,
+                 metrics: StepMetrics):
+        self.args = args
+        self.rewards = rewards
+        self.gold_rewards = gold_rewards
+        self.policy = policy
+        self.accelerator = accelerator
+        self.metrics = metrics
+        funcs = list(rewards.funcs) + (list(gold_rewards.funcs) if gold_rewards else [])
+        #: the run-long state (alarms, GARDO's schedules, dynamic sampling's totals), saved in every checkpoint
+        self.monitor = HealthMonitor(args, funcs)
+        self.stopped_by_hacking_alarm = False
+        self._base_norms: dict = {}
+        self._kl_seen = 0
+        self._warned_diversity = False
 
-    def _setup_health(self) -> None:
-        """After the model is built and on its device."""
+    def callbacks(self) -> list:
+        """The callbacks the trainer adds: early stopping, and the reference refresh (``sync_ref_model``)."""
         from transformers import EarlyStoppingCallback
 
+        from ..policy.reference import ReferenceSyncCallback
+
         args = self.args
-        funcs = list(self.reward_set.funcs) + (list(self.gold_reward_set.funcs) if self.gold_reward_set else [])
-        self.health = HealthMonitor(args, funcs)
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        own_adapter = bool(self.is_peft and (args.sync_ref_model or args.regularizer == "gardo"))
-        if self.is_peft or self.ref_model is not None:
-            self.reference = ReferencePolicy(unwrapped, self.is_peft, own_adapter=own_adapter,
-                                             frozen_copy=self.ref_model)
+        out = []
         if args.early_stopping_patience:
-            self.add_callback(EarlyStoppingCallback(args.early_stopping_patience, args.early_stopping_threshold))
+            out.append(EarlyStoppingCallback(args.early_stopping_patience, args.early_stopping_threshold))
         if args.sync_ref_model:
-            self.add_callback(ReferenceSyncCallback(self.reference))
-        self._base_norms = {}
+            out.append(ReferenceSyncCallback(self.policy.reference))
+        return out
 
     # ------------------------------------------------------------------------------------------------
-    # the reference policy
+    # generations: GARDO's resets, dynamic sampling
     # ------------------------------------------------------------------------------------------------
-    @contextmanager
-    def _reference_model(self, model):
-        """The module whose forward is the reference (see `reference.ReferencePolicy`)."""
-        with self.reference.forward_model(model, unwrap=self.accelerator.unwrap_model) as ref:
-            yield ref
+    def on_generation_start(self, gen_index: int) -> None:
+        """GARDO: reset the reference to the current policy when its schedule says so."""
+        if self.args.regularizer == "gardo" and self.monitor.reset_schedule.should_reset(gen_index):
+            self.policy.reference.refresh(1.0)
+            self.metrics.train["gardo/reference_reset"].append(1.0)
 
-    def _reference_velocity(self, model, x, t, embeds, height, width):
-        """Velocity under the reference policy (the base with LoRA disabled, the ``ref`` adapter, or the copy)."""
-        with torch.no_grad(), self._reference_model(model) as ref:
-            return self._velocity(ref, x, t, embeds, self.args.guidance_scale, height, width)
-
-    def _tail_velocity(self, model, step_index: int, plan_length: int, stochastic_recorded: bool, latents, t, embeds,
-                       guidance_scale, height, width):
-        """The velocity of step ``step_index`` of a rollout: the reference's on the last ``base_model_tail_steps``
-        steps of a training rollout, else None (the caller uses the policy)."""
-        tail = self._tail_steps_active
-        if not tail or step_index < plan_length - tail:
+    def on_generation(self, generation: Generation, rollouts: Any, dataset: Any, gen_index: int) -> Generation | None:
+        """Dynamic sampling (``filter_zero_std_groups``, see `dynamic_sampling`) on this process's share: returns the
+        generation with its groups without signal replaced, already scored; None when dynamic sampling is off (the
+        trainer then scores the generation as usual)."""
+        if not self.args.filter_zero_std_groups:
             return None
-        if stochastic_recorded:
-            raise ValueError(f"base_model_tail_steps={tail} reaches a trained (recorded SDE) step of the rollout; the "
-                             "reference's steps must come after the trained window: lower base_model_tail_steps or "
-                             "move the SDE window earlier (sde_window_range / sde_window_size).")
-        with self._reference_model(model) as ref:
-            return self._velocity(ref, latents, t, embeds, guidance_scale, height, width)
+        return self._refill_groups_without_signal(generation, rollouts, dataset, gen_index)
 
-    # ------------------------------------------------------------------------------------------------
-    # rollouts: GARDO resets, base-model tail, dynamic sampling
-    # ------------------------------------------------------------------------------------------------
-    def _generate_and_score(self, inputs: list[dict]) -> list[dict]:
+    def _refill_groups_without_signal(self, generation: Generation, rollouts: Any, dataset: Any,
+                                      gen_index: int) -> Generation:
         args = self.args
-        gen_index = self._generation_index()
-        if args.regularizer == "gardo" and self.health.reset_schedule.should_reset(gen_index):
-            self.reference.refresh(1.0)
-            self._metrics["train"]["gardo/reference_reset"].append(1.0)
-        self._tail_steps_active = args.base_model_tail_steps
-        overlap = self._overlap_reward_with_training
-        if args.filter_zero_std_groups:
-            self._overlap_reward_with_training = True  # the refill needs the rewards before they are gathered
-        try:
-            samples = super()._generate_and_score(inputs)
-            if args.filter_zero_std_groups:
-                samples = self._refill_groups_without_signal(samples)
-        finally:
-            self._tail_steps_active = 0
-            self._overlap_reward_with_training = overlap
-        return samples
-
-    @staticmethod
-    def _local_results(pending: tuple) -> tuple[list, list[RewardResult], list[float]]:
-        """Wait for the pending rollout's decoding and local rewards (no gather); returns images, results, seconds."""
-        images, results, seconds = [], [], []
-        for job in pending[0]:
-            pil, future, decode_seconds = job.result()
-            images.append(pil)
-            results.append(future.result())
-            seconds.append(decode_seconds)
-        return images, results, seconds
-
-    def _refill_groups_without_signal(self, samples: list[dict]) -> list[dict]:
-        """DAPO's dynamic sampling on this process's share (see `dynamic_sampling`); scores synchronously."""
-        args = self.args
-        pending = self._pending_scoring
-        jobs, _, chunks, prompts, group_ids, timing = pending
         failed = False
         try:
-            images, results, seconds = self._local_results(pending)
+            images, results, _ = generation.local_results()
         except Exception:  # a reward failure: the normal path raises it on every process, after saving
             failed = True
         if self._any_process(failed):
-            self._resolve_scoring()  # raises RewardFailedError everywhere
+            rollouts.score(generation)  # raises RewardFailedError everywhere
+        prompts, group_ids, timing = generation.prompts, generation.group_ids, generation.timing
         result = RewardResult.concatenate(results)
         flat_images = [im for chunk in images for im in chunk]
         totals = torch.tensor([math.nan if v is None else float(v) for v in result.total])
         dropped = groups_without_signal(totals, group_ids)
-        parts, part_prompts, part_images, part_results = [concat_records(samples)], [list(prompts)], \
+        parts, part_prompts, part_images, part_results = [concat_records(generation.records)], [list(prompts)], \
             [flat_images], [result]
         part_groups = [group_ids.clone()]
         replacements: dict[int, int] = {}  # dropped group id -> replacement group id
         rank = self.accelerator.process_index
-        dataset = self.train_dataset
-        gen_index = self._generation_index()
         rounds = 0
         found = 0
         while rounds < args.max_resample_rounds:
@@ -223,20 +200,17 @@ class HealthGuards:
             if need_max == 0:
                 break
             rounds += 1
-            from ..rollout.pipeline import _seed_for
-
-            picks = fresh_prompt_indices(len(dataset), need_max, _seed_for(args.seed, 15485863, gen_index, rounds,
-                                                                            rank))
+            picks = fresh_prompt_indices(len(dataset), need_max, seed_for(args.seed, 15485863, gen_index, rounds,
+                                                                           rank))
             rows = [dataset[i] for i in picks for _ in range(args.num_generations)]
-            new_samples = super()._generate_and_score(rows)
-            new_pending = self._pending_scoring
+            new_generation = rollouts.generate(rows, gen_index, generation.step)
             try:
-                new_images, new_results, new_seconds = self._local_results(new_pending)
+                new_images, new_results, new_seconds = new_generation.local_results()
                 failed = False
             except Exception:
                 failed = True
             if self._any_process(failed):
-                self._resolve_scoring()
+                rollouts.score(new_generation)
             timing["vae_decode"] += sum(new_seconds)
             new_result = RewardResult.concatenate(new_results)
             new_ids = torch.tensor([replacement_group_id(rank, found + k // args.num_generations)
@@ -249,20 +223,19 @@ class HealthGuards:
                 if gid in silent or not open_slots:
                     continue
                 replacements[open_slots.pop(0)] = gid
-            parts.append(concat_records(new_samples))
+            parts.append(concat_records(new_generation.records))
             part_prompts.append([r["prompt"] for r in rows])
             part_images.append([im for chunk in new_images for im in chunk])
             part_results.append(new_result)
             part_groups.append(new_ids)
-        self._pending_scoring = None
-        m = self._metrics["train"]
+        m = self.metrics.train
         m["health/dropped_groups"].append(float(len(replacements)))
         m["health/zero_std_groups_kept"].append(float(len(dropped) - len(replacements)))
         m["health/resample_rounds"].append(float(rounds))
-        self.health.dropped_groups_total += len(replacements)
+        self.monitor.dropped_groups_total += len(replacements)
         if dropped:
             first_prompt = {g: prompts[group_ids.tolist().index(g)] for g in dropped}
-            logger.info(f"Dynamic sampling, step {self.state.global_step + 1}: {len(dropped)} group(s) without signal "
+            logger.info(f"Dynamic sampling, step {generation.step + 1}: {len(dropped)} group(s) without signal "
                         f"({', '.join(repr(first_prompt[g][:40]) for g in dropped)}); {len(replacements)} replaced "
                         f"by fresh prompts in {rounds} round(s), {len(dropped) - len(replacements)} kept.")
 
@@ -280,23 +253,23 @@ class HealthGuards:
             else:
                 index.append(position)
         index_t = torch.tensor(index, dtype=torch.long)
+        micro = args.per_device_train_batch_size
         merged = select_rows(concat_records(parts), index_t)
-        new_chunks = [slice(s, s + args.per_device_train_batch_size)
-                      for s in range(0, len(index), args.per_device_train_batch_size)]
-        new_samples_all = split_rows(merged, args.per_device_train_batch_size)
         picked = RewardResult(
             per_reward={n: [v[i] for i in index] for n, v in merged_result.per_reward.items()},
             total=[merged_result.total[i] for i in index], weights=dict(merged_result.weights),
             failed=dict(merged_result.failed))
-        picked_images = [all_images[i] for i in index]
-        future: Future = Future()
-        future.set_result(picked)
-        job: Future = Future()
-        job.set_result((picked_images, future, 0.0))
-        self._pending_scoring = ([job], new_samples_all, new_chunks, [all_prompts[i] for i in index],
-                                 all_groups[index_t], timing)
-        self._resolve_scoring()
-        return new_samples_all
+        refilled = Generation.already_scored(
+            records=split_rows(merged, micro), images=[all_images[i] for i in index], result=picked,
+            chunks=[slice(s, s + micro) for s in range(0, len(index), micro)],
+            prompts=[all_prompts[i] for i in index], group_ids=all_groups[index_t], timing=timing,
+            step=generation.step)
+        rollouts.score(refilled)
+        return refilled
+
+    def _any_process(self, flag: bool) -> bool:
+        """Logical OR of ``flag`` over all processes."""
+        return self._max_over_processes(int(bool(flag))) > 0
 
     def _max_over_processes(self, value: int) -> int:
         """The largest ``value`` over all processes (every process then runs the same number of rollouts)."""
@@ -308,78 +281,83 @@ class HealthGuards:
         return int(t.item())
 
     # ------------------------------------------------------------------------------------------------
-    # diagnostics and GARDO on every scored rollout
+    # every scored rollout: diagnostics and GARDO
     # ------------------------------------------------------------------------------------------------
-    def _health_on_scores(self, advantages: torch.Tensor, g_totals: torch.Tensor, g_per_reward: dict,
-                          g_groups: torch.Tensor, local_images: list, reward_mean: float) -> tuple[torch.Tensor,
-                                                                                                  torch.Tensor | None]:
-        """Log the rollout's diagnostics; with GARDO shape the advantages and gate the KL. Returns the (gathered)
-        advantages and the gathered KL gate (None without GARDO)."""
+    def on_scores(self, advantages: torch.Tensor, totals: torch.Tensor, per_reward: dict, group_ids: torch.Tensor,
+                  local_images: list, reward_mean: float, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log the rollout's diagnostics; with GARDO shape the advantages and gate the KL. Takes and returns gathered
+        tensors: the advantages and the KL gate (None without GARDO). ``step``: optimizer steps done."""
         args = self.args
-        m = self._metrics["train"]
-        m["health/zero_std_groups"].append(hm.zero_std_group_fraction(g_totals, g_groups))
-        if len(g_per_reward) > 1:
-            for pair, r in hm.reward_correlations(g_per_reward).items():
+        m = self.metrics.train
+        m["health/zero_std_groups"].append(hm.zero_std_group_fraction(totals, group_ids))
+        if len(per_reward) > 1:
+            for pair, r in hm.reward_correlations(per_reward).items():
                 m[f"health/reward_correlation/{pair}"].append(r)
-        local = self.health.image_features(local_images).to(self.accelerator.device)
+        local = self.monitor.image_features(local_images).to(self.accelerator.device)
         features = self.accelerator.gather(local).cpu() if self.accelerator.num_processes > 1 else local.cpu()
-        diversity = hm.within_group_diversity(features, g_groups)
-        m[f"health/diversity/{self.health.feature_name}"].append(diversity)
-        if self.health.diversity.update(diversity):
+        diversity = hm.within_group_diversity(features, group_ids)
+        m[f"health/diversity/{self.monitor.feature_name}"].append(diversity)
+        if self.monitor.diversity.update(diversity):
             m["health/diversity_alarm"].append(1.0)
-            if not getattr(self, "_warned_diversity", False):
+            if not self._warned_diversity:
                 self._warned_diversity = True
-                logger.warning(f"Diversity alarm: the within-group diversity ({self.health.feature_name}) fell below "
+                logger.warning(f"Diversity alarm: the within-group diversity ({self.monitor.feature_name}) fell below "
                                f"diversity_collapse_ratio={args.diversity_collapse_ratio} of its first value "
-                               f"({self.health.diversity.first:.4g}); the groups are collapsing onto one image.")
+                               f"({self.monitor.diversity.first:.4g}); the groups are collapsing onto one image.")
         else:
             m["health/diversity_alarm"].append(0.0)
-        self.health.hacking.observe_train_reward(self.state.global_step + 1, reward_mean)
+        self.monitor.hacking.observe_train_reward(step + 1, reward_mean)
         gate = None
         if args.regularizer == "gardo":
-            aux = [g_per_reward[n] for n in args.gardo_auxiliary_rewards]
-            uncertainty = reward_uncertainty(g_totals, aux)
-            fraction = self.health.gate_fraction.update(uncertainty)
+            aux = [per_reward[n] for n in args.gardo_auxiliary_rewards]
+            uncertainty = reward_uncertainty(totals, aux)
+            fraction = self.monitor.gate_fraction.update(uncertainty)
             gate = uncertainty_gate(uncertainty, fraction)
             m["gardo/gate_fraction"].append(fraction)
             m["gardo/gated"].append(float(gate.float().mean()))
             if args.gardo_diversity:
-                shaped, factor = diversity_aware_advantages(advantages, g_totals, features, g_groups)
+                shaped, factor = diversity_aware_advantages(advantages, totals, features, group_ids)
                 advantages = shaped.to(advantages.dtype).clamp(-args.adv_clip_max, args.adv_clip_max)
                 m["gardo/diversity_factor"].append(float(factor.mean()))
         return advantages, gate
 
     # ------------------------------------------------------------------------------------------------
-    # after each optimizer step: update ratio, KL to the reference, GARDO's KL watch, the alarm's state
+    # after each optimizer step
     # ------------------------------------------------------------------------------------------------
-    def _health_step_end(self, step: int) -> None:
+    def on_step_end(self, step: int, batch: dict | None, rollouts: Any) -> None:
+        """The update ratio, the KL to the reference every ``health_kl_steps`` (on a few samples of ``batch``, the
+        current generation's first micro-batch), GARDO's KL watch and the hacking alarm's state."""
         args = self.args
-        m = self._metrics["train"]
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        if self.is_peft:
+        m = self.metrics.train
+        policy = self.policy
+        unwrapped = policy.unwrapped
+        kl_due = policy.reference is not None and args.health_kl_steps and step % args.health_kl_steps == 0
+        if policy.is_peft:
             m["health/lora_update_ratio"].append(hm.lora_update_ratio(unwrapped, base_norms=self._base_norms))
-        elif self.reference is not None and args.health_kl_steps and step % args.health_kl_steps == 0:
+        elif kl_due:
             trained = [p for p in unwrapped.parameters() if p.requires_grad]
-            ref = dict(self.reference.copy.named_parameters())
+            ref = dict(policy.reference.copy.named_parameters())
             names = [n for n, p in unwrapped.named_parameters() if p.requires_grad]
             m["health/weight_update_ratio"].append(hm.weight_update_ratio(trained, [ref[n] for n in names]))
-        if self.reference is not None and args.health_kl_steps and step % args.health_kl_steps == 0 and self._buffer:
-            m["health/kl_to_reference"].append(self._kl_to_reference(self._buffer[0]))
+        if kl_due and batch:
+            m["health/kl_to_reference"].append(self._kl_to_reference(batch, rollouts))
         kls = m.get("kl", [])
         if len(kls) < self._kl_seen:
             self._kl_seen = 0
         if args.regularizer == "gardo" and len(kls) > self._kl_seen:
             new = kls[self._kl_seen:]
-            self.health.reset_schedule.observe_kl(sum(new) / len(new))
+            self.monitor.reset_schedule.observe_kl(sum(new) / len(new))
         self._kl_seen = len(kls)
-        m["health/hacking_alarm"].append(float(self.health.hacking_alarm_on))
+        m["health/hacking_alarm"].append(float(self.monitor.hacking_alarm_on))
 
     @torch.no_grad()
-    def _kl_to_reference(self, batch: dict) -> float:
+    def _kl_to_reference(self, batch: dict, rollouts: Any) -> float:
         """The analytic KL of one SDE step between the policy and the reference on a few samples of ``batch``."""
         from ...schedulers import sde_step_from_sigmas
+        from ..algorithms.flow_matching import noised_sample
 
         args = self.args
+        policy = self.policy
         height, width = args.image_size
         n = min(KL_PROBE_SAMPLES, len(batch["embeds"]))
         embeds = batch["embeds"][:n]
@@ -387,8 +365,6 @@ class HealthGuards:
             x, t = batch["latents"][:n, 0], batch["timesteps"][:n, 0]
             sigma, sigma_next = batch["sigmas"][:n, 0], batch["sigmas_next"][:n, 0]
         else:  # DiffusionNFT and others: the final latent noised to a middle level of the rollout
-            from ..algorithms.nft_loss import noised_sample
-
             levels = batch["sigmas"].shape[1]
             k = levels // 2
             x0 = batch["x0"][:n]
@@ -399,10 +375,10 @@ class HealthGuards:
             t = batch["timesteps"][:n, k]
             x = noised_sample(x0, noise, sigma)
         noise_level = float(getattr(args, "noise_level", 0.7) or 0.7)
-        with self._generation_context() as model:
-            v = self._velocity(model, x, t, embeds, args.guidance_scale, height, width)
-            v_ref = self._reference_velocity(model, x, t, embeds, height, width)
-        fallback = float(self.sde_scheduler.sigmas[1])
+        with policy.generation_context() as model:
+            v = policy.velocity(model, x, t, embeds, args.guidance_scale, height, width)
+            v_ref = policy.reference_velocity(model, x, t, embeds, height, width)
+        fallback = float(rollouts.scheduler.sigmas[1])
         out = sde_step_from_sigmas(v, x, sigma, sigma_next, noise_level=noise_level, sde_type="sde",
                                    sigma_max_fallback=fallback)
         ref = sde_step_from_sigmas(v_ref, x, sigma, sigma_next, noise_level=noise_level, sde_type="sde",
@@ -410,100 +386,54 @@ class HealthGuards:
         return hm.kl_between_transitions(out.prev_sample_mean, ref.prev_sample_mean, out.std)
 
     # ------------------------------------------------------------------------------------------------
-    # evaluation: gold rewards, the hacking alarm
+    # after each evaluation: the hacking alarm
     # ------------------------------------------------------------------------------------------------
-    def _gold_scores(self, prompts: list[str], images: list, columns: dict) -> dict[str, list]:
-        if self.gold_reward_set is None:
-            return {}
-        result = self.gold_reward_set(prompts, images, **columns)
-        out = {name: list(result.per_reward[name]) for name in self.gold_reward_set.names}
-        out[None] = list(result.total)
-        return out
-
-    def _health_after_evaluate(self, metrics: dict[str, float], prefix: str) -> None:
-        """The hacking alarm on this evaluation's gold means; ``on_hacking: stop`` ends training."""
-        if self.gold_reward_set is None:
-            return
+    def on_evaluate(self, metrics: dict[str, float], prefix: str, step: int, best_checkpoint: str | None = None,
+                    best_metric: float | None = None) -> HackingDecision:
+        """The hacking alarm on this evaluation's gold means (adds ``health/hacking_alarm`` to ``metrics``); with
+        ``on_hacking: stop`` and a fired alarm after step 0, asks the trainer to save and stop."""
+        if self.gold_rewards is None:
+            return HackingDecision()
         args = self.args
-        gold = {n: metrics.get(f"{prefix}_rewards/{n}/mean", math.nan) for n in self.gold_reward_set.names}
-        verdict = self.health.hacking.update(self.state.global_step, gold)
-        self.health.hacking_alarm_on = verdict.fired
+        gold = {n: metrics.get(f"{prefix}_rewards/{n}/mean", math.nan) for n in self.gold_rewards.names}
+        verdict = self.monitor.hacking.update(step, gold)
+        self.monitor.hacking_alarm_on = verdict.fired
         metrics["health/hacking_alarm"] = float(verdict.fired)
         if not verdict.fired:
-            return
+            return HackingDecision()
         message = verdict.message(args.hacking_tolerance)
-        if args.on_hacking == "stop" and self.state.global_step > 0:
+        if args.on_hacking == "stop" and step > 0:
             self.stopped_by_hacking_alarm = True
-            self.control.should_training_stop = True
-            self.control.should_save = True
-            best = self.state.best_model_checkpoint
             logger.warning(f"{message} on_hacking='stop': saving this step and ending training"
-                           + (f"; the best checkpoint so far is {best} ({args.metric_for_best_model}="
-                              f"{self.state.best_metric})." if best else "."))
-        else:
-            warnings.warn(message + " (on_hacking='warn'; set on_hacking: stop to end the run here.)", stacklevel=2)
+                           + (f"; the best checkpoint so far is {best_checkpoint} ({args.metric_for_best_model}="
+                              f"{best_metric})." if best_checkpoint else "."))
+            return HackingDecision(stop=True)
+        warnings.warn(message + " (on_hacking='warn'; set on_hacking: stop to end the run here.)", stacklevel=2)
+        return HackingDecision()
 
     # ------------------------------------------------------------------------------------------------
-    # checkpoints, the best model, the model card
+    # checkpoints and the model card
     # ------------------------------------------------------------------------------------------------
-    def _save_checkpoint(self, model, trial) -> None:
-        self._in_checkpoint = True
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._in_checkpoint = False
+    def save(self, folder: str) -> None:
+        self.monitor.save(folder)
 
-    @contextmanager
-    def _reference_adapter_left_out(self):
-        """peft's own save writes every adapter of ``peft_config``; the ``ref`` adapter is saved by
-        `ReferencePolicy.save` instead, so it is taken out for the duration of that save."""
-        configs = self.accelerator.unwrap_model(self.model).peft_config if self.is_peft else {}
-        held = configs.pop(REFERENCE_ADAPTER, None)
-        try:
-            yield
-        finally:
-            if held is not None:
-                configs[REFERENCE_ADAPTER] = held
+    def load(self, folder: str) -> None:
+        self.monitor.load(folder)
 
-    def _save_health_state(self, output_dir: str) -> None:
-        if self._in_checkpoint and self.args.should_save and self.health is not None:
-            self.health.save(output_dir)
-            if self.reference is not None and self.reference.kind == "adapter":
-                self.reference.save(output_dir)
-
-    def _load_health_state(self, folder: str) -> None:
-        if self.health is not None:
-            self.health.load(folder)
-        if self.reference is not None and self.reference.kind == "adapter":
-            self.reference.load(folder)
-
-    def _load_best_model(self) -> None:
-        """Trainer's restore of the best checkpoint's weights, and its EMA (the final save then exports them)."""
-        import os
-
-        super()._load_best_model()
-        from ..online_trainer import EMA_STATE_NAME
-
-        path = os.path.join(self.state.best_model_checkpoint, EMA_STATE_NAME)
-        if self.ema is not None and os.path.exists(path):
-            self.ema.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        if self.is_world_process_zero():
-            logger.warning(f"Loaded the best model: {self.state.best_model_checkpoint} ({self.args.metric_for_best_model}"
-                           f"={self.state.best_metric}); the final weights, exported LoRA and Hub push are its.")
-
-    def _card_best_lines(self) -> list[str]:
-        state = self.state
-        if state.best_metric is None or not self.args.metric_for_best_model:
+    def card_lines(self, state: Any) -> list[str]:
+        """The model card's "Best evaluation" section (empty without ``metric_for_best_model``)."""
+        args = self.args
+        if state.best_metric is None or not args.metric_for_best_model:
             return []
         step = state.best_global_step
-        loaded = self.args.load_best_model_at_end and state.best_model_checkpoint
+        loaded = args.load_best_model_at_end and state.best_model_checkpoint
         lines = ["", "## Best evaluation", "",
-                 f"- {self.args.metric_for_best_model} = {state.best_metric:.4f} at step {step}"
+                 f"- {args.metric_for_best_model} = {state.best_metric:.4f} at step {step}"
                  + (f" ({state.best_model_checkpoint})" if state.best_model_checkpoint else ""),
                  "- these weights are " + (f"those of step {step} (load_best_model_at_end)" if loaded else
                                            f"those of the last step, {state.global_step}")]
-        if self.gold_reward_set is not None:
-            lines.append(f"- gold evaluation rewards (never trained on): {', '.join(self.gold_reward_set.names)}")
+        if self.gold_rewards is not None:
+            lines.append(f"- gold evaluation rewards (never trained on): {', '.join(self.gold_rewards.names)}")
         if self.stopped_by_hacking_alarm:
             lines.append(f"- training was stopped by the hacking alarm at step {state.global_step}")
         return lines

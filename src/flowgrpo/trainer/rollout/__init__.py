@@ -1,1 +1,9 @@
-"""The rollout and scoring pipeline: sampling, decoding, rewards and group advantages."""
+"""The rollout engine (`RolloutEngine`): encoding, sampling with the SDE scheduler through the algorithm's
+`RolloutStrategy`, decoding, rewards and group advantages."""
+
+from .engine import RolloutEngine
+from .generation import Generation
+from .seeds import seed_for
+from .strategies import FinalSampleRollout, RolloutStrategy, SDEWindowRollout
+
+__all__ = ["FinalSampleRollout", "Generation", "RolloutEngine", "RolloutStrategy", "SDEWindowRollout", "seed_for"]

@@ -1,2 +1,1 @@
-"""Run state: atomic checkpoints and resume, crash safety, preemption, the non-finite step guard, EMA weights and
-the old (sampling) policy."""
+"""Run state: atomic checkpoints and resume, crash safety's pieces, preemption, the non-finite step guard."""

@@ -41,7 +41,7 @@ class ReferencePolicy:
         self._adapter = None
         self.copy = None
         if is_peft and own_adapter:
-            from ..run_state.old_policy import AdapterOldPolicy
+            from .old_policy import AdapterOldPolicy
 
             self._adapter = AdapterOldPolicy(model, name=REFERENCE_ADAPTER)
             self.kind = "adapter"

@@ -16,6 +16,11 @@ from contextlib import contextmanager
 
 import torch
 
+__all__ = ["EMA_STATE_NAME", "EMAWeights"]
+
+#: the EMA's state in every save (checkpoints and the final output folder)
+EMA_STATE_NAME = "ema_state.pt"
+
 
 class EMAWeights:
     def __init__(self, parameters: list[torch.nn.Parameter], decay: float = 0.9, update_interval: int = 1,

@@ -1,0 +1,420 @@
+"""`RolloutEngine`: encoding, sampling with the SDE scheduler, decoding, scoring and advantages of the rollouts.
+
+One generation: the generation batch holds ``generation_batch_size / G`` prompts, each G times. Each unique prompt is
+encoded once (or read from the embedding cache, `encode_unique`). Images are sampled in micro-batches by the
+algorithm's `RolloutStrategy` (`strategies.py`), built on `sample`: SDE steps in a window, deterministic steps
+elsewhere. Each micro-batch is decoded once, in a background thread, and handed to the reward pool while the next
+micro-batch is sampled (`generate` returns a `Generation` whose rewards may still be in flight). `score` then
+gathers the rewards from all processes and turns them into group advantages (``advantages.py``), stored in each
+micro-batch's record as ``"advantages"``; with the default overlap, the trainer defers it (`defer`) until its first
+training forward has run (`resolve_scoring`).
+
+The engine receives what it needs at construction (the configuration, the policy, the algorithm's strategy, the
+rewards, the accelerator, the metrics sink) and two hooks: ``on_scores`` (the health guards' view of each scored
+rollout, which may reshape its advantages) and ``on_reward_error`` (stop every process when a reward failed).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+
+from ...cpu_threads import background_task, limit_worker_threads
+from ...models import PromptEmbeds
+from ...rewards import RewardResult, RewardSet
+from ...rewards.composition import metric_means
+from ...schedulers import FlowMatchSDEScheduler, FlowODESolver, rollout_steps, sde_step_from_sigmas
+from ..console import rollout_progress
+from ..data.condition_images import IMAGE_COLUMN, image_key
+from ..data.datasets import INDEX_COLUMN
+from ..step_metrics import StepMetrics
+from .advantages import compute_reward_advantages
+from .generation import Generation, done_future
+from .images import load_images, to_pil
+from .seeds import seed_for
+from .sliced_decode import decode_in_slices
+from .sound import audio_columns
+from .strategies import RolloutStrategy
+
+__all__ = ["RolloutEngine"]
+
+#: ``on_scores(advantages, totals, per_reward, group_ids, images, reward_mean, step) -> (advantages, kl_gate)``
+ScoresHook = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
+class RolloutEngine:
+    """See the module docstring.
+
+    Args:
+        args: the trainer's configuration.
+        policy: the `Policy` (adapter, velocities, generation context, copies).
+        strategy: what the algorithm samples and records (`RolloutStrategy`).
+        rewards: the training rewards.
+        accelerator: device, process index, gathers and autocast.
+        metrics: where logged values go.
+        prompt_cache: the embedding cache (``cache_prompt_embeddings``), or None.
+        console: the training console (the rollout's progress on its bar), or None.
+        on_scores: see ``ScoresHook``; None leaves the advantages as computed.
+        on_reward_error: called with a reward's exception (or None when every reward worked) on every process.
+    """
+
+    #: Overlaps (on by default; switchable for measuring what each buys, see docs/benchmarks.md): decode each rollout
+    #: micro-batch in a background thread, and let the first training forward run while the last rewards are scored.
+    overlap_decode = True
+    overlap_reward_with_training = True
+    #: Set by the benchmark harness on a GPU: synchronise before reading the clock, so that phase timings are those of
+    #: the kernels and not of their launches. Off by default (a synchronisation stalls the pipeline).
+    timing_sync = False
+
+    def __init__(self, args: Any, policy: Any, strategy: RolloutStrategy, rewards: RewardSet, accelerator: Any,
+                 metrics: StepMetrics, *, prompt_cache: Any = None, console: Any = None,
+                 on_scores: ScoresHook | None = None,
+                 on_reward_error: Callable[[BaseException | None], None] | None = None):
+        self.args = args
+        self.policy = policy
+        self.adapter = policy.adapter
+        self.strategy = strategy
+        self.rewards = rewards
+        self.accelerator = accelerator
+        self.metrics = metrics
+        self.prompt_cache = prompt_cache
+        self.console = console
+        self.on_scores = on_scores
+        self.on_reward_error = on_reward_error
+        self.scheduler = FlowMatchSDEScheduler.from_config(self.adapter.sde_scheduler_config(),
+                                                           **strategy.scheduler_options())
+        policy.pipeline.scheduler = self.scheduler
+        self._pending: Generation | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._reference_tail = 0
+        #: seconds spent waiting for deferred scoring since the trainer last read it (not forward time)
+        self.scoring_wait_s = 0.0
+        #: the last scored rollout's first images, prompts and rewards, its rewards' notes, and its phase timings
+        self.last_samples: tuple | None = None
+        self.last_sample_notes: list[str] | None = None
+        self.last_timing: dict[str, float] = {}
+
+    def clock(self) -> float:
+        if self.timing_sync and self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize(self.accelerator.device)
+        return time.perf_counter()
+
+    # ------------------------------------------------------------------------------------------------
+    # encoding
+    # ------------------------------------------------------------------------------------------------
+    def encode_unique(self, prompts: list[str], images: list | None = None,
+                      guidance_scale: float | None = None) -> tuple[PromptEmbeds, torch.Tensor]:
+        """Encode each distinct prompt (editing families: each distinct (prompt, source image) pair) once; returns the
+        embeddings and, per sample, its row. With CFG and a negative embedding that depends on the source image,
+        the negative prompt is encoded once per pair too (``PromptEmbeds.negative``); with the prompt cache, once per
+        distinct source image, kept in the cache under (negative prompt, image) like any other pair: the stock
+        pipelines encode the negative prompt with the same call as the prompt."""
+        args = self.args
+        device = self.accelerator.device
+        if images is None or not self.adapter.accepts_images:
+            images = None
+        guidance = args.guidance_scale if guidance_scale is None else guidance_scale
+        per_image_negative = (images is not None and self.adapter.negative_depends_on_image
+                              and self.adapter.uses_cfg(guidance))
+        if self.prompt_cache is not None:
+            embeds, rows = self.prompt_cache.encode_unique(prompts, device, conditions=images)
+            if per_image_negative:
+                first: dict[int, int] = {}
+                for i, row in enumerate(rows.tolist()):
+                    first.setdefault(row, i)
+                pair_images = [images[first[row]] for row in range(len(first))]
+                negative, negative_rows = self.prompt_cache.encode_unique(
+                    [args.negative_prompt] * len(pair_images), device, conditions=pair_images)
+                embeds.negative = negative.index_select(negative_rows)
+            return embeds, rows
+        keys = list(prompts) if images is None else [(p, image_key(im)) for p, im in zip(prompts, images)]
+        unique: dict[Any, int] = {}
+        rows = [unique.setdefault(k, len(unique)) for k in keys]
+        first = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        unique_prompts = [prompts[first[k]] for k in unique]
+        unique_images = [images[first[k]] for k in unique] if images is not None else None
+        height, width = args.image_size
+        embeds = self.adapter.encode_prompts(unique_prompts, args.max_sequence_length, device, images=unique_images,
+                                             height=height, width=width)
+        if per_image_negative:
+            embeds.negative = self.adapter.encode_prompts([args.negative_prompt] * len(unique_prompts),
+                                                          args.max_sequence_length, device, images=unique_images,
+                                                          height=height, width=width)
+        return embeds, torch.tensor(rows, dtype=torch.long)
+
+    # ------------------------------------------------------------------------------------------------
+    # sampling
+    # ------------------------------------------------------------------------------------------------
+    def sample(self, model, embeds: PromptEmbeds, num_steps: int, guidance_scale: float, noise_level: float,
+               window: tuple[int, int], generator, record: bool, progress=None, *, ode_solver: str = "euler",
+               ode_compression_ratio: float = 1.0, initial_latents: torch.Tensor | None = None,
+               record_means: bool = False, sde_type: str | None = None):
+        """Sample one micro-batch. Returns the final latents and (if ``record``) the window's trajectory.
+
+        Steps inside ``window`` are SDE steps of ``sde_type`` (default: the strategy's; noise from ``generator``); the
+        others are deterministic, solved by ``ode_solver`` (``"euler"`` or ``"dpmpp_2m"``; the DPM-Solver history
+        restarts after the window), and with ``ode_compression_ratio < 1`` the steps after the window are fewer solver
+        steps over the same noise range (`rollout_steps`). ``window=(0, 0)`` samples a whole deterministic trajectory.
+        ``initial_latents`` replaces the initial noise drawn from ``generator``; ``record_means`` also stores each
+        window step's transition mean (``"means"``, for GRPO-Guard). During a training rollout with
+        ``base_model_tail_steps``, the last steps use the reference's velocity.
+        """
+        args = self.args
+        height, width = args.image_size
+        device = self.accelerator.device
+        batch = len(embeds)
+        sde_type = self.strategy.sde_type if sde_type is None else sde_type
+        self.adapter.set_timesteps(self.scheduler, num_steps, height, width, device)
+        sigmas = self.scheduler.sigmas.to(device=device, dtype=torch.float32)
+        timesteps = self.scheduler.timesteps.to(device)
+        if initial_latents is None:
+            latents = self.adapter.prepare_latents(batch, height, width, generator, device, torch.float32)
+        else:
+            latents = initial_latents.to(device=device, dtype=torch.float32)
+        traj = {"latents": [], "next_latents": [], "log_probs": [], "timesteps": [], "sigmas": [], "sigmas_next": []}
+        if record_means:
+            traj["means"] = []
+        solver = FlowODESolver(ode_solver) if ode_solver != "euler" else None
+        plan = rollout_steps(sigmas, timesteps, window, ode_compression_ratio, self.scheduler.config.num_train_timesteps)
+        tail = self._reference_tail
+        for index, step in enumerate(plan):
+            t = step.timestep.expand(batch)
+            if tail and index >= len(plan) - tail:  # base_model_tail_steps: the reference's velocity
+                if record and step.stochastic:
+                    raise ValueError(f"base_model_tail_steps={tail} reaches a trained (recorded SDE) step of the "
+                                     "rollout; the reference's steps must come after the trained window: lower "
+                                     "base_model_tail_steps or move the SDE window earlier (sde_window_range / "
+                                     "sde_window_size).")
+                with self.policy.reference_model(model) as ref:
+                    v = self.policy.velocity(ref, latents, t, embeds, guidance_scale, height, width)
+            else:
+                v = self.policy.velocity(model, latents, t, embeds, guidance_scale, height, width)
+            if step.stochastic or solver is None:
+                out = sde_step_from_sigmas(
+                    v, latents, step.sigma, step.sigma_next, noise_level=noise_level if step.stochastic else 0.0,
+                    sde_type=sde_type, generator=generator, sigma_max_fallback=float(sigmas[1]),
+                )
+                if solver is not None:
+                    solver.reset()  # a deterministic stretch after the window starts a new history
+                if record and step.stochastic:
+                    traj["latents"].append(latents)
+                    traj["next_latents"].append(out.prev_sample)
+                    traj["log_probs"].append(out.log_prob)
+                    traj["timesteps"].append(t)
+                    traj["sigmas"].append(step.sigma.expand(batch))
+                    traj["sigmas_next"].append(step.sigma_next.expand(batch))
+                    if record_means:
+                        traj["means"].append(out.prev_sample_mean)
+                latents = out.prev_sample
+            else:
+                latents = solver.step(latents, v, step.sigma, step.sigma_next, final=step.final)
+            if progress is not None:
+                progress.update(1)
+        if progress is not None and len(plan) < num_steps:
+            progress.update(num_steps - len(plan))
+        stacked = {k: torch.stack(v, dim=1) for k, v in traj.items()} if record else None
+        return self.adapter.final_latents(latents, embeds), stacked
+
+    def final_sample(self, model, embeds: PromptEmbeds, generator, progress, solver: str) -> tuple[torch.Tensor, dict]:
+        """A deterministic rollout with ``solver`` (``"euler"`` or ``"dpmpp_2m"``) at ``num_inference_steps`` and
+        ``guidance_scale`` that keeps only each image's final latent, with the rollout's noise levels:
+        ``{"x0": (B, ...), "sigmas": (B, steps), "timesteps": (B, steps)}`` (DiffusionNFT, AWM, online DPO)."""
+        args = self.args
+        final, _ = self.sample(model, embeds, args.num_inference_steps, args.guidance_scale, 0.0, (0, 0), generator,
+                               record=False, progress=progress, ode_solver=solver)
+        batch = final.shape[0]
+        sigmas = self.scheduler.sigmas[:-1].to(device=final.device, dtype=torch.float32)
+        timesteps = self.scheduler.timesteps.to(final.device)
+        return final, {"x0": final, "sigmas": sigmas.expand(batch, -1), "timesteps": timesteps.expand(batch, -1)}
+
+    # ------------------------------------------------------------------------------------------------
+    # one generation: rollouts, decoding, rewards in flight
+    # ------------------------------------------------------------------------------------------------
+    def generate(self, inputs: list[dict], gen_index: int, step: int) -> Generation:
+        """Roll out this process's share of generation ``gen_index`` (rows with ``prompt`` and the group index), in
+        micro-batches; each is decoded and handed to the rewards in the background. ``step``: the optimizer steps done
+        (the strategy's plan may follow it, e.g. MixGRPO's window)."""
+        args = self.args
+        prompts = [row["prompt"] for row in inputs]
+        group_ids = torch.tensor([row[INDEX_COLUMN] for row in inputs], dtype=torch.long)
+        columns = {k: [row[k] for row in inputs] for k in inputs[0] if k not in ("prompt", INDEX_COLUMN)}
+        if IMAGE_COLUMN in columns:  # source images: conditioning (editing families) and a column for the rewards
+            columns[IMAGE_COLUMN] = load_images(columns[IMAGE_COLUMN])
+
+        plan = self.strategy.plan(gen_index, step)
+        noise_gen = torch.Generator().manual_seed(seed_for(args.seed, gen_index, self.accelerator.process_index))
+        micro = args.per_device_train_batch_size
+        chunks = [slice(s, s + micro) for s in range(0, len(prompts), micro)]
+
+        t0 = self.clock()
+        timing = defaultdict(float)
+        jobs, records = [], []
+        progress = rollout_progress(self.console, len(chunks) * args.num_inference_steps)
+        self._reference_tail = args.base_model_tail_steps
+        try:
+            with self.policy.generation_context() as model:
+                tic = self.clock()
+                unique_embeds, rows = self.encode_unique(prompts, columns.get(IMAGE_COLUMN), args.guidance_scale)
+                embeds_all = unique_embeds.index_select(rows)
+                timing["text_encoding"] += self.clock() - tic
+                for sl in chunks:
+                    embeds = embeds_all[sl]
+                    tic = self.clock()
+                    final, record = self.strategy.rollout(self, model, embeds, plan, noise_gen, progress,
+                                                          group_ids[sl], gen_index)
+                    timing["rollout"] += self.clock() - tic
+                    chunk_columns = {k: v[sl] for k, v in columns.items()}
+                    if self.overlap_decode:
+                        # Decode and score in the background while the next micro-batch is sampled.
+                        jobs.append(self._executor().submit(background_task, self._decode_and_submit, final,
+                                                            prompts[sl], chunk_columns))
+                    else:
+                        jobs.append(done_future(self._decode_and_submit(final, prompts[sl], chunk_columns)))
+                    record["embeds"] = embeds
+                    records.append(record)
+        finally:
+            self._reference_tail = 0
+        progress.close()
+        timing["sampling_total"] = self.clock() - t0
+        return Generation(records=records, jobs=jobs, chunks=chunks, prompts=prompts, group_ids=group_ids,
+                          timing=timing, step=step)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowgrpo-decode",
+                                            initializer=limit_worker_threads)
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+        return self._pool
+
+    def _decode_and_submit(self, final: torch.Tensor, prompts: list[str], columns: dict):
+        """Decode one micro-batch (once) and hand it to the reward pool; returns (images, reward future, seconds)."""
+        args = self.args
+        height, width = args.image_size
+        tic = self.clock()
+        # Grad mode and autocast are thread-local: set them here too (this may run in the decode thread).
+        with torch.no_grad(), self.accelerator.autocast():
+            final = final.to(self.policy.dtype)
+            pil = to_pil(decode_in_slices(self.adapter.decode, final, height, width, args.vae_decode_batch_size))
+            if self.rewards.audio_rewards:  # the sound too, for the rewards that score it
+                columns = {**columns, **audio_columns(self.adapter, final, height, width, args.vae_decode_batch_size)}
+        seconds = self.clock() - tic
+        # group-wise rewards (pickscore_rank) give raw scores here; they are combined over whole groups in `score`
+        return pil, self.rewards.submit(prompts, pil, defer_groupwise=True, **columns), seconds
+
+    # ------------------------------------------------------------------------------------------------
+    # scoring: gathered rewards, advantages, metrics
+    # ------------------------------------------------------------------------------------------------
+    def defer(self, generation: Generation) -> None:
+        """Keep ``generation``'s scoring for `resolve_scoring` (the first training forward overlaps the last
+        rewards), or score it now when that overlap is off."""
+        self._pending = generation
+        if not self.overlap_reward_with_training:
+            self.resolve_scoring()
+
+    def resolve_scoring(self) -> None:
+        """Score the deferred generation, if any (the wait is added to ``scoring_wait_s``)."""
+        if self._pending is None:
+            return
+        generation, self._pending = self._pending, None
+        tic = self.clock()
+        self.score(generation)
+        self.scoring_wait_s += self.clock() - tic
+
+    def score(self, generation: Generation) -> None:
+        """Wait for ``generation``'s rewards; gather them, compute advantages into its records, log metrics."""
+        args = self.args
+        device = self.accelerator.device
+        timing = generation.timing
+        tic = self.clock()
+        decoded, results, reward_error = [], [], None
+        for job in generation.jobs:
+            pil, reward_future, decode_seconds = job.result()
+            decoded.append(pil)
+            timing["vae_decode"] += decode_seconds
+            try:
+                results.append(reward_future.result())
+            except Exception as err:  # on_failure="raise": stop every process, after saving the last step
+                reward_error = reward_error or err
+        timing["reward_wait"] = self.clock() - tic
+        if self.on_reward_error is not None:
+            self.on_reward_error(reward_error)
+        elif reward_error is not None:
+            raise reward_error
+
+        def as_tensor(values):
+            return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32,
+                                device=device)
+
+        names = self.rewards.names
+        totals = as_tensor([v for r in results for v in r.total])
+        per_reward = {name: as_tensor([v for r in results for v in r.per_reward[name]]) for name in names}
+        g_totals = self.accelerator.gather(totals).cpu()
+        g_groups = self.accelerator.gather(generation.group_ids.to(device)).cpu()
+        g_per_reward = {n: self.accelerator.gather(t).cpu() for n, t in per_reward.items()}
+        n_local, rank = len(generation.prompts), self.accelerator.process_index
+        if self.rewards.has_groupwise:  # every group is complete once gathered: combine, recompute the totals
+            combined, g_total_list = self.rewards.finish_groupwise(
+                {n: t.tolist() for n, t in g_per_reward.items()}, g_groups.tolist())
+            g_per_reward = {n: as_tensor(v).cpu() for n, v in combined.items()}
+            g_totals = as_tensor(g_total_list).cpu()
+            totals = g_totals[rank * n_local:(rank + 1) * n_local]
+        advantages, stats = compute_reward_advantages(
+            g_totals, g_per_reward, dict(zip(names, self.rewards.weights)), g_groups,
+            args.scale_rewards, args.adv_clip_max, args.reward_aggregation,
+        )
+        flat_images = [im for chunk in decoded for im in chunk]
+        kl_gate = None
+        if self.on_scores is not None:
+            advantages, kl_gate = self.on_scores(advantages, g_totals, g_per_reward, g_groups, flat_images,
+                                                 stats.reward_mean, generation.step)
+        local_adv = advantages[rank * n_local:(rank + 1) * n_local].to(device)
+        local_gate = kl_gate[rank * n_local:(rank + 1) * n_local].to(device) if kl_gate is not None else None
+
+        m = self.metrics.train
+        m["reward"].append(stats.reward_mean)
+        m["reward_std"].append(stats.reward_std)
+        m["frac_reward_zero_std"].append(stats.frac_reward_zero_std)
+        failed = torch.tensor([sum(r.failed.get(n, 0) for r in results) for n in names], dtype=torch.float32,
+                              device=device)
+        g_failed = self.accelerator.gather(failed).cpu().view(-1, len(names)).sum(0)
+        for k, (name, vals) in enumerate(g_per_reward.items()):
+            valid = vals[~torch.isnan(vals)]
+            m[f"rewards/{name}/mean"].append(float(valid.mean()) if valid.numel() else math.nan)
+            m[f"rewards/{name}/std"].append(float(valid.std(unbiased=False)) if valid.numel() else math.nan)
+            m[f"rewards/{name}/failed"].append(float(g_failed[k]))  # samples scored None by on_failure="skip"
+        # Metrics a reward defines itself (RewardOutput.metrics, e.g. GenEval's accuracy per task), over all processes.
+        metric_sums = RewardResult.concatenate(results).metric_sums() if results else {}
+        for key, mean in metric_means(gather_object([metric_sums]) if self.accelerator.num_processes > 1
+                                      else [metric_sums]).items():
+            m[f"rewards/{key}"].append(mean)
+        # sampling: the rollout phase (text encoding, sampling, decoding unless it runs in the background);
+        # reward: the time spent waiting for decoding and rewards that did not overlap anything.
+        m["timing/sampling"].append(timing["sampling_total"])
+        m["timing/reward"].append(timing["reward_wait"])
+        for key in ("text_encoding", "rollout", "vae_decode"):
+            m[f"timing/{key}"].append(timing[key])
+        self.last_timing = dict(timing)
+
+        shown = args.num_log_images
+        self.last_samples = (flat_images[:shown], generation.prompts[:shown], totals.cpu().tolist()[:shown])
+        self.last_sample_notes = [note for r in results for note in r.image_notes()][:shown]
+        for sl, record in zip(generation.chunks, generation.records):
+            record["advantages"] = local_adv[sl]
+            if local_gate is not None:  # GARDO: the samples whose KL penalty counts
+                record["kl_gate"] = local_gate[sl]
+
+    def close(self) -> None:
+        """Stop the decode thread (a no-op when none was started)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
