@@ -66,22 +66,22 @@ class FlowDPPOLoss:
 
     @property
     def dropped_frac(self) -> torch.Tensor:
-        """Share of dropped samples (logged as ``dppo/dropped_frac``)."""
+        """Share of dropped samples."""
         return self.drop_mask.float().mean()
 
     @property
     def outside_frac(self) -> torch.Tensor:
-        """Share of samples with D >= tau, dropped or not (``dppo/outside_frac``)."""
+        """Share of samples with D >= tau, dropped or not."""
         return self.outside_mask.float().mean()
 
     @property
     def mean_divergence(self) -> torch.Tensor:
-        """Mean of D over the samples (``dppo/divergence_mean``)."""
+        """Mean of D over the samples."""
         return self.divergence.mean()
 
     @property
     def max_divergence(self) -> torch.Tensor:
-        """Largest D (``dppo/divergence_max``)."""
+        """Largest D."""
         return self.divergence.max()
 
 
