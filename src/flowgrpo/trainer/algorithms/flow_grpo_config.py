@@ -10,10 +10,12 @@ comes from.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from ..config_docs import document_config
 from ..online_config import DTYPES, QUANTIZATIONS, REWARD_AGGREGATIONS, SCALE_REWARDS, OnlineRLConfig, check_choice
+from .branch_grpo import BRANCH_PRUNINGS, BRANCH_WIDTH_MODES, SPLIT_LOG_PROBS, check_branch_steps
 
 SDE_TYPES = ("sde", "cps", "dance")
 SDE_WINDOW_STRATEGIES = ("random", "progressive", "fixed")
@@ -21,9 +23,12 @@ ODE_SOLVERS = ("euler", "dpmpp_2m")
 #: the objective's choices (flow_grpo_loss.py implements them)
 RATIO_NORMALIZATIONS = ("none", "grpo_guard")
 KL_ESTIMATORS = ("analytic", "k1", "k3", "velocity")
+POLICY_LOSSES = ("clip", "dppo")
+BRANCH_SPLIT_LOG_PROBS = SPLIT_LOG_PROBS
 
-__all__ = ["DTYPES", "KL_ESTIMATORS", "ODE_SOLVERS", "QUANTIZATIONS", "RATIO_NORMALIZATIONS", "REWARD_AGGREGATIONS",
-           "SCALE_REWARDS", "SDE_TYPES", "SDE_WINDOW_STRATEGIES", "FlowGRPOConfig"]
+__all__ = ["BRANCH_PRUNINGS", "BRANCH_SPLIT_LOG_PROBS", "BRANCH_WIDTH_MODES", "DTYPES", "KL_ESTIMATORS", "ODE_SOLVERS",
+           "POLICY_LOSSES", "QUANTIZATIONS", "RATIO_NORMALIZATIONS", "REWARD_AGGREGATIONS", "SCALE_REWARDS", "SDE_TYPES",
+           "SDE_WINDOW_STRATEGIES", "FlowGRPOConfig"]
 
 
 @document_config
@@ -134,6 +139,75 @@ class FlowGRPOConfig(OnlineRLConfig):
         metadata={"help": "On the first pass over a fresh batch the ratio must be exactly 1; warn when |ratio - 1| "
                           "exceeds this (dtype or batch-composition mismatch, dropout, non-determinism)."},
     )
+    policy_loss: str = field(
+        default="clip",
+        metadata={"help": "The policy objective: 'clip' (PPO's clipped ratio, clip range epsilon) or 'dppo' "
+                          "(Flow-DPPO: no ratio clipping; a sample's -A ratio term is dropped only when the per-element "
+                          "mean Gaussian KL between its transition under the trained weights and the frozen anchor, "
+                          "the pre-update weights' transition means replayed once per batch without gradient, is at "
+                          "least dppo_tau and its ratio still moves in its advantage's direction). dppo only differs "
+                          "from plain policy gradient from the second pass on: use num_iterations >= 2 (UniRL: 2)."},
+    )
+    dppo_tau: float = field(
+        default=1e-5,
+        metadata={"help": "Flow-DPPO's trust region: the per-element mean of (mu_theta - mu_old)^2 / (2 std^2) above "
+                          "which a sample moving further in its advantage's direction is dropped (UniRL, verl-omni: "
+                          "1e-5). > 0."},
+    )
+
+    # ---- BranchGRPO tree rollouts ---------------------------------------------------------------------
+    branch_steps: list[int] = field(
+        default_factory=list,
+        metadata={"help": "BranchGRPO: sampling steps at which every node of a prompt's tree splits into "
+                          "branch_factor children (e.g. [0, 3, 6, 9] of 20), so the G = branch_factor ** "
+                          "len(branch_steps) samples of a group share their prefixes (G must equal num_generations). "
+                          "Node rewards are the mean of their leaves, advantages are normalised per depth within "
+                          "each tree, and every edge is trained with its child's advantage. Empty (default): no tree, "
+                          "independent rollouts."},
+    )
+    branch_factor: int = field(
+        default=2, metadata={"help": "BranchGRPO: children per node at each split step (BranchGRPO: 2). >= 2."},
+    )
+    branch_noise_scale: float = field(
+        default=4.0,
+        metadata={"help": "BranchGRPO: the noise of a split child is drawn with this multiple of the step's std (the "
+                          "official script: 4.0), so that siblings differ more. > 0."},
+    )
+    branch_split_log_prob: str = field(
+        default="exact",
+        metadata={"help": "BranchGRPO: the log-prob of a split edge, for the old and the trained policy alike: "
+                          "'exact' (the density it was drawn from, std x branch_noise_scale) or 'unscaled' (the "
+                          "official code's quirk: the unscaled std, so the ratio is that of a density the sample was "
+                          "not drawn from; only for comparing with published runs)."},
+    )
+    branch_pruning: str = field(
+        default="none",
+        metadata={"help": "BranchGRPO: which edges are trained: 'none' (all), 'width' (after the last split keep only "
+                          "part of the edges by advantage, see branch_width_mode and branch_width_ratio) or 'depth' "
+                          "(leave out the edges into the depths branch_prune_depths)."},
+    )
+    branch_width_mode: str = field(
+        default="per_branch",
+        metadata={"help": "BranchGRPO width pruning: 'per_branch' (the best branch_width_ratio of each last-split "
+                          "branch's edges, at least one; official mode 1) or 'best_worst' (the best and the worst "
+                          "half of branch_width_ratio of all edges after the last split; official mode 2)."},
+    )
+    branch_width_ratio: float = field(
+        default=0.5, metadata={"help": "BranchGRPO width pruning: share of the edges after the last split that is "
+                                       "kept (official: 0.5). In (0, 1]."},
+    )
+    branch_prune_depths: list[int] | None = field(
+        default=None,
+        metadata={"help": "BranchGRPO depth pruning: depths (levels 1 .. num_inference_steps; the node after "
+                          "sampling step s is at depth s + 1) whose incoming edges are not trained, e.g. [15, 16, 17, "
+                          "18]. Sampling and rewards are unchanged."},
+    )
+    branch_prune_slide_interval: int = field(
+        default=0,
+        metadata={"help": "BranchGRPO depth pruning: move the pruned depths up by one every this many optimizer "
+                          "steps, down to the last split's depth (the official sliding window; its script: 30). "
+                          "0: fixed depths."},
+    )
 
 
     _trainer_name = "FlowGRPOTrainer"
@@ -168,6 +242,78 @@ class FlowGRPOConfig(OnlineRLConfig):
         if self.epsilon <= 0:
             raise ValueError(f"epsilon={self.epsilon} must be > 0.")
         self._check_window()
+        self._check_policy_loss()
+        self._check_branching()
+
+    def _check_policy_loss(self) -> None:
+        check_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        if not self.dppo_tau > 0:
+            raise ValueError(f"dppo_tau={self.dppo_tau} must be > 0 (Flow-DPPO: 1e-5).")
+        if self.policy_loss == "dppo" and self.num_iterations < 2:
+            warnings.warn(
+                f"policy_loss='dppo' with num_iterations={self.num_iterations}: on the single pass over a fresh batch "
+                "the trained weights equal the anchor's, so the divergence is 0, nothing is dropped and the loss is "
+                "plain policy gradient (-A ratio); the trust region only acts from the second pass. Set "
+                "num_iterations: 2 (UniRL's setting) to use it.", stacklevel=3,
+            )
+
+    def _check_branching(self) -> None:
+        check_choice("branch_split_log_prob", self.branch_split_log_prob, BRANCH_SPLIT_LOG_PROBS)
+        check_choice("branch_pruning", self.branch_pruning, BRANCH_PRUNINGS)
+        check_choice("branch_width_mode", self.branch_width_mode, BRANCH_WIDTH_MODES)
+        if self.branch_steps is None:
+            self.branch_steps = []
+        if isinstance(self.branch_steps, int) and not isinstance(self.branch_steps, bool):
+            self.branch_steps = [self.branch_steps]
+        self.branch_steps = list(check_branch_steps(self.branch_steps, self.num_inference_steps, self.branch_factor))
+        if not self.branch_noise_scale > 0:
+            raise ValueError(f"branch_noise_scale={self.branch_noise_scale} must be > 0 (BranchGRPO: 4.0; 1.0 draws "
+                             "split children with the step's own std).")
+        ratio = self.branch_width_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"branch_width_ratio={ratio!r} must be in (0, 1] (BranchGRPO: 0.5).")
+        interval = self.branch_prune_slide_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"branch_prune_slide_interval={interval!r} must be an integer >= 0 (0: fixed depths).")
+        if self.branch_prune_depths is not None:
+            depths = [self.branch_prune_depths] if isinstance(self.branch_prune_depths, int) \
+                else list(self.branch_prune_depths)
+            bad = [d for d in depths if isinstance(d, bool) or not isinstance(d, int)
+                   or not 1 <= d <= self.num_inference_steps]
+            if bad:
+                raise ValueError(f"branch_prune_depths {bad} must be depths in 1 .. num_inference_steps = "
+                                 f"{self.num_inference_steps} (the node after sampling step s is at depth s + 1).")
+            self.branch_prune_depths = sorted(set(depths))
+        if not self.branch_steps:
+            if self.branch_pruning != "none":
+                raise ValueError(f"branch_pruning={self.branch_pruning!r} prunes a BranchGRPO tree, but branch_steps "
+                                 "is empty (no tree); set branch_steps (e.g. [0, 3, 6, 9]) or branch_pruning: none.")
+            return
+        leaves = self.branch_factor ** len(self.branch_steps)
+        if leaves != self.num_generations:
+            raise ValueError(f"branch_steps={self.branch_steps} with branch_factor={self.branch_factor} gives trees of "
+                             f"{self.branch_factor}^{len(self.branch_steps)} = {leaves} leaves, but num_generations="
+                             f"{self.num_generations}: each tree is one group. Set num_generations: {leaves}, or "
+                             "change the split steps.")
+        if self.sde_window_size != 0:
+            raise ValueError(f"branch_steps needs SDE sampling on every step (the tree's edges are all trained), but "
+                             f"sde_window_size={self.sde_window_size}; set sde_window_size: 0.")
+        if self.noise_level <= 0:
+            raise ValueError(f"branch_steps needs stochastic steps, but noise_level={self.noise_level}; set "
+                             "noise_level > 0 (DanceGRPO's eta: 0.3 with sde_type: dance).")
+        if self.branch_pruning == "depth":
+            if not self.branch_prune_depths:
+                raise ValueError("branch_pruning='depth' needs branch_prune_depths, the depths whose edges are left "
+                                 "out, e.g. [15, 16, 17, 18] for 20 steps.")
+        if self.branch_pruning == "width" and max(self.branch_steps) >= self.num_inference_steps - 1:
+            raise ValueError(f"branch_pruning='width' prunes the edges after the last split step, but the last split "
+                             f"step {max(self.branch_steps)} is the final sampling step; split earlier or use "
+                             "branch_pruning: none.")
+
+    @property
+    def uses_branching(self) -> bool:
+        """Whether rollouts are BranchGRPO trees (branch_steps is not empty)."""
+        return bool(self.branch_steps)
 
     def _check_window(self) -> None:
         steps = self.num_inference_steps
