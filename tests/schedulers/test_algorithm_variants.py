@@ -28,7 +28,7 @@ from flowgrpo.schedulers import (
 )
 from flowgrpo.trainer.algorithms.flow_grpo_loss import gaussian_kl, grpo_guard_log_ratio, kl_estimate
 from flowgrpo.trainer.rollout.advantages import compute_group_advantages, compute_reward_advantages
-from flowgrpo.trainer.rollout.seeds import seed_for
+from flowgrpo.trainer.seeds import seed_for
 
 # ---------------------------------------------------------------------------------------------------------------------
 # DPM-Solver++ 2M on a Gaussian problem with the exact velocity

@@ -18,7 +18,7 @@ from flowgrpo.trainer.algorithms.branch_grpo import (
     node_rewards,
     pruned_edges,
 )
-from flowgrpo.trainer.algorithms.seeding import stable_seed
+from flowgrpo.trainer.seeds import seed_for
 
 
 def test_hand_check_of_design_section_11():
@@ -63,7 +63,7 @@ def test_seeds_depend_on_seed_generation_prompt_and_node_only():
     plan = branch_tree_plan(6, [0, 2], 2, seed=1, generation=5, tree_key=9)
     seeds = [n.noise_seed for n in plan.nodes]
     assert len(set(seeds)) == len(seeds)
-    assert seeds == [stable_seed("branch-node", 1, 5, 9, n.level, n.branch) for n in plan.nodes]
+    assert seeds == [seed_for("branch-node", 1, 5, 9, n.level, n.branch) for n in plan.nodes]
     assert seeds == [n.noise_seed for n in branch_tree_plan(6, [0, 2], 2, seed=1, generation=5, tree_key=9).nodes]
     for other in (dict(seed=2, generation=5, tree_key=9), dict(seed=1, generation=6, tree_key=9),
                   dict(seed=1, generation=5, tree_key=10)):

@@ -10,7 +10,7 @@ setting). Nodes are numbered by (level, branch) with branch 0 .. W_l - 1 in mixe
 at a split are F b .. F b + F - 1, so the leaves below a node form one contiguous run. Each non-root node is the end
 of one *edge* (parent, child, step, old log-prob): the unit that is trained.
 
-**Noise.** Each node is drawn with its own seed, ``stable_seed(seed, generation, tree_key, level, branch)``
+**Noise.** Each node is drawn with its own seed, ``seed_for(seed, generation, tree_key, level, branch)``
 (`TreePlan.nodes[i].noise_seed`; the root's seed gives the initial noise): a function of the run seed, the
 generation, the prompt's key and the node only, never of the order in which a rollout engine visits the nodes, so
 any batching of the tree's nodes samples the same tree. At a split step the child is
@@ -51,7 +51,7 @@ from functools import cached_property
 
 import torch
 
-from .seeding import stable_seed
+from ..seeds import seed_for
 
 BRANCH_PRUNINGS = ("none", "width", "depth")
 BRANCH_WIDTH_MODES = ("per_branch", "best_worst")
@@ -213,7 +213,7 @@ def branch_tree_plan(num_inference_steps: int, branch_steps: Sequence[int], bran
             else:
                 parent = prev_start + (branch // branch_factor if split else branch)
             nodes.append(BranchNode(index=start + branch, level=level, branch=branch, parent=parent, split=split,
-                                    noise_seed=stable_seed("branch-node", seed, generation, tree_key, level, branch)))
+                                    noise_seed=seed_for("branch-node", seed, generation, tree_key, level, branch)))
         prev_start = start
     return TreePlan(num_steps=num_inference_steps, branch_steps=steps, branch_factor=branch_factor, nodes=tuple(nodes))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
 from .crd_loss import CENTERINGS, CRD_LOSS_TYPES, crd_copy_decay
 
@@ -26,6 +27,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@document_config
 @dataclass
 class CRDConfig(OnlineRLConfig):
     r"""Configuration for [`CRDTrainer`]: the shared settings of [`OnlineRLConfig`] plus CRD's deterministic

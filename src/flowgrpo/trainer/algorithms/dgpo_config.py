@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
 
 DGPO_SAMPLERS = ("dpmpp_2m", "euler")
@@ -28,6 +29,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@document_config
 @dataclass
 class DGPOConfig(OnlineRLConfig):
     r"""Configuration for [`DGPOTrainer`]: the shared settings of [`OnlineRLConfig`] plus DGPO's ODE rollouts,

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .seeding import stable_seed
+from ..seeds import seed_for
 
 __all__ = ["DGPOLoss", "dense_group_index", "dgpo_loss", "dgpo_policy_loss", "dgpo_reference_decay",
            "dgpo_rollouts_use_ema_reference", "dgpo_step_indices", "dsm_clip_mask", "dsm_error",
@@ -212,7 +212,7 @@ def dgpo_step_indices(seed: int, step: int, inner_epoch: int, num_timesteps: int
     if not 1 <= num_timesteps <= trunc_steps + 1:
         raise ValueError(f"num_timesteps={num_timesteps} must be in 1 .. trunc_steps + 1 = {trunc_steps + 1} (the "
                          "draw is without replacement from step indices 0 .. trunc_steps).")
-    gen = torch.Generator().manual_seed(stable_seed("dgpo-steps", seed, step, inner_epoch))
+    gen = torch.Generator().manual_seed(seed_for("dgpo-steps", seed, step, inner_epoch))
     return [int(i) for i in torch.randperm(trunc_steps + 1, generator=gen)[:num_timesteps]]
 
 
@@ -227,7 +227,7 @@ def group_shared_noise(like: torch.Tensor, group_keys: Sequence[int] | torch.Ten
     rows = []
     for key in keys:
         if key not in cache:
-            gen = torch.Generator().manual_seed(stable_seed("dgpo-noise", *seed_parts, key))
+            gen = torch.Generator().manual_seed(seed_for("dgpo-noise", *seed_parts, key))
             cache[key] = torch.randn(tuple(like.shape[1:]), generator=gen, dtype=torch.float32)
         rows.append(cache[key])
     return torch.stack(rows).to(device=like.device, dtype=like.dtype)

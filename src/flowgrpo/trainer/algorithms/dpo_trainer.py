@@ -29,8 +29,8 @@ from ...models import PromptEmbeds, family_adapter_class
 from ..data.condition_images import load_condition_image
 from ..data.sampler import RepeatSampler
 from ..online_trainer import LossPart, OnlineRLTrainer
-from ..rollout.seeds import seed_for
 from ..rollout.strategies import FinalSampleRollout
+from ..seeds import seed_for
 from .dpo_config import CHOSEN_COLUMN, REJECTED_COLUMN, DiffusionDPOConfig
 from .dpo_loss import dpo_loss
 from .flow_matching import flow_matching_error, noised_sample, sigma_timesteps

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...schedulers.kl import gaussian_kl
+from .flow_grpo_loss import gaussian_kl
 
 #: The published trust-region size, for the per-element mean of the Gaussian KL.
 DEFAULT_DPPO_TAU = 1e-5

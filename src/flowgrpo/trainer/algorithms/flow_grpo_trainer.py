@@ -35,8 +35,8 @@ import torch
 from ...schedulers import sde_step_from_sigmas
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..outputs.lora_export import LORA_WEIGHTS_NAME
-from ..rollout.seeds import seed_for
 from ..rollout.strategies import SDEWindowRollout
+from ..seeds import seed_for
 from .flow_grpo_config import FlowGRPOConfig
 from .flow_grpo_loss import flow_grpo_loss
 

@@ -36,8 +36,8 @@ import torch
 
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..policy.old_policy import old_policy_decay
-from ..rollout.seeds import seed_for
 from ..rollout.strategies import FinalSampleRollout
+from ..seeds import seed_for
 from .flow_matching import noised_sample
 from .nft_config import DiffusionNFTConfig
 from .nft_loss import nft_loss, reward_weight

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
 from .opd_loss import OPD_KL_MODES
 
@@ -40,6 +41,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@document_config
 @dataclass
 class DiffusionOPDConfig(OnlineRLConfig):
     r"""Configuration for [`DiffusionOPDTrainer`]: the shared settings of [`OnlineRLConfig`] plus the student's SDE

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...schedulers.kl import gaussian_kl
+from .flow_grpo_loss import gaussian_kl
 
 OPD_KL_MODES = ("exact", "ode")
 

@@ -22,9 +22,9 @@ from ..data.condition_images import IMAGE_COLUMN
 from ..data.datasets import INDEX_COLUMN
 from ..outputs.contact_sheet import make_contact_sheet
 from ..rollout.images import load_images, to_pil
-from ..rollout.seeds import seed_for
 from ..rollout.sliced_decode import decode_in_slices
 from ..rollout.sound import audio_columns
+from ..seeds import seed_for
 from .eval_change import EvaluationBaseline
 
 __all__ = ["Evaluator"]

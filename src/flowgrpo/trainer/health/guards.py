@@ -33,7 +33,7 @@ from transformers.utils import logging
 
 from ...rewards import RewardResult, RewardSet, resolve_reward_funcs
 from ..rollout.generation import Generation
-from ..rollout.seeds import seed_for
+from ..seeds import seed_for
 from ..step_metrics import StepMetrics
 from . import metrics as hm
 from .dynamic_sampling import (

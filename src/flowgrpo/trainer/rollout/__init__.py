@@ -3,7 +3,6 @@
 
 from .engine import RolloutEngine
 from .generation import Generation
-from .seeds import seed_for
 from .strategies import FinalSampleRollout, RolloutStrategy, SDEWindowRollout
 
-__all__ = ["FinalSampleRollout", "Generation", "RolloutEngine", "RolloutStrategy", "SDEWindowRollout", "seed_for"]
+__all__ = ["FinalSampleRollout", "Generation", "RolloutEngine", "RolloutStrategy", "SDEWindowRollout"]

@@ -35,11 +35,11 @@ from ...schedulers import FlowMatchSDEScheduler, FlowODESolver, rollout_steps, s
 from ..console import rollout_progress
 from ..data.condition_images import IMAGE_COLUMN, image_key
 from ..data.datasets import INDEX_COLUMN
+from ..seeds import seed_for
 from ..step_metrics import StepMetrics
 from .advantages import compute_reward_advantages
 from .generation import Generation, done_future
 from .images import load_images, to_pil
-from .seeds import seed_for
 from .sliced_decode import decode_in_slices
 from .sound import audio_columns
 from .strategies import RolloutStrategy

@@ -20,7 +20,7 @@ import torch
 
 from ...models import PromptEmbeds
 from ...schedulers import scheduled_sde_window
-from .seeds import seed_for
+from ..seeds import seed_for
 
 __all__ = ["FinalSampleRollout", "RolloutStrategy", "SDEWindowRollout"]
 
