@@ -9,6 +9,9 @@
   optionally compressed.
 - `dpmpp_2m_step` / `FlowODESolver` / `solve_flow_ode` / `compress_sigmas`: deterministic steps with Euler or
   DPM-Solver++ 2M, and coarser schedules over the same noise range (MixGRPO-Flash).
+- `sa_solver_sample` / `sa_solver_sigmas` / `sa_predictor_step` / `sa_corrector_step`: SA-Solver, the stochastic
+  predictor-corrector of AWM's official rollouts (tau on the steps inside a noise range; `sde_noise_level_for_tau`
+  relates its tau to this project's ``noise_level``).
 - `gaussian_kl` / `kl_estimate`: KL between two transitions with the same std, and its estimators.
 - `grpo_guard_log_ratio`: GRPO-Guard's normalised log-likelihood ratio.
 """
@@ -16,6 +19,16 @@
 from .dpm_solver import ODE_SOLVERS, FlowODESolver, compress_sigmas, dpmpp_2m_step, euler_step, solve_flow_ode
 from .kl import KL_ESTIMATORS, gaussian_kl, kl_estimate
 from .policy_ratio import RATIO_NORMALIZATIONS, grpo_guard_log_ratio
+from .sa_solver import (
+    SASolverOutput,
+    sa_corrector_step,
+    sa_predictor_step,
+    sa_solver_sample,
+    sa_solver_sigmas,
+    sa_solver_tau,
+    sde_noise_level_for_tau,
+    tau_for_sde_noise_level,
+)
 from .scheduling_flow_match_sde import FlowMatchSDEScheduler
 from .sde_step import FlowMatchSDESchedulerOutput, sde_step_from_sigmas, sde_step_with_logprob
 from .sde_window import (
@@ -37,6 +50,7 @@ __all__ = [
     "FlowMatchSDESchedulerOutput",
     "FlowODESolver",
     "RolloutStep",
+    "SASolverOutput",
     "compress_sigmas",
     "dpmpp_2m_step",
     "euler_step",
@@ -45,10 +59,17 @@ __all__ = [
     "kl_estimate",
     "progressive_window_start",
     "rollout_steps",
+    "sa_corrector_step",
+    "sa_predictor_step",
+    "sa_solver_sample",
+    "sa_solver_sigmas",
+    "sa_solver_tau",
     "sample_sde_window",
     "scheduled_sde_window",
     "sde_step_from_sigmas",
+    "sde_noise_level_for_tau",
     "sde_step_with_logprob",
     "solve_flow_ode",
+    "tau_for_sde_noise_level",
     "valid_window_starts",
 ]
