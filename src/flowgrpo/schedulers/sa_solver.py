@@ -12,9 +12,9 @@ Notation: ``x = (1 - sigma) x0 + sigma eps`` (1 = pure noise), ``alpha = 1 - sig
 
     x_t = (sigma_t / sigma_s) e^{-tau^2 h} x_s + alpha_t G + sigma_t sqrt(1 - e^{-2 tau^2 h}) xi
 
-The linear part and the noise are exact for the SDE ``dx = [...] + tau g dw`` of the family that shares the
-marginals of the flow; ``G`` integrates the data predictions, interpolated in lambda, against ``c e^{c (lambda -
-lambda_t)}``. With ``M0 = 1 - e^{-c h}`` and ``M1 = (c h - 1 + e^{-c h}) / c`` (the integrals of ``c e^{c u}`` and of
+The linear part and the noise are integrated exactly (SA-Solver's reverse SDE has the flow's marginals and the
+diffusion ``tau^2 g^2``, see below); ``G`` integrates the data predictions, interpolated in lambda, against
+``c e^{c (lambda - lambda_t)}``. With ``M0 = 1 - e^{-c h}`` and ``M1 = (c h - 1 + e^{-c h}) / c`` (the integrals of ``c e^{c u}`` and of
 ``c e^{c u} (h + u)`` over ``u`` in ``[-h, 0]``), and ``h' = lambda_s - lambda_p`` the previous step's::
 
     predictor, order 1   G = M0 D_s
