@@ -173,11 +173,12 @@ def test_architecture_page_names_only_paths_that_exist():
     assert not unknown, f"docs/architecture.md names modules or attributes that do not exist: {unknown}"
 
 
-def test_configurations_import_without_torch_models_or_diffusers():
-    """`--help` and recipe checks import the configurations only: no diffusers, no model code."""
+def test_configurations_import_without_models_or_diffusers():
+    """`--help` and recipe checks import the configurations only: no diffusers, no model code (the light constants of
+    flowgrpo.schedulers, e.g. SA-Solver's defaults, are fine)."""
     code = ("import sys\nfrom flowgrpo.trainer.registry import TRAINERS, config_class\n"
             "[config_class(name) for name in TRAINERS]\nimport flowgrpo.cli.parser\n"
-            "print(sorted(m for m in ('diffusers', 'flowgrpo.models.base', 'flowgrpo.schedulers') if m in sys.modules))")
+            "print(sorted(m for m in ('diffusers', 'flowgrpo.models.base', 'flowgrpo.schedulers.sde_step') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr

@@ -60,6 +60,44 @@ def test_at_the_reference_the_loss_is_log_2_and_the_pull_is_beta_over_4p():
     torch.testing.assert_close(e_l.grad, torch.full((2,), -1000.0 / 8))
 
 
+def test_diagnostics_mean_abs_inside_and_gradient_weight_by_hand():
+    """Four pairs whose logits cancel in the signed mean: |inside| and sigmoid(-inside) show the saturation."""
+    beta = 100.0
+    # model - reference differences (w minus l) chosen so that inside = -beta / 2 * diff = [8, -8, 0.5, -0.5]
+    diff = torch.tensor([-0.16, 0.16, -0.01, 0.01], dtype=torch.float64)
+    zeros = torch.zeros(4, dtype=torch.float64)
+    out = dpo_loss(diff, zeros, zeros, zeros, beta)
+    assert out.inside.tolist() == pytest.approx([8.0, -8.0, 0.5, -0.5], rel=1e-12)
+    assert float(out.inside.mean()) == pytest.approx(0.0, abs=1e-12)
+    assert float(out.abs_inside) == pytest.approx((8 + 8 + 0.5 + 0.5) / 4)
+    weights = [sigmoid(-8.0), sigmoid(8.0), sigmoid(-0.5), sigmoid(0.5)]  # 0.000335, 0.999665, 0.3775, 0.6225
+    assert float(out.gradient_weight) == pytest.approx(sum(weights) / 4, rel=1e-12)
+    assert float(out.gradient_weight) == pytest.approx(0.5, rel=1e-12)  # symmetric logits: the mean is 1/2 ...
+    assert max(weights) - min(weights) > 0.999  # ... though the pairs' weights have collapsed to 0 and 1
+    metrics = out.metrics()
+    assert set(metrics) == {"dpo/accuracy", "dpo/inside", "dpo/abs_inside", "dpo/gradient_weight"}
+    assert metrics["dpo/accuracy"] == 0.5 and metrics["dpo/abs_inside"] == pytest.approx(4.25)
+    assert all(isinstance(v, float) for v in metrics.values())
+    # at the reference: every weight is 1/2 and |inside| is 0
+    start = dpo_loss(zeros, zeros, zeros, zeros, beta)
+    assert float(start.abs_inside) == 0.0 and float(start.gradient_weight) == 0.5
+    # the gradient weight is the derivative of the loss with respect to inside (per pair, times P)
+    inside = torch.tensor([8.0, -8.0, 0.5, -0.5], dtype=torch.float64, requires_grad=True)
+    torch.nn.functional.logsigmoid(inside).neg().sum().backward()
+    torch.testing.assert_close(-inside.grad, torch.tensor(weights, dtype=torch.float64))
+
+
+def test_several_noise_draws_average_the_draws_losses():
+    """K draws per pair: dpo_loss on the stacked draws is the mean of each draw's loss, and its gradient the mean of
+    theirs (what K accumulated backward passes of loss / K give)."""
+    g = torch.Generator().manual_seed(1)
+    draws = [tuple(torch.rand(3, generator=g, dtype=torch.float64) for _ in range(4)) for _ in range(5)]
+    stacked = dpo_loss(*(torch.cat([d[i] for d in draws]) for i in range(4)), 100.0)
+    each = [dpo_loss(*d, 100.0) for d in draws]
+    assert float(stacked.loss) == pytest.approx(sum(float(o.loss) for o in each) / 5, rel=1e-12)
+    assert float(stacked.gradient_weight) == pytest.approx(sum(float(o.gradient_weight) for o in each) / 5)
+
+
 def test_online_pairs_are_each_groups_best_and_worst():
     groups = torch.tensor([7, 7, 7, 3, 3, 3, 5, 5])
     adv = torch.tensor([0.1, 0.9, -1.0, 0.5, 0.5, 0.5, -0.2, 0.4])

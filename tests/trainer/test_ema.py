@@ -25,3 +25,20 @@ def test_ema_update_with_and_without_warmup():
     del old["warmup"]  # a checkpoint written before the option: no warm-up
     restored.load_state_dict(old)
     assert not restored.warmup
+
+
+def test_warmup_follows_awms_official_ema_step_by_step():
+    """AWM's official EMA (decay 0.99, update interval 1): after optimizer step k (global_step already incremented),
+    ema += (1 - min((1 + k) / (10 + k), 0.99)) (theta - ema). The trainer calls update(params, state.global_step)
+    after the step, so the same k."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    ema = EMAWeights([p], decay=0.99, update_interval=1, warmup=True)
+    official = p.detach().clone()
+    for k in range(1, 400):
+        with torch.no_grad():
+            p.copy_(torch.randn(4, generator=g, dtype=torch.float64))
+        ema.update([p], k)
+        official += (1 - min((1 + k) / (10 + k), 0.99)) * (p.detach() - official)
+        torch.testing.assert_close(ema.shadow[0].double(), official, rtol=0, atol=1e-6)
+    assert ema.current_decay(1) == pytest.approx(2 / 11) and ema.current_decay(890) == 0.99

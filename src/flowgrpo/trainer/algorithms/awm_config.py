@@ -1,51 +1,86 @@
 """AWMConfig: the settings of Advantage Weighted Matching, as a `transformers.TrainingArguments` subclass.
 
 The settings every online-RL trainer shares are those of `OnlineRLConfig`; this class adds AWM's own (official
-``scripts/train_sd3_awm.py``, configs ``config/dgx_awm.py``): the deterministic ``sampler`` of the rollouts, the noise
-levels trained on each clean rollout (``train_timesteps``, ``time_type``, ``time_shift``, ``timestep_fraction``), the
+``scripts/train_sd3_awm.py``, configs ``config/dgx_awm.py``): the sampler of the training rollouts
+(``rollout_sampler``: the official stochastic SA-Solver with its settings, or a deterministic solver) and of
+evaluation (``sampler``), the CFG scale of the trained velocities (``train_guidance_scale``), the noise levels trained
+on each clean rollout (``train_timesteps``, ``time_type``, ``time_shift``, ``timestep_fraction``), the
 log-likelihood surrogate's ``weighting``, the clipped ratio (``loss_type``, ``clip_range``, ``advantage_max``), the
 velocity KL to the reference (``beta``, ``kl_weight``) and the EMA adapter (``ema_beta``, ``kl_ema_weight``,
 ``kl_ema_decay``, ``kl_ema_decay_type``, ``off_policy``). Defaults are the paper's GenEval settings on SD3.5-M
-(``geneval_sd3_no_cfg_1node``): CFG-free, 14 sampling steps, 6 trained levels by ``discrete_wo_init`` in the first
-90% of the steps, ``ghuber`` weighting with power 0.25, ``exp_first``, clip range 1, advantages scaled to 1, beta
-0.001 (``Uniform``), EMA-adapter KL 1 (``Uniform``, decay min(0.3, 0.001 k)), on-policy, global std, lr 3e-4.
+(``geneval_sd3_no_cfg_1node``): CFG-free, 14 rollout steps by SA-Solver (tau 0.4 on the steps that end at a noise
+level in [0.3, 0.9], predictor and corrector of order 2), the conditional velocity trained, 6 trained levels by
+``discrete_wo_init`` in the first 90% of the steps, ``ghuber`` weighting with power 0.25, ``exp_first``, clip range 1,
+advantages scaled to 1, beta 0.001 (``Uniform``), EMA-adapter KL 1 (``Uniform``, decay min(0.3, 0.001 k)),
+on-policy, global std, lr 3e-4.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from ...schedulers.sa_solver import SA_SOLVER_NOISE_RANGE, SA_SOLVER_TAU
 from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
+from .train_guidance import TrainGuidanceArguments
 
 AWM_SAMPLERS = ("dpmpp_2m", "euler")
+#: the samplers of AWM's training rollouts: the official stochastic SA-Solver or a deterministic solver
+AWM_ROLLOUT_SAMPLERS = ("sa_solver", "dpmpp_2m", "euler")
 TIME_TYPES = ("discrete", "discrete_with_init", "discrete_wo_init", "uniform", "logit_normal")
 WEIGHTINGS = ("Uniform", "t", "t**2", "huber", "ghuber")
 LOSS_TYPES = ("sum_first", "exp_first")
 KL_WEIGHTS = ("Uniform", "ELBO")
 KL_EMA_DECAY_TYPES = ("linear", "constant")
 
-__all__ = ["AWM_SAMPLERS", "KL_EMA_DECAY_TYPES", "KL_WEIGHTS", "LOSS_TYPES", "TIME_TYPES", "WEIGHTINGS", "AWMConfig"]
+__all__ = ["AWM_ROLLOUT_SAMPLERS", "AWM_SAMPLERS", "KL_EMA_DECAY_TYPES", "KL_WEIGHTS", "LOSS_TYPES", "TIME_TYPES",
+           "WEIGHTINGS", "AWMConfig"]
 
 
 @document_config
 @dataclass
-class AWMConfig(OnlineRLConfig):
+class AWMConfig(TrainGuidanceArguments, OnlineRLConfig):
     r"""Configuration for [`AWMTrainer`]: the shared settings of [`OnlineRLConfig`] plus AWM's rollouts, trained noise
     levels, weighted flow-matching surrogate, clipped ratio and KL terms (the math: ``algorithms/awm_loss.py``)."""
 
     # ---- rollouts ------------------------------------------------------------------------------------
     sampler: str = field(
         default="dpmpp_2m",
-        metadata={"help": "Deterministic solver of the rollouts: 'dpmpp_2m' or 'euler'. AWM only keeps each rollout's "
-                          "clean sample (the official code samples with SA-Solver; any solver works, since the loss "
-                          "never needs the trajectory). Evaluation samples with the same solver."},
+        metadata={"help": "Deterministic solver of evaluation, and of the rollouts when rollout_sampler is null: "
+                          "'dpmpp_2m' or 'euler' (AWM's official evaluation: Euler, 40 steps)."},
+    )
+    rollout_sampler: str | None = field(
+        default="sa_solver",
+        metadata={"help": "Sampler of the training rollouts. 'sa_solver' (AWM's official, stochastic): SA-Solver's "
+                          "predictor-corrector (orders sa_solver_predictor_order / sa_solver_corrector_order, one "
+                          "model call a step) on the scheduler's levels with AWM's own first (1 - 1e-3) and "
+                          "second-to-last (half the third-to-last) levels, noise of stochasticity sa_solver_tau on "
+                          "the steps that end inside sa_solver_noise_range (flowgrpo.schedulers.sa_solver). "
+                          "'dpmpp_2m' or 'euler': deterministic. null: the evaluation sampler. AWM keeps only each "
+                          "rollout's clean sample, so the loss needs no trajectory from any of them."},
+    )
+    sa_solver_tau: float = field(
+        default=SA_SOLVER_TAU,
+        metadata={"help": "SA-Solver's stochasticity tau inside sa_solver_noise_range (AWM: 0.4, its "
+                          "sample.noise_level). The same SDE as this project's 'sde' step at noise_level sqrt(2) tau "
+                          "(0.4 -> 0.566)."},
+    )
+    sa_solver_noise_range: list[float] = field(
+        default_factory=lambda: list(SA_SOLVER_NOISE_RANGE),
+        metadata={"help": "[lo, hi]: the SA-Solver steps that end at a noise level lo <= sigma <= hi are stochastic, "
+                          "the others deterministic (AWM: [0.3, 0.9])."},
+    )
+    sa_solver_predictor_order: int = field(default=2, metadata={"help": "SA-Solver's predictor order, 1 or 2 (AWM: 2)."})
+    sa_solver_corrector_order: int = field(
+        default=2, metadata={"help": "SA-Solver's corrector order: 0 (no corrector), 1 or 2 (AWM: 2)."},
     )
     num_inference_steps: int = field(default=14, metadata={"help": "Rollout steps (AWM: 14)."})
     eval_num_inference_steps: int = field(default=40, metadata={"help": "Evaluation steps (AWM: 40)."})
     guidance_scale: float = field(
         default=1.0,
-        metadata={"help": "CFG scale of rollouts and of the trained velocity (AWM: 1.0, CFG-free)."},
+        metadata={"help": "CFG scale of the rollouts (AWM: 1.0, CFG-free); the trained velocities use "
+                          "train_guidance_scale."},
     )
     scale_rewards: str = field(
         default="batch",
@@ -131,6 +166,10 @@ class AWMConfig(OnlineRLConfig):
 
     def _check_algorithm(self) -> None:
         check_choice("sampler", self.sampler, AWM_SAMPLERS)
+        if self.rollout_sampler is not None:
+            check_choice("rollout_sampler", self.rollout_sampler, AWM_ROLLOUT_SAMPLERS)
+        self._check_sa_solver()
+        self._check_train_guidance()
         check_choice("time_type", self.time_type, TIME_TYPES)
         check_choice("weighting", self.weighting, WEIGHTINGS)
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -164,6 +203,30 @@ class AWMConfig(OnlineRLConfig):
             raise ValueError(f"kl_ema_decay={self.kl_ema_decay} must be in [0, 1) (AWM: 0.3).")
         if not isinstance(self.off_policy, bool):
             raise ValueError(f"off_policy={self.off_policy!r} must be true or false.")
+
+    def _check_sa_solver(self) -> None:
+        tau = self.sa_solver_tau
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau < 0:
+            raise ValueError(f"sa_solver_tau={tau!r} must be a finite number >= 0 (AWM: 0.4; 0: deterministic).")
+        bounds = self.sa_solver_noise_range
+        if (isinstance(bounds, (str, bytes)) or not hasattr(bounds, "__len__") or len(bounds) != 2
+                or any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in bounds)
+                or not 0 <= bounds[0] <= bounds[1] <= 1):
+            raise ValueError(f"sa_solver_noise_range={bounds!r} must be two noise levels [lo, hi] with "
+                             "0 <= lo <= hi <= 1 (AWM: [0.3, 0.9]).")
+        self.sa_solver_noise_range = [float(b) for b in bounds]
+        order = self.sa_solver_predictor_order
+        if isinstance(order, bool) or order not in (1, 2):
+            raise ValueError(f"sa_solver_predictor_order={order!r} is not supported; use 1 or 2 (AWM: 2).")
+        order = self.sa_solver_corrector_order
+        if isinstance(order, bool) or order not in (0, 1, 2):
+            raise ValueError(f"sa_solver_corrector_order={order!r} is not supported; use 0 (no corrector), 1 or 2 "
+                             "(AWM: 2).")
+
+    @property
+    def rollout_solver(self) -> str:
+        """The sampler of the training rollouts: ``rollout_sampler``, or ``sampler`` when it is null."""
+        return self.sampler if self.rollout_sampler is None else self.rollout_sampler
 
     @property
     def uses_ema_adapter(self) -> bool:

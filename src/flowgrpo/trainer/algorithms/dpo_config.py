@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
+from .dpo_timesteps import DPO_TIMESTEP_DISTRIBUTIONS
+from .train_guidance import TrainGuidanceArguments
 
 DPO_MODES = ("offline", "online")
 DPO_SAMPLERS = ("dpmpp_2m", "euler")
@@ -24,7 +26,7 @@ __all__ = ["CHOSEN_COLUMN", "DPO_MODES", "DPO_SAMPLERS", "REJECTED_COLUMN", "Dif
 
 @document_config
 @dataclass
-class DiffusionDPOConfig(OnlineRLConfig):
+class DiffusionDPOConfig(TrainGuidanceArguments, OnlineRLConfig):
     r"""Configuration for [`DiffusionDPOTrainer`]: the shared settings of [`OnlineRLConfig`] plus the preference pairs
     and the DPO loss (the math: ``algorithms/dpo_loss.py``)."""
 
@@ -37,15 +39,31 @@ class DiffusionDPOConfig(OnlineRLConfig):
                           "images all score the same give none)."},
     )
     beta_dpo: float = field(
-        default=5000.0,
+        default=100.0,
         metadata={"help": "Diffusion-DPO's beta: L = -log sigmoid(-beta_dpo / 2 ((e_w - e_w_ref) - (e_l - e_l_ref))) "
-                          "with e the per-pixel mean flow-matching error (Diffusion-DPO: 5000 for SD1.5, 2500 for "
-                          "SDXL)."},
+                          "with e the per-pixel mean flow-matching error. 100 as the flow-matching references on "
+                          "SD3.5-M (flow_grpo's GenEval and PickScore DPO, Flow-Factory's example); 5000 is "
+                          "Diffusion-DPO's epsilon-prediction value (its SD1.5 and SDXL launchers both use 5000)."},
+    )
+    dpo_num_noise_draws: int = field(
+        default=1,
+        metadata={"help": "K: fresh (t, eps) draws per pair per optimizer step, their losses averaged (accumulated). "
+                          "flow_grpo accumulates int(40 steps x 0.99) = 39 draws per update; Flow-Factory's example "
+                          "uses 1."},
+    )
+    dpo_timestep_distribution: str = field(
+        default="logit_normal",
+        metadata={"help": "The noise level t of each draw, shared by the pair: 'logit_normal' (the references: u = "
+                          "sigmoid(z), z ~ N(0, 1), the scheduler's training level at index floor(1000 u), i.e. through "
+                          "the scheduler's own shift; flowgrpo.trainer.algorithms.dpo_timesteps) or 'uniform' (t = s u / "
+                          "(1 + (s - 1) u), u ~ U(0, 1), s = time_shift)."},
     )
     time_shift: float = field(
         default=1.0,
-        metadata={"help": "The loss's noise level per pair: t = s u / (1 + (s - 1) u), u ~ U(0, 1) (1.0: uniform, "
-                          "as Diffusion-DPO's uniform timesteps; 3.0 favours high noise as SD3's training)."},
+        metadata={"help": "The shift s of 'uniform' noise levels: t = s u / (1 + (s - 1) u), u ~ U(0, 1) (1.0: "
+                          "uniform, as Diffusion-DPO's uniform timesteps; 3.0 favours high noise as SD3's training). "
+                          "'logit_normal' levels go through the scheduler's shift instead, as the references draw "
+                          "them."},
     )
     sampler: str = field(
         default="dpmpp_2m",
@@ -53,7 +71,8 @@ class DiffusionDPOConfig(OnlineRLConfig):
     )
     guidance_scale: float = field(
         default=1.0,
-        metadata={"help": "CFG scale of online rollouts and of the trained velocity (1.0: one forward per step)."},
+        metadata={"help": "CFG scale of the online rollouts (1.0: one forward per step; flow_grpo samples at 4.5); "
+                          "the trained and reference velocities use train_guidance_scale."},
     )
     learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate of the LoRA."})
 
@@ -62,8 +81,15 @@ class DiffusionDPOConfig(OnlineRLConfig):
     def _check_algorithm(self) -> None:
         check_choice("dpo_mode", self.dpo_mode, DPO_MODES)
         check_choice("sampler", self.sampler, DPO_SAMPLERS)
+        check_choice("dpo_timestep_distribution", self.dpo_timestep_distribution, DPO_TIMESTEP_DISTRIBUTIONS)
+        self._check_train_guidance()
         if not self.beta_dpo > 0:
-            raise ValueError(f"beta_dpo={self.beta_dpo} must be > 0 (Diffusion-DPO: 5000 for SD1.5, 2500 for SDXL).")
+            raise ValueError(f"beta_dpo={self.beta_dpo} must be > 0 (the flow-matching references: 100; "
+                             "Diffusion-DPO's epsilon-prediction runs: 5000).")
+        draws = self.dpo_num_noise_draws
+        if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+            raise ValueError(f"dpo_num_noise_draws={draws!r} must be an integer >= 1 (fresh (t, eps) draws per pair "
+                             "per step; flow_grpo: 39).")
         if not self.time_shift > 0:
             raise ValueError(f"time_shift={self.time_shift} must be > 0 (1.0: uniform noise levels).")
         if self.regularizer == "gardo":

@@ -10,8 +10,17 @@ frozen base with the LoRA adapter disabled (e_w_ref, e_l_ref, no gradient).
 
 Lowering the policy's error on the preferred sample relative to the reference, and raising it on the rejected one,
 lowers the loss. The gradient with respect to e_w of pair p is beta_dpo / 2 sigmoid(-inside_p) / P, and the opposite
-for e_l; at the start (policy = reference, inside = 0) it is beta_dpo / (4 P). Logged: the implicit accuracy
-(share of pairs with inside > 0) and the mean of inside. ``tests/trainer/test_dpo.py`` checks loss and gradient by hand.
+for e_l; at the start (policy = reference, inside = 0) it is beta_dpo / (4 P). So sigmoid(-inside_p), 1/2 at the
+start, is the weight of pair p's gradient: near 0 for a pair already ordered with a large margin, near 1 for one
+ordered the wrong way. With a large beta_dpo, |inside| grows to several units within a few steps and the weights
+collapse to 0 or 1, decided by each draw's noise more than by the pair.
+
+With K (t, eps) draws per pair (``dpo_num_noise_draws``), the loss is the mean over the K P terms: `dpo_loss` on the
+draws' errors stacked (or K backward passes of each draw's loss / K, the same gradient).
+
+Logged (`DPOLoss.metrics`): the implicit accuracy (share of pairs with inside > 0), the mean of inside, the mean of
+|inside| and the mean gradient weight sigmoid(-inside) (the signed mean hides both: +8 and -8 average to 0).
+``tests/trainer/test_dpo.py`` checks loss, gradient and diagnostics by hand.
 """
 
 from __future__ import annotations
@@ -35,6 +44,22 @@ class DPOLoss:
     def accuracy(self) -> torch.Tensor:
         """Share of pairs the policy prefers the right way, relative to the reference (inside > 0)."""
         return (self.inside.detach() > 0).float().mean()
+
+    @property
+    def abs_inside(self) -> torch.Tensor:
+        """Mean |inside|: how far the logits are from 0 (the start), whatever their sign."""
+        return self.inside.detach().abs().mean()
+
+    @property
+    def gradient_weight(self) -> torch.Tensor:
+        """Mean sigmoid(-inside): the pairs' gradient weights, 1/2 at the start; near 0 or 1 when saturated."""
+        return torch.sigmoid(-self.inside.detach()).mean()
+
+    def metrics(self) -> dict[str, float]:
+        """The values to log: ``dpo/accuracy``, ``dpo/inside`` (signed mean), ``dpo/abs_inside``,
+        ``dpo/gradient_weight``."""
+        return {"dpo/accuracy": float(self.accuracy), "dpo/inside": float(self.inside.detach().mean()),
+                "dpo/abs_inside": float(self.abs_inside), "dpo/gradient_weight": float(self.gradient_weight)}
 
 
 def dpo_loss(error_w: torch.Tensor, error_l: torch.Tensor, ref_error_w: torch.Tensor, ref_error_l: torch.Tensor,

@@ -1,0 +1,104 @@
+"""AWM's and Diffusion-DPO's settings as their references run them: the CFG scale of the trained velocities, AWM's
+rollout sampler (SA-Solver) and Diffusion-DPO's draws; defaults, recipe parsing and the errors on bad values."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowgrpo import AWMConfig, DiffusionDPOConfig
+from flowgrpo.cli import parse_recipe
+from flowgrpo.schedulers.sa_solver import SA_SOLVER_NOISE_RANGE, SA_SOLVER_TAU
+
+
+def awm(tmp_path, **kwargs) -> AWMConfig:
+    return AWMConfig(output_dir=str(tmp_path), report_to=[], **kwargs)
+
+
+def dpo(tmp_path, **kwargs) -> DiffusionDPOConfig:
+    return DiffusionDPOConfig(output_dir=str(tmp_path), report_to=[], **kwargs)
+
+
+# ---- the CFG scale of the trained velocities ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [awm, dpo], ids=["awm", "dpo"])
+def test_train_guidance_scale_defaults_to_the_conditional_velocity(tmp_path, make):
+    args = make(tmp_path, guidance_scale=4.5)
+    assert args.train_guidance_scale == 1.0 and args.training_guidance_scale == 1.0  # rollouts at 4.5, loss at 1
+    assert make(tmp_path, guidance_scale=4.5, train_guidance_scale=None).training_guidance_scale == 4.5
+    assert make(tmp_path, guidance_scale=3.0, train_guidance_scale=2).training_guidance_scale == 2.0
+    assert make(tmp_path, train_guidance_scale=0).train_guidance_scale == 0.0  # Z-Image's conditional velocity
+    for bad in (-1.0, float("nan"), float("inf"), True, "high"):
+        with pytest.raises(ValueError, match=r"train_guidance_scale=.* must be a finite number >= 0 .*or null"):
+            make(tmp_path, train_guidance_scale=bad)
+
+
+# ---- AWM's rollout sampler --------------------------------------------------------------------------------------------
+
+def test_awm_rollout_sampler_defaults_to_the_official_sa_solver(tmp_path):
+    args = awm(tmp_path)
+    assert (args.rollout_sampler, args.rollout_solver, args.sampler) == ("sa_solver", "sa_solver", "dpmpp_2m")
+    assert (args.sa_solver_tau, args.sa_solver_noise_range) == (SA_SOLVER_TAU, list(SA_SOLVER_NOISE_RANGE)) == (
+        0.4, [0.3, 0.9])
+    assert (args.sa_solver_predictor_order, args.sa_solver_corrector_order) == (2, 2)
+    assert (args.num_inference_steps, args.guidance_scale, args.training_guidance_scale) == (14, 1.0, 1.0)
+    # null: the rollouts use the evaluation sampler (the behaviour before the option)
+    assert awm(tmp_path, rollout_sampler=None, sampler="euler").rollout_solver == "euler"
+    assert awm(tmp_path, rollout_sampler="dpmpp_2m").rollout_solver == "dpmpp_2m"
+    assert awm(tmp_path, sa_solver_noise_range=(0, 1)).sa_solver_noise_range == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rollout_sampler="ddim"), "rollout_sampler='ddim' is not valid; choose one of 'sa_solver', 'dpmpp_2m'"),
+    (dict(sampler="sa_solver"), "sampler='sa_solver' is not valid"),  # evaluation stays deterministic
+    (dict(sa_solver_tau=-0.4), r"sa_solver_tau=-0.4 must be a finite number >= 0 \(AWM: 0.4"),
+    (dict(sa_solver_tau=float("nan")), "sa_solver_tau=nan"),
+    (dict(sa_solver_noise_range=[0.9, 0.3]), r"sa_solver_noise_range=\[0.9, 0.3\] must be two noise levels"),
+    (dict(sa_solver_noise_range=[0.3]), "0 <= lo <= hi <= 1"),
+    (dict(sa_solver_noise_range=[0.3, 1.5]), "0 <= lo <= hi <= 1"),
+    (dict(sa_solver_predictor_order=3), r"sa_solver_predictor_order=3 is not supported; use 1 or 2"),
+    (dict(sa_solver_corrector_order=3), r"sa_solver_corrector_order=3 is not supported; use 0 \(no corrector\)"),
+])
+def test_awm_bad_sampler_settings_name_the_value_and_the_fix(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        awm(tmp_path, **kwargs)
+
+
+# ---- Diffusion-DPO's draws ----------------------------------------------------------------------------------------------
+
+def test_dpo_defaults_follow_the_flow_matching_references(tmp_path):
+    args = dpo(tmp_path)
+    assert args.beta_dpo == 100.0
+    assert (args.dpo_timestep_distribution, args.dpo_num_noise_draws, args.training_guidance_scale) == (
+        "logit_normal", 1, 1.0)
+    assert dpo(tmp_path, dpo_num_noise_draws=39, dpo_timestep_distribution="uniform").dpo_num_noise_draws == 39
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dpo_num_noise_draws=0), r"dpo_num_noise_draws=0 must be an integer >= 1 .*flow_grpo: 39"),
+    (dict(dpo_num_noise_draws=2.5), "dpo_num_noise_draws=2.5"),
+    (dict(dpo_timestep_distribution="cosine"),
+     "dpo_timestep_distribution='cosine' is not valid; choose one of 'logit_normal', 'uniform'"),
+    (dict(beta_dpo=0.0), r"beta_dpo=0.0 must be > 0 \(the flow-matching references: 100"),
+])
+def test_dpo_bad_settings_name_the_value_and_the_fix(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dpo(tmp_path, **kwargs)
+
+
+# ---- recipes and the command line ----------------------------------------------------------------------------------
+
+def test_the_settings_parse_from_recipes_and_flags():
+    overrides = {"rollout_sampler": None, "sa_solver_noise_range": [0.2, 0.95], "guidance_scale": 4.5,
+                 "train_guidance_scale": None}
+    _, _, args = parse_recipe(["recipes/awm_geneval.yaml", "--use_cpu", "true", "--sa_solver_corrector_order", "0",
+                               "--sa_solver_tau", "0.5"], overrides=overrides)
+    assert type(args).__name__ == "AWMConfig"
+    assert args.rollout_sampler is None and args.rollout_solver == args.sampler
+    assert (args.sa_solver_noise_range, args.sa_solver_tau, args.sa_solver_corrector_order) == ([0.2, 0.95], 0.5, 0)
+    assert args.train_guidance_scale is None and args.training_guidance_scale == 4.5
+    _, _, args = parse_recipe(["recipes/dpo_online_ocr.yaml", "--use_cpu", "true", "--beta_dpo", "500",
+                               "--dpo_num_noise_draws", "39", "--dpo_timestep_distribution", "uniform",
+                               "--train_guidance_scale", "2.0"])
+    assert type(args).__name__ == "DiffusionDPOConfig"
+    assert (args.dpo_num_noise_draws, args.dpo_timestep_distribution, args.beta_dpo) == (39, "uniform", 500.0)
+    assert args.training_guidance_scale == 2.0
