@@ -44,6 +44,7 @@ from transformers.utils import logging
 
 from ..cpu_threads import apply_cpu_thread_plan, install_main_thread_yield, plan_cpu_threads
 from ..models import PromptEmbeds, family_adapter_class, get_family_adapter
+from ..models.defaults import resolve_trainer_settings
 from ..rewards import RewardSet, resolve_reward_funcs
 from ..schedulers import FlowMatchSDEScheduler
 from .base import FlowBaseTrainer
@@ -204,12 +205,14 @@ class OnlineRLTrainer(HealthGuards, RolloutPipeline, Evaluation, PipelineLoading
             raise ValueError("A quantized transformer cannot be fully fine-tuned; pass a LoRA peft_config.")
         index = self._pipeline_index(model, pipeline_kwargs or {})
         self._check_family_settings(index, args, peft_config, (train_dataset, eval_dataset))
+        self.generation_settings = resolve_trainer_settings(model, args, index, pipeline_kwargs)
         if self._audio_rewards and index and "_class_name" in index:
             check_audio_rewards(family_adapter_class(index["_class_name"]), self._audio_rewards)
         _import_own_components(index)
 
         self.model_dtype = _torch_dtype(args.dtype)
         pipeline = self._load_pipeline(model, args, pipeline_kwargs or {})
+        self.generation_settings = self.generation_settings or resolve_trainer_settings(pipeline, args)
         self.pipeline = pipeline
         self.adapter = get_family_adapter(pipeline, num_frames=args.num_frames)
         check_audio_rewards(type(self.adapter), self._audio_rewards)

@@ -3,9 +3,10 @@
 The settings every online-RL trainer shares (groups, rollouts, rewards, memory, crash safety, logging) are those of
 `OnlineRLConfig`; this class adds Flow-GRPO's own: the stochastic sampler (noise level, SDE or CPS), its windows
 and solvers, and the clipped-ratio objective. Defaults follow the published Flow-GRPO recipes for Stable Diffusion
-3.5 Medium where they exist (LoRA r=32/alpha=64, lr 3e-4, 10 sampling steps, 40 evaluation steps, CFG 4.5, noise
-level 0.7, KL weight 0.04, clip range 1e-4, advantage clip 5, 512 px); each field's help says where its default
-comes from.
+3.5 Medium where they exist (LoRA r=32/alpha=64, lr 3e-4, noise level 0.7, KL weight 0.04, clip range 1e-4,
+advantage clip 5); each field's help says where its default comes from. The sampling settings (size, steps, guidance,
+text length) are the model's own unless given (the published SD3.5-M ones, 512 px, 10 steps, 40 for evaluation, CFG
+4.5, are in ``recipes/ocr.yaml`` and its siblings).
 """
 
 from __future__ import annotations
@@ -169,6 +170,8 @@ class FlowGRPOConfig(OnlineRLConfig):
     def _check_window(self) -> None:
         steps = self.num_inference_steps
         k = self.sde_window_size
+        if steps is None and k > 0:  # the model's own step count: checked once the trainer has resolved it
+            return
         if k < 0:
             raise ValueError(f"sde_window_size={k} must be >= 0 (0 = SDE on every step but the last).")
         if k == 0:

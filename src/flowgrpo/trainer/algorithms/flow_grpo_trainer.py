@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ...models import PromptEmbeds
+from ...models.defaults import generation_card_lines
 from ...schedulers import grpo_guard_log_ratio, kl_estimate, scheduled_sde_window, sde_step_from_sigmas
 from ..health.gardo import gated_mean
 from ..online_trainer import OnlineRLTrainer, _seed_for
@@ -239,6 +240,7 @@ class FlowGRPOTrainer(OnlineRLTrainer):
             f"- group size {args.num_generations}, {args.num_inference_steps} sampling steps, guidance "
             f"{args.guidance_scale}, {args.height}x{args.width}"
             + (f", {args.num_frames} frames" if args.num_frames > 1 else ""),
+            *generation_card_lines(self),
             f"- beta (KL) {args.beta}, clip range {args.epsilon}, learning rate {args.learning_rate}",
             f"- SDE window: sde_window_strategy={args.sde_window_strategy}, sde_window_range={args.sde_window_range}, "
             f"sde_window_shift_interval={args.sde_window_shift_interval}, sde_window_stride={args.sde_window_stride}, "

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ...models import PromptEmbeds
+from ...models.defaults import generation_card_lines
 from ..online_trainer import OnlineRLTrainer, _seed_for
 from ..run_state.old_policy import old_policy_decay
 from .nft_config import DiffusionNFTConfig
@@ -165,6 +166,7 @@ class DiffusionNFTTrainer(OnlineRLTrainer):
             f"- group size {args.num_generations}, {args.num_inference_steps} sampling steps, guidance "
             f"{args.guidance_scale}, {args.height}x{args.width}"
             + (f", {args.num_frames} frames" if args.num_frames > 1 else ""),
+            *generation_card_lines(self),
             f"- nft_beta {args.nft_beta}, velocity penalty beta {args.beta}, advantage clip {args.adv_clip_max}, "
             f"learning rate {args.learning_rate}",
             f"- old policy: decay starts at step {args.old_policy_decay_start}, rises by "
