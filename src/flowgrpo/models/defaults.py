@@ -363,6 +363,11 @@ def check_generation_settings(settings: GenerationSettings, *, guidance_scales: 
     from . import family_adapter_class
 
     profile, values, model = settings.profile, settings.values, settings.model
+    # the family's own frame and size rules first: the trainer runs them before loading too, in these words
+    adapter_cls = family_adapter_class(profile.pipeline_class)
+    adapter_cls.check_num_frames(values["num_frames"])
+    adapter_cls.check_video_settings(values["num_frames"], values["height"], values["width"],
+                                     settings.configs.config("vae") or None)
     rule = profile.size
     own = settings.own
     allowed_size = f"multiples of {rule.multiple}" + (f" up to {rule.max_side}" if rule.max_side else "")
@@ -377,10 +382,6 @@ def check_generation_settings(settings: GenerationSettings, *, guidance_scales: 
             raise ValueError(impossible_value_message(
                 name, value, model, f"{rule.max_why}, so sides end at {rule.max_side}", allowed_size,
                 _size_fix(name, value, rule.multiple, rule.max_side, own_size)))
-    adapter_cls = family_adapter_class(profile.pipeline_class)
-    adapter_cls.check_num_frames(values["num_frames"])
-    adapter_cls.check_video_settings(values["num_frames"], values["height"], values["width"],
-                                     settings.configs.config("vae") or None)
     text, length = profile.text, values["max_sequence_length"]
     if text.used:
         own_text = f"the model's own {own['max_sequence_length']}"

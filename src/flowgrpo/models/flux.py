@@ -40,7 +40,7 @@ class FluxAdapter(ModelFamilyAdapter):
     @classmethod
     def _text_rule(cls, configs: ModelConfigs) -> TextRule:
         limit, why = smallest(
-            (FLUX_MAX_SEQUENCE_LENGTH, f"{configs.pipeline_class} takes at most {FLUX_MAX_SEQUENCE_LENGTH} T5 tokens"),
+            (FLUX_MAX_SEQUENCE_LENGTH, f"the longest T5 prompt {configs.pipeline_class} accepts"),
             (sane_length(configs.config("tokenizer_2").get("model_max_length")), "the T5 tokenizer's model_max_length"))
         return TextRule(limit or FLUX_MAX_SEQUENCE_LENGTH, f"{configs.pipeline_class}'s T5 length", limit, why)
 

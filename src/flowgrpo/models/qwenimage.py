@@ -52,7 +52,7 @@ class QwenImageAdapter(ModelFamilyAdapter):
     @classmethod
     def _text_rule(cls, configs: ModelConfigs) -> TextRule:
         limit, why = smallest(
-            (QWEN_MAX_SEQUENCE_LENGTH, f"the Qwen-Image pipelines take at most {QWEN_MAX_SEQUENCE_LENGTH} tokens"),
+            (QWEN_MAX_SEQUENCE_LENGTH, "the longest prompt the Qwen-Image pipelines accept"),
             (encoder_positions(configs.config("text_encoder")), "the text encoder's max_position_embeddings"))
         return TextRule(min(QWEN_DEFAULT_SEQUENCE_LENGTH, limit or QWEN_DEFAULT_SEQUENCE_LENGTH),
                         f"{configs.pipeline_class}'s call default", limit, why)

@@ -56,7 +56,7 @@ class SD3Adapter(ModelFamilyAdapter):
     @classmethod
     def _text_rule(cls, configs: ModelConfigs) -> TextRule:
         limit, why = smallest(
-            (SD3_MAX_SEQUENCE_LENGTH, f"StableDiffusion3Pipeline takes at most {SD3_MAX_SEQUENCE_LENGTH} T5 tokens"),
+            (SD3_MAX_SEQUENCE_LENGTH, "the longest T5 prompt StableDiffusion3Pipeline accepts"),
             (sane_length(configs.config("tokenizer_3").get("model_max_length")), "the T5 tokenizer's model_max_length"))
         return TextRule(min(SD3_DEFAULT_SEQUENCE_LENGTH, limit or SD3_DEFAULT_SEQUENCE_LENGTH),
                         "StableDiffusion3Pipeline's T5 length", limit, why)
