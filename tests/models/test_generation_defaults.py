@@ -249,3 +249,28 @@ def test_plan_refuses_the_same_values_with_the_same_words(tiny_pipeline_path, tm
     # unset, the plan is made at the model's own settings (64 px, 256 T5 tokens for the tiny SD3)
     planned = plan_recipe(str(recipe), [], with_suggestions=False)
     assert planned["details"]["model"] and planned["fits"] in (True, False)
+
+
+def test_the_docs_table_is_made_from_the_adapters():
+    from flowgrpo.plan.defaults_table import TABLE_END, TABLE_START, defaults_rows, defaults_table
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "model_families.md").read_text(encoding="utf-8")
+    written = page[page.index(TABLE_START) + len(TABLE_START):page.index(TABLE_END)].strip()
+    assert written == defaults_table(), "docs/model_families.md: run python scripts/model_defaults_table.py"
+    rows = {row["model"].strip("`"): row for row in defaults_rows()}
+    expected = {  # the released checkpoints: size, frames, steps, guidance, text tokens
+        "stabilityai/stable-diffusion-3.5-medium": ("1024 x 1024", "1", "40", "4.5", "256"),
+        "black-forest-labs/FLUX.1-dev": ("1024 x 1024", "1", "50", "3.5", "512"),
+        "black-forest-labs/FLUX.2-klein-4B": ("1024 x 1024", "1", "4", "1", "512"),
+        "black-forest-labs/FLUX.2-klein-base-4B": ("1024 x 1024", "1", "50", "4", "512"),
+        "Tongyi-MAI/Z-Image-Turbo": ("1024 x 1024", "1", "8", "0", "512"),
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("480 x 832", "81", "50", "5", "512"),
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers": ("704 x 1280", "121", "50", "5", "512"),
+        "Lightricks/LTX-2": ("512 x 768", "121", "30", "3", "1024"),
+    }
+    for name, (size, frames, steps, guidance, text) in expected.items():
+        row = rows[name]
+        assert (row["size"].split(" (")[0], row["frames"], row["steps"], row["guidance"].split(" ")[0],
+                row["text tokens"]) == (size, frames, steps, guidance, text), name
+    assert "at most 6144" in rows["stabilityai/stable-diffusion-3.5-medium"]["size"]  # pos_embed_max_size 384
+    assert "distilled" in rows["black-forest-labs/FLUX.2-klein-4B"]["guidance"]

@@ -116,13 +116,8 @@ class HunyuanVideo15Adapter(ModelFamilyAdapter):
         if "guidance_scale" in guider:
             return Published(50, float(guider["guidance_scale"]), "HunyuanVideo15Pipeline's call default (50 steps) "
                                                                   "and its guider's guidance_scale")
-        import inspect
-
-        from diffusers.guiders import ClassifierFreeGuidance
-
-        scale = inspect.signature(ClassifierFreeGuidance.__init__).parameters["guidance_scale"].default
-        return Published(50, float(scale), "HunyuanVideo15Pipeline's call default (50 steps) and "
-                                           "ClassifierFreeGuidance's default guidance_scale")
+        return Published(50, 6.0, "HunyuanVideo 1.5's release settings (50 steps, guidance 6; the pipeline folder's "
+                                  "guider_config.json, when present, is read instead)")
 
     def _latent_dims(self, height: int, width: int) -> tuple[int, int, int]:
         pipe = self.pipeline

@@ -26,6 +26,7 @@ def configs_from_spec(spec: ModelSpec, name: str) -> ModelConfigs:
         components["transformer_2"] = dict(spec.transformer_config)
     components.update({key: dict(config) for key, (_, config) in spec.components.items()})
     return ModelConfigs(pipeline_class=spec.pipeline_class, name=name, components=components,
+                        pipeline_config=dict(spec.pipeline_config),
                         origin=f"packaged config {spec.name}" if spec.origin == "packaged" else spec.origin)
 
 
