@@ -10,6 +10,7 @@ before anything is loaded; ``flowgrpo plan`` refuses the same values with the sa
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import warnings
 from pathlib import Path
@@ -120,12 +121,14 @@ def _trainer(path, family: str, output_dir: Path, config_class=FlowGRPOConfig, *
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_a_rollout_at_the_defaults_works(family, tiny_pipeline_path, tmp_path):
+def test_a_rollout_at_the_defaults_works(family, tiny_pipeline_path, tmp_path, caplog):
     """One short training step at the model's own size, frames, text length and guidance. The step count is the one
     setting given (2): the families' own 28-50 steps are checked by the resolution test, and would only repeat the
     same transformer call."""
+    caplog.set_level(logging.INFO, logger="flowgrpo.models.defaults")
     trainer = _trainer(tiny_pipeline_path(family), family, tmp_path, num_inference_steps=2)
     settings, args = trainer.generation_settings, trainer.args
+    assert [r.getMessage() for r in caplog.records if r.name == "flowgrpo.models.defaults"] == [settings.describe()]
     assert settings is not None and settings.sources["num_inference_steps"] == GIVEN
     assert [getattr(args, name) for name in settings.values] == list(settings.values.values())  # written into args
     assert args.to_dict()["guidance_scale"] == PUBLISHED[family][1] and args.max_sequence_length == PUBLISHED[family][2]
@@ -274,3 +277,22 @@ def test_the_docs_table_is_made_from_the_adapters():
                 row["text tokens"]) == (size, frames, steps, guidance, text), name
     assert "at most 6144" in rows["stabilityai/stable-diffusion-3.5-medium"]["size"]  # pos_embed_max_size 384
     assert "distilled" in rows["black-forest-labs/FLUX.2-klein-4B"]["guidance"]
+
+
+def test_checks_that_need_the_step_count_run_once_it_is_resolved(tiny_pipeline_path, tmp_path):
+    from flowgrpo.models.defaults import resolve_config_settings
+
+    args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], sde_window_size=2, base_model_tail_steps=3)
+    assert args.sde_window_range is None and args.image_size == (None, None)  # waiting for the model's step count
+    resolve_config_settings(read_model_configs(tiny_pipeline_path("sd3")), args)
+    assert (args.num_inference_steps, args.sde_window_range, args.image_size) == (28, [0, 14], (64, 64))
+    assert args.resolution == 64 and args.evaluation_guidance_scales == [7.0]
+    distilled = read_model_configs(tiny_pipeline_path("flux2_klein", "distilled"))  # 4 steps
+    with pytest.raises(ValueError, match=r"sde_window_size=5 must be at most num_inference_steps - 1 = 3"):
+        resolve_config_settings(distilled, FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], sde_window_size=5))
+    with pytest.raises(ValueError, match=r"base_model_tail_steps=4 must be in \[0, num_inference_steps=4\)"):
+        resolve_config_settings(distilled, FlowGRPOConfig(output_dir=str(tmp_path), report_to=[],
+                                                          base_model_tail_steps=4))
+    with pytest.raises(ValueError, match=r"timestep_fraction=0.2 of num_inference_steps=4 trains"):
+        resolve_config_settings(distilled, DiffusionNFTConfig(output_dir=str(tmp_path), report_to=[],
+                                                              timestep_fraction=0.2))

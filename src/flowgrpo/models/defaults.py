@@ -34,6 +34,7 @@ family's off value is warned about). A toy world's ``toy_world.json`` holds the 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -54,6 +55,8 @@ CHECKPOINT_DEFAULT_KEYS = ("resolution", "height", "width", "num_inference_steps
 _INTEGER_SETTINGS = ("height", "width", "num_inference_steps", "eval_num_inference_steps", "max_sequence_length",
                      "num_frames")
 GIVEN = "given"
+
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -468,7 +471,6 @@ def resolve_trainer_settings(model: Any, args: Any, index: Mapping[str, Any] | N
     returned ``None`` the first time. Nothing is loaded here.
     """
     from diffusers import DiffusionPipeline
-    from transformers.utils import logging
 
     if isinstance(model, DiffusionPipeline):
         configs = configs_from_pipeline(model)
@@ -480,7 +482,7 @@ def resolve_trainer_settings(model: Any, args: Any, index: Mapping[str, Any] | N
         if configs is None:
             return None
     settings = resolve_config_settings(configs, args)
-    logging.get_logger("flowgrpo.trainer").info(settings.describe())
+    logger.info(settings.describe())
     return settings
 
 
