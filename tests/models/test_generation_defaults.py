@@ -9,6 +9,7 @@ before anything is loaded; ``flowgrpo plan`` refuses the same values with the sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -103,8 +104,8 @@ def test_family_size_is_the_stock_pipelines_and_a_loaded_pipeline_reads_the_same
     assert (profile.height, profile.width) == tuple(expected)
     loaded = configs_from_pipeline(pipe)
     assert loaded.checkpoint_defaults == read_model_configs(path).checkpoint_defaults
-    assert family_adapter_class(pipe).generation_profile(loaded) == profile.__class__(
-        **{**profile.__dict__, "pipeline_class": loaded.pipeline_class})
+    assert family_adapter_class(pipe).generation_profile(loaded) == dataclasses.replace(
+        profile, pipeline_class=loaded.pipeline_class)
 
 
 def _trainer(path, family: str, output_dir: Path, config_class=FlowGRPOConfig, **kwargs):

@@ -38,11 +38,11 @@ import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .profile import FamilyProfile, ModelConfigs, Published
+from .profile import FamilyProfile, ModelConfigs
 
 #: the settings resolved here, as named in the trainers' configurations
 GENERATION_SETTINGS = ("height", "width", "num_inference_steps", "eval_num_inference_steps", "guidance_scale",
@@ -254,13 +254,6 @@ def _first(*candidates: tuple[Any, str]) -> tuple[Any, str]:
     raise ValueError("no candidate value")  # the family's default is always the last candidate
 
 
-def _published_with_checkpoint(published: Published, checkpoint: Mapping[str, Any]) -> Published:
-    if checkpoint.get("distilled") is None:
-        return published
-    return Published(published.num_inference_steps, published.guidance_scale, published.source,
-                     bool(checkpoint["distilled"]))
-
-
 def resolve_generation_settings(configs: ModelConfigs, explicit: Mapping[str, Any], *, cfg_free: str | None = None,
                                 guidance_scales: Sequence[float] = (), negative_prompt: str = "") -> GenerationSettings:
     """Resolve every setting of :data:`GENERATION_SETTINGS` that ``explicit`` leaves ``None`` (see the module
@@ -281,10 +274,10 @@ def resolve_generation_settings(configs: ModelConfigs, explicit: Mapping[str, An
 
     profile = family_adapter_class(configs.pipeline_class).generation_profile(configs)
     checkpoint = dict(configs.checkpoint_defaults)
-    published = _published_with_checkpoint(profile.published, checkpoint)
-    if published is not profile.published:
-        profile = FamilyProfile(**{**profile.__dict__, "published": published})
-    own = f"{configs.checkpoint_defaults_source}" if configs.checkpoint_defaults_source else ""
+    if checkpoint.get("distilled") is not None:  # the checkpoint says whether it samples without guidance
+        profile = replace(profile, published=replace(profile.published, distilled=bool(checkpoint["distilled"])))
+    published = profile.published
+    own = configs.checkpoint_defaults_source or ""
 
     def given(name: str) -> tuple[Any, str]:
         return explicit.get(name), GIVEN

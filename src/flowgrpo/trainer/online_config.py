@@ -330,13 +330,6 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
     #: guidance_scale is then the family's no-guidance value, not the model card's); None: the model's guidance
     _cfg_free_rollouts: ClassVar[str | None] = None
 
-    @property
-    def generation_settings_resolved(self) -> bool:
-        """Whether every generation setting has a value (given, or resolved from the model by the trainer)."""
-        from ..models.defaults import GENERATION_SETTINGS
-
-        return all(getattr(self, name) is not None for name in GENERATION_SETTINGS)
-
     def _check_generation_settings(self) -> None:
         """The checks that use the generation settings, run again once the trainer has resolved them from the model
         (``flowgrpo.models.defaults.apply_generation_settings``)."""
