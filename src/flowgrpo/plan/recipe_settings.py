@@ -2,7 +2,7 @@
 
 ``flowgrpo plan`` plans the settings a run will use; a recipe that leaves one unset (``None``: the model's own) gets
 it the way the trainer gets it (:mod:`flowgrpo.models.defaults`), from the model's component configs: the pipeline
-folder, the Hub cache, the tiny pipeline or toy world the recipe builds, else the packaged config of a known Hub id
+folder, the Hugging Face cache, the tiny pipeline or toy world the recipe builds, else the packaged config of a known Hub id
 (``flowgrpo/plan/model_configs``: transformer, VAE and scheduler configs, without the text encoders' and without a
 checkpoint's own defaults). The same checks refuse what the model cannot take, with the trainer's words.
 """
@@ -49,11 +49,7 @@ def recipe_model_configs(model_args: Any, spec: ModelSpec | None = None) -> Mode
         from ..testing import cached_tiny_pipeline_path
 
         return read_model_configs(cached_tiny_pipeline_path(family, seed=seed))
-    else:
-        configs = read_model_configs(name, revision=getattr(model_args, "model_revision", None))
-        if configs is not None:
-            return configs
-    if spec is None:
+    if spec is None:  # a Hub id: its snapshot in the Hugging Face cache, else the packaged config (no download)
         from .cli import _spec_for
 
         spec = _spec_for(model_args)
