@@ -465,13 +465,15 @@ def test_wan_unipc_checkpoint_schedule_keeps_its_flow_shift(tiny_pipeline_path):
     ("zimage_turbo_ocr.yaml", "ZImagePipeline"), ("qwenimage21_ocr.yaml", "QwenImage21Pipeline"),
     ("qwenimage_edit_plus.yaml", "QwenImageEditPlusPipeline")])
 def test_family_recipes_suit_their_family(recipe, pipeline_class):
-    """The recipes' settings pass the family's own checks (frames, sequence length) and name no LoRA targets, so the
-    trainer uses the family's default."""
+    """The recipes' settings (resolved as their run resolves them: an unset one is the model's own) pass the family's
+    own checks (frames, sequence length) and name no LoRA targets, so the trainer uses the family's default."""
     from flowgrpo.cli import build_peft_config, parse_recipe
     from flowgrpo.models import family_adapter_class
     from flowgrpo.models.qwenimage import QWEN_MAX_SEQUENCE_LENGTH
+    from flowgrpo.plan.recipe_settings import resolve_recipe_settings
 
     script_args, model_args, args = parse_recipe([str(REPO / "recipes" / recipe), "--use_cpu", "true"])
+    assert resolve_recipe_settings(script_args, model_args, args).configs.pipeline_class == pipeline_class
     adapter_cls = family_adapter_class(pipeline_class)
     adapter_cls.check_num_frames(args.num_frames)
     assert (args.num_frames > 1) == adapter_cls.is_video

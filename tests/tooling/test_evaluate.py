@@ -70,9 +70,11 @@ def test_toy_benchmark_writes_genevals_layout_scores_and_resumes(tiny_sd3_path, 
     assert np.abs(np.asarray(Image.open(lost), dtype=np.int16) - original).max() <= 1
     assert len(layout.read_jsonl(out / "results.jsonl")) == 6
 
+    # the guidance was the tiny SD3 pipeline's own (StableDiffusion3Pipeline's 7): no toy_world.json in its folder
+    assert json.loads((out / "evaluation.json").read_text())["protocol"]["guidance_scale"] == 7.0
     # resuming with other sampler settings would mix images: refused before anything loads
     assert _toy_run(tiny_sd3_path, prompts, out, "--guidance_scale", "2.0") == 2
-    assert "guidance_scale: 3.0 -> 2.0" in capsys.readouterr().err
+    assert "guidance_scale: 7.0 -> 2.0" in capsys.readouterr().err
 
 
 def test_images_mode_scores_a_folder_made_by_another_tool(tmp_path):

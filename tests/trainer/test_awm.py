@@ -177,6 +177,8 @@ def test_ema_adapter_decay_and_config_checks(tmp_path):
         AWMConfig(output_dir=str(tmp_path), report_to=[], num_inference_steps=2, timestep_fraction=0.4)
     args = AWMConfig(output_dir=str(tmp_path), report_to=[])
     assert (args.train_timesteps, args.time_type, args.weighting, args.loss_type, args.clip_range, args.beta,
-            args.num_inference_steps, args.guidance_scale, args.scale_rewards) == (
-        6, "discrete_wo_init", "ghuber", "exp_first", 1.0, 0.001, 14, 1.0, "batch")
+            args.scale_rewards) == (6, "discrete_wo_init", "ghuber", "exp_first", 1.0, 0.001, "batch")
+    # rollout steps and guidance: the model's own (CFG-free for AWM), resolved by the trainer; the paper's 14 steps on
+    # SD3.5-M are recipes/awm_geneval.yaml's
+    assert (args.num_inference_steps, args.guidance_scale) == (None, None) and args._cfg_free_rollouts
     assert args.uses_ema_adapter and not AWMConfig(output_dir=str(tmp_path), report_to=[], beta=0).uses_ema_adapter

@@ -49,7 +49,7 @@ def test_dgpo_defaults_are_the_official_ocr_settings(tmp_path):
             args.dgpo_clip_kl, args.beta, args.kl_guidance_scale, args.dgpo_use_ema_reference,
             args.dgpo_ema_decay_rate, args.dgpo_ema_decay_max, args.dgpo_switch_ema_ref, args.scale_rewards,
             args.adv_clip_max, args.learning_rate) == \
-        ("dpmpp_2m", 10, 4.5, 16, 4, 6, True, 100.0, 0.01, True, False, 0.02, 1.0, False, 0.001, 0.3, 200, "batch",
+        ("dpmpp_2m", None, 4.5, 16, 4, 6, True, 100.0, 0.01, True, False, 0.02, 1.0, False, 0.001, 0.3, 200, "batch",
          5.0, 3e-4)
     assert args.uses_ema_reference
     assert not make(DGPOConfig, tmp_path, dgpo_clip_dsm=False).uses_ema_reference
@@ -57,7 +57,8 @@ def test_dgpo_defaults_are_the_official_ocr_settings(tmp_path):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(dgpo_trunc_steps=10), r"dgpo_trunc_steps=10 must be an integer in 0 .. num_inference_steps - 1 = 9"),
+    (dict(dgpo_trunc_steps=10, num_inference_steps=10),
+     r"dgpo_trunc_steps=10 must be an integer in 0 .. num_inference_steps - 1 = 9"),
     (dict(dgpo_num_timesteps=8), r"dgpo_num_timesteps=8 must be an integer in 1 .. dgpo_trunc_steps \+ 1 = 7"),
     (dict(dgpo_num_timesteps=0), "dgpo_num_timesteps=0"),
     (dict(beta_dpo=0.0), "beta_dpo=0.0 must be > 0"),
@@ -81,7 +82,7 @@ def test_crd_defaults_are_the_ports_ocr_settings(tmp_path):
             args.timestep_fraction, args.crd_beta, args.loss_type, args.crd_centering, args.crd_adaptive_weights,
             args.crd_use_old_policy, args.beta, args.kl_guidance_scale, args.reward_adaptive_kl,
             args.scale_rewards, args.adv_clip_max) == \
-        ("euler", 1.0, 24, 10, 20, 0.99, 1.0, "mse", "group", True, True, 0.1, 4.5, True, "batch", 5.0)
+        ("euler", 1.0, 24, None, 20, 0.99, 1.0, "mse", "group", True, True, 0.1, 4.5, True, "batch", 5.0)
     assert [args.old_policy_decay(k) for k in (0, 100, 1000)] == pytest.approx([0.25, 0.75, 0.999])
     assert [args.sampling_policy_decay(k) for k in (0, 74, 75, 175, 1000)] == pytest.approx([0, 0, 0, 0.75, 0.999])
 
@@ -91,7 +92,7 @@ def test_crd_defaults_are_the_ports_ocr_settings(tmp_path):
     (dict(crd_centering="prompt"), "crd_centering='prompt' is not valid; choose one of 'group', 'batch'"),
     (dict(crd_beta=0.0), "crd_beta=0.0 must be > 0"),
     (dict(crd_num_timesteps=0), "crd_num_timesteps=0"),
-    (dict(timestep_fraction=0.05), "leaves int"),
+    (dict(timestep_fraction=0.05, num_inference_steps=10), "leaves int"),
     (dict(timestep_fraction=1.5), r"timestep_fraction=1.5 must be in \(0, 1\]"),
     (dict(old_policy_decay_initial=1.5), r"old_policy_decay_initial=1.5 must be in \[0, 1\]"),
     (dict(sampling_policy_decay_start=-3), "sampling_policy_decay_start=-3"),
@@ -106,7 +107,7 @@ def test_crd_refuses_bad_values(tmp_path, bad, match):
 # ---- on-policy distillation --------------------------------------------------------------------------------------
 
 def test_opd_one_teacher_lora_and_its_guidance(tmp_path):
-    args = make(DiffusionOPDConfig, tmp_path, teacher_lora="experts/ocr")
+    args = make(DiffusionOPDConfig, tmp_path, teacher_lora="experts/ocr", guidance_scale=4.5)
     assert (args.opd_kl, args.noise_level, args.sde_type, args.beta) == ("exact", 0.7, "sde", 0.0)
     assert args.teacher_for_generation(5) == TeacherSpec(lora="experts/ocr", model_name_or_path=None,
                                                          guidance_scale=4.5, dataset_name=None)
@@ -143,7 +144,7 @@ def test_opd_several_teachers_are_cycled_one_domain_a_batch(tmp_path):
     (dict(teachers=[]), "must be a non-empty list"),
     (dict(teacher_lora="a", opd_kl="kl"), "opd_kl='kl' is not valid"),
     (dict(teacher_lora="a", noise_level=0.0), "set noise_level > 0 .* or opd_kl: ode"),
-    (dict(teacher_lora="a", sde_window_size=10), "sde_window_size=10 must be an integer in 0 .. "),
+    (dict(teacher_lora="a", sde_window_size=10, num_inference_steps=10), "sde_window_size=10 must be an integer in 0 .. "),
     (dict(teacher_lora="a", teacher_guidance_scale=0.0), "teacher_guidance_scale=0.0 must be > 0"),
 ])
 def test_opd_refuses_bad_values(tmp_path, bad, match):

@@ -177,14 +177,18 @@ def nft_args(tmp_path, **kwargs):
 
 def test_config_defaults_and_checks(tmp_path):
     args = nft_args(tmp_path)
-    assert (args.sampler, args.guidance_scale, args.num_inference_steps, args.adv_clip_max, args.timestep_fraction,
-            args.nft_beta, args.beta, args.old_policy_decay_start, args.old_policy_decay_rate,
-            args.old_policy_decay_max) == ("dpmpp_2m", 1.0, 10, 5, 0.99, 1.0, 1e-4, 0, 0.001, 0.5)
-    assert args.num_trained_timesteps == 9 and args.eval_guidance_scale == 1.0
+    assert (args.sampler, args.adv_clip_max, args.timestep_fraction, args.nft_beta, args.beta,
+            args.old_policy_decay_start, args.old_policy_decay_rate,
+            args.old_policy_decay_max) == ("dpmpp_2m", 5, 0.99, 1.0, 1e-4, 0, 0.001, 0.5)
+    # steps and guidance are the model's own until the trainer resolves them (CFG-free: the algorithm's)
+    assert (args.guidance_scale, args.num_inference_steps, args.num_trained_timesteps) == (None, None, None)
+    assert args._cfg_free_rollouts
+    args = nft_args(tmp_path, num_inference_steps=10)
+    assert args.num_trained_timesteps == 9 and args.eval_guidance_scale is None
     field_names = {f.name for f in dataclasses.fields(DiffusionNFTConfig)}
     assert not field_names & set(FLOW_GRPO_ONLY_SETTINGS)
     for bad, match in [(dict(sampler="sde"), "sampler='sde'"), (dict(nft_beta=0.0), "nft_beta=0.0"),
-                       (dict(timestep_fraction=0.05), "trains int"), (dict(timestep_fraction=1.5), r"\(0, 1\]"),
+                       (dict(timestep_fraction=0.05, num_inference_steps=10), "trains int"), (dict(timestep_fraction=1.5), r"\(0, 1\]"),
                        (dict(old_policy_decay_max=1.0), r"\[0, 1\)"), (dict(old_policy_decay_start=-1), ">= 0"),
                        (dict(old_policy_decay_rate=-0.1), ">= 0"), (dict(num_generations=1), "num_generations")]:
         with pytest.raises(ValueError, match=match):

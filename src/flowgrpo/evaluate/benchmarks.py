@@ -14,8 +14,11 @@ deterministically (the Euler ODE of the flow, as the trainers' evaluation does) 
 published protocol of Flow-GRPO's SD3.5-Medium evaluation (``scripts/train_sd3.py`` ``eval`` with
 ``config/grpo.py``: ``eval_num_steps = 40``, ``guidance_scale = 4.5``, ``resolution = 512``, text embeddings of
 ``max_sequence_length = 128``, the empty negative prompt, ``noise_level = 0``) is the default of geneval, ocr and
-pickscore; GenEval's own generator draws 4 images per prompt after ``seed_everything(42)``. A recipe (``--recipe``)
-replaces these with its evaluation settings, and flags replace both.
+pickscore when the model is SD3.5-Medium, the model that protocol was published for; GenEval's own generator draws
+4 images per prompt after ``seed_everything(42)``. Any other model samples at its own settings (``MODEL_SETTINGS``:
+steps, guidance, size, text length), resolved from its component configs as the trainers resolve theirs
+(:mod:`flowgrpo.models.defaults`; the toy world: its ``toy_world.json``). A recipe (``--recipe``) replaces these with
+its evaluation settings, and flags replace both; a value the model cannot take is refused with the trainers' words.
 """
 
 from __future__ import annotations
@@ -42,15 +45,22 @@ def image_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return int(seed) + SEED_STRIDE * int(sample_index) + int(prompt_index)
 
 
+#: the settings of a protocol that belong to the model (``None`` in a protocol: the evaluated model's own)
+MODEL_SETTINGS = ("num_inference_steps", "guidance_scale", "height", "width", "max_sequence_length")
+
+
 @dataclass(frozen=True)
 class SamplingProtocol:
-    """How a benchmark's images are made: deterministic sampling with these settings (all part of the result)."""
+    """How a benchmark's images are made: deterministic sampling with these settings (all part of the result).
 
-    num_inference_steps: int = 40
-    guidance_scale: float = 4.5
-    height: int = 512
-    width: int = 512
-    max_sequence_length: int = 128
+    A model setting (:data:`MODEL_SETTINGS`) left ``None`` is the evaluated model's own, resolved before the run.
+    """
+
+    num_inference_steps: int | None = 40
+    guidance_scale: float | None = 4.5
+    height: int | None = 512
+    width: int | None = 512
+    max_sequence_length: int | None = 128
     negative_prompt: str = ""
     images_per_prompt: int = 1
     seed: int = 42
@@ -58,12 +68,15 @@ class SamplingProtocol:
     dtype: str = "auto"
 
     def check(self) -> None:
-        """Raise ``ValueError`` naming the setting for a value no run can use."""
+        """Raise ``ValueError`` naming the setting for a value no run can use (a model setting still ``None`` is the
+        model's own, checked once resolved)."""
         for name in ("num_inference_steps", "height", "width", "max_sequence_length", "images_per_prompt"):
             value = getattr(self, name)
+            if value is None and name in MODEL_SETTINGS:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer.")
-        if self.guidance_scale < 0:
+        if self.guidance_scale is not None and self.guidance_scale < 0:
             raise ValueError(f"guidance_scale={self.guidance_scale} must be >= 0 (1 = no guidance).")
         if self.ode_solver not in ODE_SOLVERS:
             raise ValueError(f"ode_solver={self.ode_solver!r} is not a solver; choose one of {list(ODE_SOLVERS)}.")
@@ -112,8 +125,8 @@ BENCHMARKS: dict[str, Benchmark] = {
         prepare_hint="python scripts/prepare_data.py pickscore"),
     "toy": Benchmark(
         "toy", "the toy world's held-out prompts: colour, shape, count and position accuracy",
-        None, SamplingProtocol(num_inference_steps=20, guidance_scale=3.0, height=32, width=32,
-                               max_sequence_length=8, images_per_prompt=4, seed=0),
+        None, SamplingProtocol(num_inference_steps=None, guidance_scale=None, height=None, width=None,
+                               max_sequence_length=None, images_per_prompt=4, seed=0),  # the world's toy_world.json
         default_model=None,
         rewards=("toy_color", "toy_shape", "toy_count", "toy_position", "toy_geneval"),
         reward_kwargs={"toy_geneval": {"mode": "all"}}),
@@ -260,6 +273,6 @@ def _read_geneval_metadata(path: Path) -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "BENCHMARKS", "DTYPES", "ODE_SOLVERS", "SEED_STRIDE", "Benchmark", "RecipeSettings", "SamplingProtocol",
+    "BENCHMARKS", "DTYPES", "MODEL_SETTINGS", "ODE_SOLVERS", "SEED_STRIDE", "Benchmark", "RecipeSettings", "SamplingProtocol",
     "get_benchmark", "image_seed", "read_benchmark_prompts", "read_recipe_settings",
 ]

@@ -6,8 +6,9 @@
     flowgrpo evaluate --benchmark ocr --recipe recipes/ocr.yaml --lora outputs/sd35m_ocr --output results/ocr
     accelerate launch --num_processes 8 -m flowgrpo.evaluate --benchmark geneval --lora ... --output ...
 
-Settings, lowest precedence first: the benchmark's published protocol (``flowgrpo.evaluate.benchmarks``), the
-evaluation settings of ``--recipe``, then flags. Flags are written ``--key value``; ``--num-inference-steps``
+Settings, lowest precedence first: the model's own (resolved from its component configs, as the trainers do), the
+benchmark's published protocol (``flowgrpo.evaluate.benchmarks``; its steps, guidance, size and text length only for
+the model it was published for), the evaluation settings of ``--recipe``, then flags. Flags are written ``--key value``; ``--num-inference-steps``
 spellings work too.
 """
 
@@ -21,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .benchmarks import BENCHMARKS, DTYPES, ODE_SOLVERS, Benchmark, SamplingProtocol, get_benchmark
+from .benchmarks import BENCHMARKS, DTYPES, MODEL_SETTINGS, ODE_SOLVERS, Benchmark, SamplingProtocol, get_benchmark
 
 #: protocol fields that have a flag of the same name
 _PROTOCOL_FLAGS = ("num_inference_steps", "guidance_scale", "height", "width", "max_sequence_length",
@@ -77,15 +78,17 @@ def build_parser(prog: str = "flowgrpo evaluate") -> argparse.ArgumentParser:
           help="score this folder in GenEval's layout (made by any tool) instead of generating; results go to "
                "--output, default DIR itself")
 
-    sampling = parser.add_argument_group("sampling (defaults: the benchmark's protocol, or the recipe's)")
-    _flag(sampling, "num_inference_steps", type=int, default=None, metavar="N", help="ODE steps (geneval: 40)")
+    sampling = parser.add_argument_group("sampling (defaults: the recipe's, the benchmark's protocol for the model it "
+                                         "was published for, else the model's own)")
+    _flag(sampling, "num_inference_steps", type=int, default=None, metavar="N", help="ODE steps (geneval on SD3.5-M: 40; default: the model's own)")
     _flag(sampling, "guidance_scale", type=float, default=None, metavar="W",
-          help="classifier-free guidance (geneval: 4.5; 1 = none)")
-    _flag(sampling, "resolution", type=int, default=None, metavar="PX", help="height and width (geneval: 512)")
+          help="classifier-free guidance (geneval on SD3.5-M: 4.5; 1 = none; default: the model's own)")
+    _flag(sampling, "resolution", type=int, default=None, metavar="PX", help="height and width (geneval on SD3.5-M: 512; default: the model's own)")
     _flag(sampling, "height", type=int, default=None, metavar="PX", help="image height (default: resolution)")
     _flag(sampling, "width", type=int, default=None, metavar="PX", help="image width (default: resolution)")
     _flag(sampling, "max_sequence_length", type=int, default=None, metavar="N",
-          help="text tokens of the prompt encoder (geneval: 128, Flow-GRPO's evaluation)")
+          help="text tokens of the prompt encoder (geneval on SD3.5-M: 128, Flow-GRPO's evaluation; default: "
+               "the model's own)")
     _flag(sampling, "negative_prompt", default=None, metavar="TEXT", help="negative prompt for guidance (default '')")
     _flag(sampling, "images_per_prompt", type=int, default=None, metavar="N",
           help="images per prompt (geneval: 4; ocr, pickscore: 1)")
@@ -177,9 +180,11 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def _resolve_protocol(benchmark: Benchmark, args: argparse.Namespace, recipe: Any, model: str) -> SamplingProtocol:
+    """The benchmark's protocol (its model settings only for the model it was published for), then the recipe's
+    evaluation settings, then flags; what is still unset is the model's own (:func:`resolve_protocol_settings`)."""
     protocol = benchmark.protocol
-    if benchmark.name == "toy":
-        protocol = _toy_world_protocol(protocol, model)
+    if benchmark.default_model is None or str(model).rstrip("/").lower() != benchmark.default_model.lower():
+        protocol = replace(protocol, **{name: None for name in MODEL_SETTINGS})
     if recipe is not None:
         protocol = replace(protocol, **recipe.protocol_overrides)
     if args.resolution is not None:
@@ -188,22 +193,53 @@ def _resolve_protocol(benchmark: Benchmark, args: argparse.Namespace, recipe: An
     protocol = replace(protocol, **flags)
     try:
         protocol.check()
+        return resolve_protocol_settings(protocol, model, args.revision)
     except ValueError as err:
         raise UsageError(str(err)) from err
-    return protocol
 
 
-def _toy_world_protocol(protocol: SamplingProtocol, model: str) -> SamplingProtocol:
-    """A toy world's own generation settings (``toy_world.json``), when the model folder has them."""
-    path = Path(model) / "toy_world.json"
-    if not path.is_file():
+def resolve_protocol_settings(protocol: SamplingProtocol, model: str, revision: str | None = None) -> SamplingProtocol:
+    """``protocol`` with its unset model settings (:data:`~flowgrpo.evaluate.benchmarks.MODEL_SETTINGS`) resolved
+    from ``model``'s component configs, and every model setting checked against what the model can take, as the
+    trainers do (:mod:`flowgrpo.models.defaults`: the evaluation steps and guidance, size and text length). The configs
+    come from the folder, the Hub cache, else the planner's packaged config of a known Hub id; a model whose configs
+    cannot be read is refused only when a setting is still unset."""
+    import warnings
+
+    from ..models.defaults import read_model_configs, resolve_generation_settings
+
+    configs = read_model_configs(model, revision=revision)
+    if configs is None:
+        configs = _packaged_configs(model)
+    missing = [name for name in MODEL_SETTINGS if getattr(protocol, name) is None]
+    if configs is None:
+        if missing:
+            raise ValueError(f"--model {model!r}: its component configs cannot be read here (not a pipeline folder, "
+                             f"and not in the Hugging Face cache) to find its own {', '.join(missing)}; give them as "
+                             f"flags ({' '.join('--' + name for name in missing)}) or with --recipe.")
         return protocol
-    generation = json.loads(path.read_text(encoding="utf-8")).get("generation", {})
-    size = generation.get("resolution", protocol.height)
-    return replace(protocol, height=size, width=size,
-                   num_inference_steps=generation.get("num_inference_steps", protocol.num_inference_steps),
-                   guidance_scale=float(generation.get("guidance_scale", protocol.guidance_scale)),
-                   max_sequence_length=generation.get("max_sequence_length", protocol.max_sequence_length))
+    settings = resolve_generation_settings(
+        configs, {"height": protocol.height, "width": protocol.width, "max_sequence_length": protocol.max_sequence_length,
+                  "eval_num_inference_steps": protocol.num_inference_steps,
+                  "eval_guidance_scale": protocol.guidance_scale},
+        negative_prompt=protocol.negative_prompt)
+    for note in settings.warnings:
+        warnings.warn(note, UserWarning, stacklevel=2)
+    values = settings.values
+    return replace(protocol, height=values["height"], width=values["width"],
+                   max_sequence_length=values["max_sequence_length"],
+                   num_inference_steps=values["eval_num_inference_steps"], guidance_scale=values["eval_guidance_scale"])
+
+
+def _packaged_configs(model: str):
+    """The component configs of a known Hub id from the planner's packaged files (``None`` for an unknown model)."""
+    from ..plan.model_specs import load_model_spec
+    from ..plan.recipe_settings import configs_from_spec
+
+    try:
+        return configs_from_spec(load_model_spec(str(model)), str(model))
+    except (ValueError, FileNotFoundError, KeyError):
+        return None
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "flowgrpo evaluate") -> int:

@@ -16,6 +16,13 @@ What a family declares (class attributes):
 * ``is_video``: latents carry frames; ``num_frames`` (checked by :meth:`check_num_frames`) sets their number and
   :meth:`decode` returns frames.
 * ``default_lora_target_modules``: the LoRA targets used when a ``LoraConfig`` names none.
+
+What a family knows about generating with a checkpoint, from its component configs alone
+(:meth:`ModelFamilyAdapter.generation_profile`, a :class:`~flowgrpo.models.profile.FamilyProfile`): the default size as
+its pipeline computes it and the sizes it can take, the default and longest text length, the default frame count, the
+published steps and guidance of the checkpoint's model card, and how ``guidance_scale`` is used (``cfg_off_value``:
+the scale at which it samples in one pass without guidance). Each family overrides the pieces that differ:
+``_default_size``, ``_size_rule``, ``_text_rule``, ``_default_frames``, ``_published``, ``_guidance_kind``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from typing import Any
 
 import torch
 from diffusers import DiffusionPipeline
+
+from .profile import FamilyProfile, ModelConfigs, Published, SizeRule, TextRule, vae_scale_factor_from_blocks
 
 #: Attention projections of the joint (MMDiT-style) attention blocks of SD3, FLUX and Qwen-Image: the LoRA targets
 #: of the published Flow-GRPO recipes. FLUX's single-stream blocks have no ``add_*`` projections; peft skips them.
@@ -160,6 +169,8 @@ class ModelFamilyAdapter(ABC):
     #: Whether a training forward may leave some trainable weights without a gradient (DDP then has to search for
     #: them: ``find_unused_parameters``). False for families whose every block output reaches the velocity.
     may_leave_weights_unused: bool = False
+    #: the ``guidance_scale`` at which the family samples in one pass without guidance (Z-Image: 0, it guides above 0)
+    cfg_off_value: float = 1.0
 
     def __init__(self, pipeline: DiffusionPipeline, num_frames: int = 1):
         self.check_num_frames(num_frames)
@@ -175,17 +186,74 @@ class ModelFamilyAdapter(ABC):
         return name in cls.pipeline_class_names
 
     @classmethod
-    def check_num_frames(cls, num_frames: int) -> None:
-        """Raise a clear error when ``num_frames`` does not suit this family (image families: exactly 1)."""
+    def check_num_frames(cls, num_frames: int | None) -> None:
+        """Raise a clear error when ``num_frames`` does not suit this family (image families: exactly 1); ``None``
+        (the model's own, not resolved yet) passes."""
+        if num_frames is None:
+            return
         if not cls.is_video and num_frames != 1:
             raise ValueError(f"num_frames={num_frames}, but {cls.family} ({', '.join(cls.pipeline_class_names)}) "
                              "generates images; set num_frames=1 (the default).")
 
     @classmethod
-    def check_video_settings(cls, num_frames: int, height: int, width: int, vae_config: dict | None = None) -> None:
+    def check_video_settings(cls, num_frames: int | None, height: int | None, width: int | None,
+                             vae_config: dict | None = None) -> None:
         """Raise a clear error, before any weight is loaded, when the frame count or the size does not suit the
-        family's VAE (``vae_config``: its ``config.json``, when readable); nothing to check for most families."""
+        family's VAE (``vae_config``: its ``config.json``, when readable); nothing to check for most families. A value
+        that is ``None`` (the model's own, not resolved yet) is not checked."""
         return None
+
+    # --- generation settings from the component configs -------------------------------------------
+    @classmethod
+    def generation_profile(cls, configs: ModelConfigs) -> FamilyProfile:
+        """What this family knows about generating with the checkpoint whose component configs are ``configs``:
+        default size and the sizes it takes, text length, frames, published steps and guidance (no weight is read)."""
+        height, width, size_why = cls._default_size(configs)
+        frames, frames_why = cls._default_frames(configs)
+        kind, guidance_why = cls._guidance_kind(configs)
+        return FamilyProfile(family=cls.family, pipeline_class=configs.pipeline_class, height=int(height),
+                             width=int(width), size_why=size_why, size=cls._size_rule(configs),
+                             text=cls._text_rule(configs), num_frames=int(frames), frames_why=frames_why,
+                             published=cls._published(configs), guidance=kind, cfg_off=cls.cfg_off_value,
+                             guidance_why=guidance_why)
+
+    @classmethod
+    def _vae_scale_factor(cls, configs: ModelConfigs) -> int:
+        """The VAE's spatial factor as the family's pipeline computes it (``2 ** (len(block_out_channels) - 1)``)."""
+        return vae_scale_factor_from_blocks(configs.config("vae"))
+
+    @classmethod
+    def _default_size(cls, configs: ModelConfigs) -> tuple[int, int, str]:
+        """``(height, width, why)`` when the pipeline is called without a size: ``default_sample_size *
+        vae_scale_factor`` with the ``default_sample_size`` of 128 that FLUX's, Qwen-Image's and FLUX.2's pipelines
+        fix."""
+        factor = cls._vae_scale_factor(configs)
+        return 128 * factor, 128 * factor, f"default_sample_size 128 x VAE factor {factor}"
+
+    @classmethod
+    def _size_rule(cls, configs: ModelConfigs) -> SizeRule:
+        """Sides that are multiples of the VAE factor times 2: the latents are packed 2x2 into tokens."""
+        factor = cls._vae_scale_factor(configs)
+        return SizeRule(factor * 2, f"VAE factor {factor} x 2, the 2x2 packing of latents into tokens")
+
+    @classmethod
+    def _text_rule(cls, configs: ModelConfigs) -> TextRule:
+        raise NotImplementedError(f"{cls.__name__} does not say its text length.")
+
+    @classmethod
+    def _default_frames(cls, configs: ModelConfigs) -> tuple[int, str]:
+        """``(frames, why)``: 1 for image families."""
+        return 1, "an image family"
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        raise NotImplementedError(f"{cls.__name__} does not say its published steps and guidance.")
+
+    @classmethod
+    def _guidance_kind(cls, configs: ModelConfigs) -> tuple[str, str]:
+        """``(kind, why)``: how ``guidance_scale`` is used (``flowgrpo.models.profile.GUIDANCE_KINDS``); classifier-free
+        guidance with the negative prompt by default."""
+        return "cfg", "classifier-free guidance with the negative prompt"
 
     # --- conditioning -----------------------------------------------------------------------------
     @abstractmethod

@@ -15,6 +15,10 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from .base import ModelFamilyAdapter, PromptEmbeds, packed_latent_size
+from .profile import ModelConfigs, Published, TextRule, sane_length, smallest
+
+#: The longest T5 prompt the FLUX.1 pipelines accept (their ``check_inputs``), also their default.
+FLUX_MAX_SEQUENCE_LENGTH = 512
 
 
 class FluxAdapter(ModelFamilyAdapter):
@@ -32,6 +36,26 @@ class FluxAdapter(ModelFamilyAdapter):
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         return (not self._guidance_embeds) and guidance_scale > 1.0
+
+    @classmethod
+    def _text_rule(cls, configs: ModelConfigs) -> TextRule:
+        limit, why = smallest(
+            (FLUX_MAX_SEQUENCE_LENGTH, f"the longest T5 prompt {configs.pipeline_class} accepts"),
+            (sane_length(configs.config("tokenizer_2").get("model_max_length")), "the T5 tokenizer's model_max_length"))
+        return TextRule(limit or FLUX_MAX_SEQUENCE_LENGTH, f"{configs.pipeline_class}'s T5 length", limit, why)
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        if configs.config("transformer").get("guidance_embeds", False):
+            return Published(50, 3.5, "FLUX.1 [dev] model card (50 steps, guidance 3.5)")
+        return Published(4, 0.0, "FLUX.1 [schnell] model card (4 steps, guidance 0: no guidance embedding, "
+                                 "timestep-distilled)", distilled=True)
+
+    @classmethod
+    def _guidance_kind(cls, configs: ModelConfigs) -> tuple[str, str]:
+        if configs.config("transformer").get("guidance_embeds", False):
+            return "embedded", "a guidance embedding (guidance-distilled: one pass, no negative prompt)"
+        return super()._guidance_kind(configs)
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
                        images: Sequence[Any] | None = None, *, height: int | None = None,

@@ -32,6 +32,7 @@ from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from diffusers.utils.torch_utils import randn_tensor
 
 from .base import ModelFamilyAdapter, PromptEmbeds
+from .profile import ModelConfigs, Published, TextRule, encoder_positions
 
 #: LoRA targets of FLUX.2: the attention projections of the double-stream blocks (as FLUX.1) and the fused
 #: query/key/value/MLP input projection of the single-stream blocks (``attn.to_qkv_mlp_proj``), which hold most of the
@@ -60,6 +61,27 @@ class Flux2Adapter(ModelFamilyAdapter):
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         return (not self._guidance_embeds) and (not self.is_distilled) and guidance_scale > 1.0
+
+    # --- generation settings from the component configs -------------------------------------------
+    @classmethod
+    def _text_rule(cls, configs: ModelConfigs) -> TextRule:
+        """512 tokens, the pipelines' default; no longer than the language model's positions (which also hold the
+        chat template's system turn)."""
+        limit = encoder_positions(configs.config("text_encoder"))
+        return TextRule(min(512, limit or 512), f"{configs.pipeline_class}'s default", limit,
+                        "the text encoder's max_position_embeddings" if limit else "")
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        return Published(50, 4.0, "FLUX.2 [dev] model card (50 steps, guidance 4)")
+
+    @classmethod
+    def _guidance_kind(cls, configs: ModelConfigs) -> tuple[str, str]:
+        if configs.config("transformer").get("guidance_embeds", False):
+            return "embedded", "a guidance embedding (guidance-distilled: one pass, no negative prompt)"
+        if _klein_distilled(configs):
+            return "ignored", "a step-distilled FLUX.2 [klein] (is_distilled): one pass at any guidance, as its pipeline"
+        return "cfg", "classifier-free guidance against the negative prompt"
 
     # --- conditioning -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
@@ -177,6 +199,23 @@ class Flux2Adapter(ModelFamilyAdapter):
         return (image.float() / 2 + 0.5).clamp(0, 1)
 
 
+def _klein_distilled(configs: ModelConfigs) -> bool:
+    """A step-distilled FLUX.2 [klein]: its pipeline's ``is_distilled``; without ``model_index.json`` (a packaged
+    planner config), a [klein] checkpoint whose name does not say "base" (``FLUX.2-klein-4B`` is distilled,
+    ``FLUX.2-klein-base-4B`` is not)."""
+    if "is_distilled" in configs.pipeline_config:
+        return bool(configs.pipeline_config["is_distilled"])
+    return configs.pipeline_class == "Flux2KleinPipeline" and configs.name_has("klein") and not configs.name_has("base")
+
+
 class Flux2KleinAdapter(Flux2Adapter):
     family = "flux2_klein"
     pipeline_class_names = ("Flux2KleinPipeline",)
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        if _klein_distilled(configs):
+            return Published(4, 1.0, "FLUX.2 [klein] 4B / 9B model cards (step-distilled: 4 steps, guidance 1.0)",
+                             distilled=True)
+        return Published(50, 4.0, "FLUX.2 [klein] base model cards and Flux2KleinPipeline's example (50 steps, "
+                                  "guidance 4.0)")

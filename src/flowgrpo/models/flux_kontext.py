@@ -20,12 +20,18 @@ from diffusers.pipelines.flux.pipeline_flux_kontext import retrieve_latents
 
 from .base import PromptEmbeds
 from .flux import FluxAdapter
+from .profile import ModelConfigs, Published
 
 
 class FluxKontextAdapter(FluxAdapter):
     family = "flux_kontext"
     pipeline_class_names = ("FluxKontextPipeline",)
     accepts_images = True
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        return Published(28, 2.5, "FLUX.1 Kontext [dev] model card and FluxKontextPipeline's example (28 steps, "
+                                  "guidance 2.5)")
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
                        images: Sequence[Any] | None = None, *, height: int | None = None,

@@ -32,6 +32,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from .base import ModelFamilyAdapter, PromptEmbeds
+from .profile import ModelConfigs, Published, SizeRule, TextRule
 
 #: The joint attention's projections of both streams (and the text refiner's ``attn.to_*``); not ``attn.to_add_out``:
 #: the last block's text output is discarded, so its adapter would never get a gradient.
@@ -56,15 +57,17 @@ class HunyuanVideo15Adapter(ModelFamilyAdapter):
                              "ClassifierFreeGuidance(guidance_rescale=0.0, use_original_formulation=False).")
 
     @classmethod
-    def check_num_frames(cls, num_frames: int) -> None:
-        if num_frames < 1:
+    def check_num_frames(cls, num_frames: int | None) -> None:
+        if num_frames is not None and num_frames < 1:
             raise ValueError(f"num_frames={num_frames}: HunyuanVideo 1.5 videos have 4k + 1 frames (e.g. 121).")
 
     @classmethod
-    def check_video_settings(cls, num_frames: int, height: int, width: int, vae_config: dict | None = None) -> None:
+    def check_video_settings(cls, num_frames: int | None, height: int | None, width: int | None,
+                             vae_config: dict | None = None) -> None:
         """``temporal k + 1`` frames and sides divisible by the VAE's spatial compression (4x and 16x in the released
-        VAE, the config's ``temporal_compression_ratio`` / ``spatial_compression_ratio``)."""
-        if vae_config is not None:
+        VAE, the config's ``temporal_compression_ratio`` / ``spatial_compression_ratio``). Values not resolved yet
+        (``None``) are not checked."""
+        if vae_config is not None and None not in (num_frames, height, width):
             cls._check_shape(num_frames, height, width, int(vae_config.get("temporal_compression_ratio", 4)),
                              int(vae_config.get("spatial_compression_ratio", 16)))
 
@@ -77,6 +80,44 @@ class HunyuanVideo15Adapter(ModelFamilyAdapter):
         if height % spatial or width % spatial:
             raise ValueError(f"{height} x {width}: HunyuanVideo 1.5 needs sides divisible by {spatial}; use e.g. "
                              f"{height // spatial * spatial or spatial} x {width // spatial * spatial or spatial}.")
+
+    # --- generation settings from the component configs -------------------------------------------
+    @staticmethod
+    def _spatial(configs: ModelConfigs) -> int:
+        return int(configs.config("vae").get("spatial_compression_ratio") or 16)
+
+    @classmethod
+    def _default_size(cls, configs: ModelConfigs) -> tuple[int, int, str]:
+        """The pipeline's size without one: the 16:9 bucket nearest its transformer's ``target_size``."""
+        from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+        target = int(configs.config("transformer").get("target_size", 640))
+        processor = HunyuanVideo15ImageProcessor(vae_scale_factor=cls._spatial(configs))
+        height, width = processor.calculate_default_height_width(9, 16, target)
+        return int(height), int(width), f"the 16:9 size of the transformer's target_size {target}, as the pipeline"
+
+    @classmethod
+    def _size_rule(cls, configs: ModelConfigs) -> SizeRule:
+        spatial = cls._spatial(configs)
+        return SizeRule(spatial, f"the VAE's spatial compression {spatial}")
+
+    @classmethod
+    def _text_rule(cls, configs: ModelConfigs) -> TextRule:
+        return TextRule(1000, "not read by HunyuanVideo 1.5 (the pipeline's own 1000 Qwen2.5-VL tokens and 256 ByT5 "
+                              "tokens)", used=False)
+
+    @classmethod
+    def _default_frames(cls, configs: ModelConfigs) -> tuple[int, str]:
+        return 121, "HunyuanVideo15Pipeline's call default (121 frames)"
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        guider = configs.config("guider")
+        if "guidance_scale" in guider:
+            return Published(50, float(guider["guidance_scale"]), "HunyuanVideo15Pipeline's call default (50 steps) "
+                                                                  "and its guider's guidance_scale")
+        return Published(50, 6.0, "HunyuanVideo 1.5's release settings (50 steps, guidance 6; the pipeline folder's "
+                                  "guider_config.json, when present, is read instead)")
 
     def _latent_dims(self, height: int, width: int) -> tuple[int, int, int]:
         pipe = self.pipeline

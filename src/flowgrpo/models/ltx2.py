@@ -37,6 +37,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from .base import ModelFamilyAdapter, PromptEmbeds
+from .profile import ModelConfigs, Published, SizeRule, TextRule, encoder_positions, sane_length, smallest
 
 #: The video stream's attention and feed-forward (the audio stream's modules are ``audio_*`` and stay frozen).
 LTX2_LORA_TARGET_MODULES = (
@@ -71,21 +72,22 @@ class LTX2Adapter(ModelFamilyAdapter):
             raise ValueError("Only LTX-2 transformers with patch_size 1 (the released models) are supported.")
 
     @classmethod
-    def check_num_frames(cls, num_frames: int) -> None:
+    def check_num_frames(cls, num_frames: int | None) -> None:
         # The released VAE compresses time 8x (the tiny one 2x): 8k + 1 frames suit both; the rule of the model's own
         # VAE is checked by check_video_settings (before loading, from its config) and again in _latent_dims.
-        if num_frames < 1:
+        if num_frames is not None and num_frames < 1:
             raise ValueError(f"num_frames={num_frames}: LTX-2 videos have at least one frame (e.g. 121 = 8 * 15 + 1).")
 
     @classmethod
-    def check_video_settings(cls, num_frames: int, height: int, width: int, vae_config: dict | None = None) -> None:
+    def check_video_settings(cls, num_frames: int | None, height: int | None, width: int | None,
+                             vae_config: dict | None = None) -> None:
         """Sides divisible by 32 (the pipeline's rule) and ``temporal k + 1`` frames for the VAE's time compression
         (8x in the released VAE; from its config: ``temporal_compression_ratio``, else ``patch_size_t`` x 2 per
-        spatio-temporal scaling level, as the VAE computes it)."""
-        if height % 32 or width % 32:
+        spatio-temporal scaling level, as the VAE computes it). Values not resolved yet (``None``) are not checked."""
+        if height is not None and width is not None and (height % 32 or width % 32):
             raise ValueError(f"LTX-2 needs a height and width divisible by 32, got {height} x {width}; use e.g. "
                              f"{height // 32 * 32 or 32} x {width // 32 * 32 or 32}.")
-        if vae_config is None:
+        if vae_config is None or num_frames is None:
             return
         temporal = vae_config.get("temporal_compression_ratio") or int(vae_config.get("patch_size_t", 1)) * 2 ** sum(
             bool(s) for s in vae_config.get("spatio_temporal_scaling", (True, True, True, True)))
@@ -97,6 +99,34 @@ class LTX2Adapter(ModelFamilyAdapter):
             lower = (num_frames - 1) // temporal * temporal + 1
             raise ValueError(f"num_frames={num_frames}: this LTX-2 VAE compresses time {temporal}x, so videos have "
                              f"{temporal}k + 1 frames; use {lower} or {lower + temporal}.")
+
+    # --- generation settings from the component configs -------------------------------------------
+    @classmethod
+    def _default_size(cls, configs: ModelConfigs) -> tuple[int, int, str]:
+        return 512, 768, "LTX2Pipeline's call defaults (512 x 768)"
+
+    @classmethod
+    def _size_rule(cls, configs: ModelConfigs) -> SizeRule:
+        return SizeRule(32, "LTX2Pipeline's rule: sides divisible by 32")
+
+    @classmethod
+    def _text_rule(cls, configs: ModelConfigs) -> TextRule:
+        """1024 tokens, the pipeline's default (it caps them at the tokenizer's ``model_max_length``), no more than
+        Gemma 3's positions."""
+        limit, why = smallest(
+            (encoder_positions(configs.config("text_encoder")), "Gemma 3's max_position_embeddings"),
+            (sane_length(configs.config("tokenizer").get("model_max_length")), "the tokenizer's model_max_length"))
+        default = min(1024, limit or 1024)
+        return TextRule(default, "LTX2Pipeline's call default" + (f", capped by {why}" if default < 1024 else ""),
+                        limit, why)
+
+    @classmethod
+    def _default_frames(cls, configs: ModelConfigs) -> tuple[int, str]:
+        return 121, "LTX2Pipeline's default without a duration head (121 frames)"
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        return Published(30, 3.0, "LTX2Pipeline's call defaults and documented example (30 steps, guidance 3.0)")
 
     # --- shapes -----------------------------------------------------------------------------------
     def _latent_dims(self, height: int, width: int) -> tuple[int, int, int, int, int, int, int]:

@@ -24,9 +24,12 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from .base import ModelFamilyAdapter, PromptEmbeds, packed_latent_size
+from .profile import ModelConfigs, Published, TextRule, encoder_positions, smallest, vae_scale_factor_from_temporal
 
 #: Longest prompt embedding the Qwen-Image pipelines accept.
 QWEN_MAX_SEQUENCE_LENGTH = 1024
+#: The length the Qwen-Image pipelines encode prompts to when called without one.
+QWEN_DEFAULT_SEQUENCE_LENGTH = 512
 
 
 class QwenImageAdapter(ModelFamilyAdapter):
@@ -41,6 +44,26 @@ class QwenImageAdapter(ModelFamilyAdapter):
             raise ValueError("This Qwen-Image transformer is guidance-distilled (guidance_embeds=True), which the Qwen-"
                              "Image pipelines of this diffusers version cannot run; use a checkpoint without it (the "
                              "released Qwen-Image models have guidance_embeds=False and use true CFG).")
+
+    @classmethod
+    def _vae_scale_factor(cls, configs: ModelConfigs) -> int:
+        return vae_scale_factor_from_temporal(configs.config("vae"))
+
+    @classmethod
+    def _text_rule(cls, configs: ModelConfigs) -> TextRule:
+        limit, why = smallest(
+            (QWEN_MAX_SEQUENCE_LENGTH, "the longest prompt the Qwen-Image pipelines accept"),
+            (encoder_positions(configs.config("text_encoder")), "the text encoder's max_position_embeddings"))
+        return TextRule(min(QWEN_DEFAULT_SEQUENCE_LENGTH, limit or QWEN_DEFAULT_SEQUENCE_LENGTH),
+                        f"{configs.pipeline_class}'s call default", limit, why)
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        return Published(50, 4.0, "Qwen-Image model card (50 steps, true_cfg_scale 4.0)")
+
+    @classmethod
+    def _guidance_kind(cls, configs: ModelConfigs) -> tuple[str, str]:
+        return "cfg", "true classifier-free guidance with the negative prompt (true_cfg_scale)"
 
     # --- conditioning -----------------------------------------------------------------------------
     @staticmethod

@@ -33,6 +33,7 @@ from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from .base import ModelFamilyAdapter, PromptEmbeds
+from .profile import ModelConfigs, Published, SizeRule, TextRule
 
 #: The attention projections of Qwen-Image 2.1's single-stream blocks.
 QWENIMAGE21_LORA_TARGET_MODULES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
@@ -40,11 +41,37 @@ QWENIMAGE21_LORA_TARGET_MODULES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.
 #: Latent tokens behind one image slot of the vision-language sequence (a 2x2 group).
 _TOKENS_PER_SLOT = 4
 
+#: QwenImage21Pipeline's fixed VAE factor and its side when called without a size (``output_resolution``).
+QWENIMAGE21_VAE_FACTOR, QWENIMAGE21_OUTPUT_RESOLUTION = 16, 1024
+
 
 class QwenImage21Adapter(ModelFamilyAdapter):
     family = "qwenimage21"
     pipeline_class_names = ("QwenImage21Pipeline",)
     default_lora_target_modules = QWENIMAGE21_LORA_TARGET_MODULES
+
+    @classmethod
+    def _default_size(cls, configs: ModelConfigs) -> tuple[int, int, str]:
+        side = QWENIMAGE21_OUTPUT_RESOLUTION
+        return side, side, f"QwenImage21Pipeline's output_resolution {side}"
+
+    @classmethod
+    def _size_rule(cls, configs: ModelConfigs) -> SizeRule:
+        factor = QWENIMAGE21_VAE_FACTOR
+        return SizeRule(factor * 2, f"VAE factor {factor} x 2, one image slot per 2x2 latent tokens")
+
+    @classmethod
+    def _text_rule(cls, configs: ModelConfigs) -> TextRule:
+        return TextRule(512, "not read by Qwen-Image 2.1 (its prompts are encoded whole, as in the stock pipeline); "
+                             "the length the planner assumes", used=False)
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        grid = configs.pipeline_config.get("sample_sigmas")
+        if grid:
+            return Published(len(grid), 1.0, f"the pipeline's sample_sigmas ({len(grid)} steps, the author's grid) "
+                                             "and QwenImage21Pipeline's call default true_cfg_scale 1.0 (no guidance)")
+        return Published(40, 1.0, "QwenImage21Pipeline's call defaults (40 steps, true_cfg_scale 1.0: no guidance)")
 
     # --- conditioning -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,

@@ -21,12 +21,17 @@ import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import retrieve_latents
 
 from .base import PromptEmbeds
+from .profile import ModelConfigs, Published
 from .qwenimage import QwenImageAdapter
 
 
 class QwenImageEditAdapter(QwenImageAdapter):
     family = "qwenimage_edit"
     pipeline_class_names = ("QwenImageEditPipeline",)
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        return Published(50, 4.0, "Qwen-Image-Edit model card (50 steps, true_cfg_scale 4.0)")
     accepts_images = True
     negative_depends_on_image = True
 

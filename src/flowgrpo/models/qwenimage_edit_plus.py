@@ -20,12 +20,17 @@ from typing import Any
 import torch
 
 from .base import PromptEmbeds
+from .profile import ModelConfigs, Published
 from .qwenimage_edit import QwenImageEditAdapter
 
 
 class QwenImageEditPlusAdapter(QwenImageEditAdapter):
     family = "qwenimage_edit_plus"
     pipeline_class_names = ("QwenImageEditPlusPipeline",)
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        return Published(40, 4.0, "Qwen-Image-Edit-2509 / -2511 model cards (40 steps, true_cfg_scale 4.0)")
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
                        images: Sequence[Any] | None = None, *, height: int | None = None,

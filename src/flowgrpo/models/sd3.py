@@ -10,6 +10,18 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from diffusers.utils.torch_utils import randn_tensor
 
 from .base import ModelFamilyAdapter, PromptEmbeds
+from .profile import ModelConfigs, Published, SizeRule, TextRule, sane_length, smallest
+
+#: The longest T5 prompt StableDiffusion3Pipeline accepts (its ``check_inputs``), and its default.
+SD3_MAX_SEQUENCE_LENGTH, SD3_DEFAULT_SEQUENCE_LENGTH = 512, 256
+
+#: Published steps and guidance by checkpoint name (the first fragment found in the hub id or folder name wins).
+SD3_PUBLISHED = (
+    (("3.5-large-turbo", "3-5-large-turbo"), Published(4, 0.0, "SD3.5 Large Turbo model card (4 steps, guidance 0: "
+                                                            "distilled)", distilled=True)),
+    (("3.5-large", "3-5-large"), Published(28, 3.5, "SD3.5 Large model card (28 steps, guidance 3.5)")),
+    (("3.5-medium", "3-5-medium"), Published(40, 4.5, "SD3.5 Medium model card (40 steps, guidance 4.5)")),
+)
 
 
 class SD3Adapter(ModelFamilyAdapter):
@@ -18,6 +30,44 @@ class SD3Adapter(ModelFamilyAdapter):
     family = "sd3"
     pipeline_class_names = ("StableDiffusion3Pipeline",)
     encodes_images = True
+
+    @classmethod
+    def _default_size(cls, configs: ModelConfigs) -> tuple[int, int, str]:
+        """The pipeline's ``default_sample_size`` is the transformer's ``sample_size`` (128 for SD3 and SD3.5)."""
+        factor = cls._vae_scale_factor(configs)
+        sample = int(configs.config("transformer").get("sample_size", 128))
+        return sample * factor, sample * factor, f"transformer sample_size {sample} x VAE factor {factor}"
+
+    @classmethod
+    def _size_rule(cls, configs: ModelConfigs) -> SizeRule:
+        """Multiples of the VAE factor times the patch size, up to ``pos_embed_max_size`` patches a side: the
+        transformer crops its positional table to the image and cannot place more patches than it holds."""
+        factor = cls._vae_scale_factor(configs)
+        transformer = configs.config("transformer")
+        patch = int(transformer.get("patch_size", 2))
+        rule = SizeRule(factor * patch, f"VAE factor {factor} x patch size {patch}")
+        table = transformer.get("pos_embed_max_size")
+        if table:
+            rule = SizeRule(rule.multiple, rule.multiple_why, int(table) * patch * factor,
+                            f"the transformer's positional table holds pos_embed_max_size={table} patches a side "
+                            f"(patch size {patch}, VAE factor {factor})")
+        return rule
+
+    @classmethod
+    def _text_rule(cls, configs: ModelConfigs) -> TextRule:
+        limit, why = smallest(
+            (SD3_MAX_SEQUENCE_LENGTH, "the longest T5 prompt StableDiffusion3Pipeline accepts"),
+            (sane_length(configs.config("tokenizer_3").get("model_max_length")), "the T5 tokenizer's model_max_length"))
+        return TextRule(min(SD3_DEFAULT_SEQUENCE_LENGTH, limit or SD3_DEFAULT_SEQUENCE_LENGTH),
+                        "StableDiffusion3Pipeline's T5 length", limit, why)
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        for fragments, published in SD3_PUBLISHED:
+            if configs.name_has(*fragments):
+                return published
+        return Published(28, 7.0, "StableDiffusion3Pipeline's call defaults (SD3 Medium's model card: 28 steps, "
+                                  "guidance 7)")
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,
                        images: Sequence[Any] | None = None, *, height: int | None = None,

@@ -29,6 +29,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from .base import ModelFamilyAdapter, PromptEmbeds
+from .profile import ModelConfigs, Published, SizeRule, TextRule, sane_length, vae_scale_factor_from_temporal
 
 #: Wan's VAE compresses time 4x: videos have 4k + 1 frames.
 WAN_TEMPORAL_FACTOR = 4
@@ -83,12 +84,79 @@ class WanAdapter(ModelFamilyAdapter):
         self._unipc_flow_sigmas = bool(self.scheduler_config.get("use_flow_sigmas", False))
 
     @classmethod
-    def check_num_frames(cls, num_frames: int) -> None:
+    def check_num_frames(cls, num_frames: int | None) -> None:
+        if num_frames is None:
+            return
         if num_frames < 1 or (num_frames - 1) % WAN_TEMPORAL_FACTOR:
             lower = max(1, (num_frames - 1) // WAN_TEMPORAL_FACTOR * WAN_TEMPORAL_FACTOR + 1)
             raise ValueError(f"num_frames={num_frames}: Wan videos have 4k + 1 frames (1, 5, 9, ..., 81: the VAE "
                              f"encodes the first frame alone, then groups of 4); use {lower} or "
                              f"{lower + WAN_TEMPORAL_FACTOR}.")
+
+    # --- generation settings from the component configs -------------------------------------------
+    @staticmethod
+    def _variant(configs: ModelConfigs) -> str:
+        """``"ti2v"`` (Wan 2.2 TI2V-5B: per-token timesteps), ``"a14b"`` (Wan 2.2 A14B: two experts) or ``"2.1"``."""
+        if configs.pipeline_config.get("expand_timesteps"):
+            return "ti2v"
+        if configs.pipeline_config.get("boundary_ratio") is not None or configs.components.get("transformer_2"):
+            return "a14b"
+        return "2.1"
+
+    @classmethod
+    def _vae_scale_factor(cls, configs: ModelConfigs) -> int:
+        vae = configs.config("vae")
+        return int(vae.get("scale_factor_spatial") or vae_scale_factor_from_temporal(vae))
+
+    @staticmethod
+    def _patch(configs: ModelConfigs) -> tuple[int, int, int]:
+        patch = configs.config("transformer").get("patch_size") or (1, 2, 2)
+        return tuple(int(p) for p in patch)
+
+    @classmethod
+    def _default_size(cls, configs: ModelConfigs) -> tuple[int, int, str]:
+        variant = cls._variant(configs)
+        if variant == "ti2v":
+            return 704, 1280, "Wan 2.2 TI2V-5B model card (704 x 1280)"
+        if variant == "a14b" and cls.family == "wan":
+            return 720, 1280, "Wan 2.2 T2V-A14B model card (720 x 1280)"
+        return 480, 832, f"{configs.pipeline_class}'s call defaults (480 x 832)"
+
+    @classmethod
+    def _size_rule(cls, configs: ModelConfigs) -> SizeRule:
+        """Multiples of the VAE factor times the patch size, up to the rotary table's ``rope_max_seq_len`` patches
+        a side (the transformer slices its table to the latent grid and cannot place more)."""
+        factor, (_, patch, _) = cls._vae_scale_factor(configs), cls._patch(configs)
+        rule = SizeRule(factor * patch, f"VAE factor {factor} x patch size {patch}")
+        table = configs.config("transformer").get("rope_max_seq_len")
+        if table:
+            rule = SizeRule(rule.multiple, rule.multiple_why, int(table) * patch * factor,
+                            f"the transformer's rotary table holds rope_max_seq_len={table} patches a side (patch "
+                            f"size {patch}, VAE factor {factor})")
+        return rule
+
+    @classmethod
+    def _text_rule(cls, configs: ModelConfigs) -> TextRule:
+        limit = sane_length(configs.config("tokenizer").get("model_max_length"))
+        return TextRule(min(512, limit or 512), f"{configs.pipeline_class}'s call default", limit,
+                        "the UMT5 tokenizer's model_max_length" if limit else "")
+
+    @classmethod
+    def _default_frames(cls, configs: ModelConfigs) -> tuple[int, str]:
+        if cls._variant(configs) == "ti2v":
+            return 121, "Wan 2.2 TI2V-5B model card (121 frames)"
+        return 81, f"{configs.pipeline_class}'s call default (81 frames)"
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        variant = cls._variant(configs)
+        if variant == "ti2v":
+            return Published(50, 5.0, "Wan 2.2 TI2V-5B model card (50 steps, guidance 5.0)")
+        if variant == "a14b" and cls.family == "wan":
+            return Published(40, 4.0, "Wan 2.2 T2V-A14B model card (40 steps, guidance 4.0 for the high-noise "
+                                      "expert; one scale for both here)")
+        return Published(50, 5.0, f"{configs.pipeline_class}'s call defaults (50 steps, guidance 5.0; Wan 2.1's "
+                                  "model cards use 5.0)")
 
     # --- conditioning -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,

@@ -34,6 +34,7 @@ import torch
 from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
 
 from .base import PromptEmbeds
+from .profile import ModelConfigs, TextRule
 from .wan import WAN_LORA_TARGET_MODULES, WanAdapter
 
 #: Wan's attention projections plus Wan 2.1 I2V's image-token keys and values in the cross-attention (diffusers'
@@ -56,6 +57,15 @@ class WanImageToVideoAdapter(WanAdapter):
         if self.uses_image_encoder and getattr(pipeline, "image_encoder", None) is None:
             raise ValueError("This Wan image-to-video transformer reads CLIP image embeddings (image_dim is set), but "
                              "the pipeline has no image_encoder; load the full Wan 2.1 I2V pipeline.")
+
+    @classmethod
+    def _text_rule(cls, configs: ModelConfigs) -> TextRule:
+        rule = super()._text_rule(configs)
+        if configs.config("transformer").get("image_dim") is None:
+            return rule
+        return TextRule(WAN_I2V_TEXT_TOKENS, rule.default_why, rule.limit, rule.limit_why, exact=WAN_I2V_TEXT_TOKENS,
+                        exact_why="Wan 2.1 image-to-video's cross-attention splits the CLIP image tokens from the text "
+                                  f"assuming {WAN_I2V_TEXT_TOKENS} text tokens")
 
     # --- conditioning -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,

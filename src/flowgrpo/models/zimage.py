@@ -26,6 +26,7 @@ from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from .base import ModelFamilyAdapter, PromptEmbeds
+from .profile import ModelConfigs, Published, TextRule, encoder_positions
 
 #: Z-Image's attention projections (``attention.to_q/k/v``, ``attention.to_out.0``) and its SwiGLU feed-forward
 #: (``feed_forward.w1/w2/w3``), in the main, noise-refiner and context-refiner blocks alike.
@@ -40,9 +41,33 @@ class ZImageAdapter(ModelFamilyAdapter):
     pipeline_class_names = ("ZImagePipeline",)
     default_lora_target_modules = ZIMAGE_LORA_TARGET_MODULES
 
+    cfg_off_value = 0.0
+
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Z-Image's pipeline guides whenever ``guidance_scale > 0`` (``v_c + w (v_c - v_u)``)."""
         return guidance_scale > 0.0
+
+    # --- generation settings from the component configs -------------------------------------------
+    @classmethod
+    def _default_size(cls, configs: ModelConfigs) -> tuple[int, int, str]:
+        return 1024, 1024, "ZImagePipeline's call default (1024 x 1024)"
+
+    @classmethod
+    def _text_rule(cls, configs: ModelConfigs) -> TextRule:
+        limit = encoder_positions(configs.config("text_encoder"))
+        return TextRule(min(512, limit or 512), "ZImagePipeline's call default", limit,
+                        "the Qwen3 encoder's max_position_embeddings" if limit else "")
+
+    @classmethod
+    def _published(cls, configs: ModelConfigs) -> Published:
+        if configs.name_has("turbo"):
+            return Published(8, 0.0, "Z-Image-Turbo model card and ZImagePipeline's example (8 transformer passes, "
+                                     "guidance 0)", distilled=True)
+        return Published(50, 5.0, "ZImagePipeline's call defaults (50 steps, guidance 5.0)")
+
+    @classmethod
+    def _guidance_kind(cls, configs: ModelConfigs) -> tuple[str, str]:
+        return "cfg", "classifier-free guidance v_c + w (v_c - v_u) whenever guidance_scale > 0"
 
     # --- conditioning -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str], max_sequence_length: int, device: torch.device,

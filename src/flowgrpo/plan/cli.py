@@ -56,6 +56,9 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str 
         config_file = None
     parallel = load_parallelism(config_file, num_processes)
     spec = _spec_for(model_args)
+    from .recipe_settings import resolve_recipe_settings
+
+    resolve_recipe_settings(script_args, model_args, training_args, spec)  # the model's own where the recipe is silent
     check_wrap_classes(spec, parallel)
     inputs = plan_inputs(script_args, model_args, training_args, parallel, gpu_spec, spec)
     plan = make_plan(inputs)

@@ -8,7 +8,9 @@ A model file holds (see ``sd3.5-medium.json``)::
      "vae": {"class_name": ..., "config": {...}}, "scheduler": {"class_name": ..., "config": {...}},
      "text_encoders": {name: {"params": N, "source": ...}}, "sources": [urls of the config files],
      "components": {pipeline argument: {"class_name": ..., "config": {...}}} (optional: further modules the family's
-     adapter reads, e.g. LTX-2's audio VAE; built on the meta device, their weights counted)}
+     adapter reads, e.g. LTX-2's audio VAE; built on the meta device, their weights counted),
+     "pipeline_config": {...} (optional: the non-component entries of its model_index.json that decide the
+     family's defaults, e.g. Wan 2.2 TI2V's expand_timesteps)}
 
 Adding a model is adding one such file. No weights are read: a local folder contributes its ``config.json`` files and
 the parameter counts in the safetensors headers (the first few KB of each file) of its text encoders.
@@ -50,6 +52,7 @@ class ModelSpec:
     experts: int = 1
     sources: list[str] = field(default_factory=list)
     components: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)  # name -> (class, config)
+    pipeline_config: dict[str, Any] = field(default_factory=dict)  # model_index.json's non-component entries
     origin: str = "packaged"          # "packaged" | "local folder <path>" | "hub cache <path>"
 
     @property
@@ -70,7 +73,8 @@ def _from_packaged(raw: dict[str, Any]) -> ModelSpec:
         scheduler_class=raw["scheduler"]["class_name"], scheduler_config=dict(raw["scheduler"]["config"]),
         text_encoder_params={k: int(v["params"]) for k, v in raw.get("text_encoders", {}).items()},
         experts=int(raw.get("experts", 1)), sources=list(raw.get("sources", [])),
-        components={k: (v["class_name"], dict(v["config"])) for k, v in raw.get("components", {}).items()})
+        components={k: (v["class_name"], dict(v["config"])) for k, v in raw.get("components", {}).items()},
+        pipeline_config=dict(raw.get("pipeline_config", {})))
 
 
 def _safetensors_params(folder: Path) -> int:

@@ -14,10 +14,11 @@ See :mod:`flowgrpo.testing.tiny_pipelines` for the architectures.
 
 from .tiny_pipelines import (
     TINY_FAMILIES,
+    TINY_GENERATION_DEFAULTS,
     TINY_VARIANTS,
     build_tiny_pipeline,
     cached_tiny_pipeline_path,
     save_tiny_pipeline,
 )
 
-__all__ = ["TINY_FAMILIES", "TINY_VARIANTS", "build_tiny_pipeline", "cached_tiny_pipeline_path", "save_tiny_pipeline"]
+__all__ = ["TINY_FAMILIES", "TINY_GENERATION_DEFAULTS", "TINY_VARIANTS", "build_tiny_pipeline", "cached_tiny_pipeline_path", "save_tiny_pipeline"]

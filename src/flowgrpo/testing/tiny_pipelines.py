@@ -101,7 +101,8 @@ from .tiny_tokenizers import (
 )
 from .tiny_wan import WAN_CONFIGS, WAN_I2V_CONFIGS, WAN_I2V_VARIANTS, WAN_VARIANTS, build_tiny_wan, build_tiny_wan_i2v
 
-__all__ = ["TINY_FAMILIES", "TINY_VARIANTS", "build_tiny_pipeline", "save_tiny_pipeline", "cached_tiny_pipeline_path"]
+__all__ = ["TINY_FAMILIES", "TINY_GENERATION_DEFAULTS", "TINY_VARIANTS", "build_tiny_pipeline", "save_tiny_pipeline",
+           "cached_tiny_pipeline_path"]
 
 #: A tiny pipeline of every family of the family table (``flowgrpo.models.FAMILIES``).
 TINY_FAMILIES = tuple(FAMILIES)
@@ -345,15 +346,30 @@ def build_tiny_pipeline(family: str = "sd3", seed: int = 0, variant: str | None 
     return _BUILDERS[family](seed)
 
 
+#: The tiny pipelines' own generation defaults (``generation_defaults.json``, read by :mod:`flowgrpo.models.defaults`):
+#: a size (and frame count) that a CPU samples in a moment where the family's own (1024 px, 480 x 832 x 81 frames,
+#: ...) would not. The tiny SD3 pipeline has none: its family's default, 64 px, is small already.
+TINY_GENERATION_DEFAULTS: dict[str, dict[str, int]] = {
+    **{family: {"resolution": 32} for family in ("flux", "flux_kontext", "qwenimage", "qwenimage_edit", "flux2_klein",
+                                                 "zimage", "flux2", "qwenimage_edit_plus", "qwenimage21")},
+    **{family: {"resolution": 32, "num_frames": 5} for family in ("wan", "wan_i2v", "ltx2", "hunyuanvideo15")},
+}
+
+
 def save_tiny_pipeline(family: str, output_dir: str | os.PathLike[str], seed: int = 0,
                        variant: str | None = None) -> Path:
-    """Build the tiny ``family`` pipeline and write it to ``output_dir`` with ``save_pretrained``.
+    """Build the tiny ``family`` pipeline and write it to ``output_dir`` with ``save_pretrained``, with its
+    ``generation_defaults.json`` (:data:`TINY_GENERATION_DEFAULTS`) where the family's own size does not suit it.
 
     The folder loads back with stock ``DiffusionPipeline.from_pretrained(output_dir)``. Returns the folder's path.
     """
     output_dir = Path(output_dir)
     pipeline = build_tiny_pipeline(family, seed, variant)
     pipeline.save_pretrained(output_dir, safe_serialization=True)
+    if family in TINY_GENERATION_DEFAULTS:
+        (output_dir / "generation_defaults.json").write_text(json.dumps(
+            {"generation": TINY_GENERATION_DEFAULTS[family],
+             "source": "flowgrpo.testing: a tiny random-weight test pipeline, sampled small on a CPU"}, indent=1) + "\n")
     return output_dir
 
 
@@ -377,6 +393,8 @@ def _fingerprint(family: str, seed: int, variant: str | None = None) -> str:
     }
     if family in _FAMILY_CONFIGS:
         spec["family_configs"] = _FAMILY_CONFIGS[family]
+    if family in TINY_GENERATION_DEFAULTS:
+        spec["generation_defaults"] = TINY_GENERATION_DEFAULTS[family]
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode("utf-8"))
     digest.update(t5_sentencepiece_model())
     return digest.hexdigest()[:16]

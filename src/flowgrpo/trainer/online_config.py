@@ -6,11 +6,19 @@ algorithm on top: `FlowGRPOConfig` (the stochastic sampler, its windows and the 
 `DiffusionNFTConfig` (the deterministic sampler, the negative-aware loss and the old policy). Defaults follow the
 published Flow-GRPO recipes for Stable Diffusion 3.5 Medium where they exist; a trainer's config overrides the ones
 its algorithm publishes differently (DiffusionNFT: CFG-free rollouts, a smaller ``beta``).
+
+The generation settings (``resolution`` / ``height`` / ``width``, ``num_inference_steps``, ``eval_num_inference_steps``,
+``guidance_scale``, ``eval_guidance_scale``, ``max_sequence_length``, ``num_frames``) default to ``None``: the model's
+own, resolved by the trainer from the pipeline's component configs before anything is loaded
+(:mod:`flowgrpo.models.defaults`) and written back here. Checks that need them (a step count for an SDE window, ...)
+run when they are given, and again once they are resolved (``_check_generation_settings``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from transformers import TrainingArguments
 
@@ -66,24 +74,30 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
     )
 
     # ---- sampling ------------------------------------------------------------------------------------
-    resolution: int = field(
-        default=512,
-        metadata={"help": "Square image side in pixels (SD3.5-M Flow-GRPO recipes: 512). Overridden by height/width."},
+    resolution: int | None = field(
+        default=None,
+        metadata={"help": "Square image side in pixels (SD3.5-M Flow-GRPO recipes: 512). Overridden by height/width. "
+                          "Unset: the model's own size (its pipeline's default_sample_size x VAE factor, or the "
+                          "checkpoint's generation_defaults; the toy world: 32)."},
     )
-    height: int | None = field(default=None, metadata={"help": "Image height; defaults to resolution."})
-    width: int | None = field(default=None, metadata={"help": "Image width; defaults to resolution."})
-    num_frames: int = field(
-        default=1,
+    height: int | None = field(default=None, metadata={"help": "Image height; defaults to resolution, else the "
+                                                               "model's own."})
+    width: int | None = field(default=None, metadata={"help": "Image width; defaults to resolution, else the "
+                                                              "model's own."})
+    num_frames: int | None = field(
+        default=None,
         metadata={"help": "Frames per sample: 1 for image families (SD3, FLUX, Qwen-Image, the editing models); video "
                           "families need their own counts (Wan: 4k + 1, e.g. 81 as released, 33 or 5 for small runs). "
-                          "The family's rule is checked as soon as the pipeline's class is known, before loading it."},
+                          "Unset: the model's own (1, or the video pipeline's default). The family's rule is checked "
+                          "as soon as the pipeline's class is known, before loading it."},
     )
-    num_inference_steps: int = field(
-        default=10,
-        metadata={"help": "Sampling steps of training rollouts (Flow-GRPO trains with 10 and evaluates with 40)."},
+    num_inference_steps: int | None = field(
+        default=None,
+        metadata={"help": "Sampling steps of training rollouts (Flow-GRPO trains SD3.5-M with 10 and evaluates with "
+                          "40). Unset: the model card's steps (distilled models: their few steps)."},
     )
-    eval_num_inference_steps: int = field(
-        default=40, metadata={"help": "ODE sampling steps for evaluation (Flow-GRPO: 40)."},
+    eval_num_inference_steps: int | None = field(
+        default=None, metadata={"help": "ODE sampling steps for evaluation (Flow-GRPO: 40). Unset: the model card's."},
     )
     eval_images_per_prompt: int = field(
         default=1,
@@ -91,14 +105,16 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                           "sampling noise of the eval metrics (a small eval set with one image per prompt moves by "
                           "several points between seeds)."},
     )
-    guidance_scale: float = field(
-        default=4.5,
+    guidance_scale: float | None = field(
+        default=None,
         metadata={"help": "Classifier-free guidance scale of rollouts (SD3.5-M recipes: 4.5). 1.0 disables CFG: "
                           "one transformer pass per step (the CFG-free 'Fast' recipes). Training recomputes the "
-                          "velocity with the same scale and negative embeddings."},
+                          "velocity with the same scale and negative embeddings. Unset: the model card's guidance "
+                          "(distilled models: none; CFG-free algorithms: none)."},
     )
     eval_guidance_scale: float | None = field(
-        default=None, metadata={"help": "Guidance scale for evaluation; defaults to guidance_scale."},
+        default=None, metadata={"help": "Guidance scale for evaluation; defaults to guidance_scale (given or "
+                                        "resolved)."},
     )
     eval_guidance_scales: list[float] | None = field(
         default=None,
@@ -110,8 +126,10 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
     negative_prompt: str = field(
         default="", metadata={"help": "Negative prompt for classifier-free guidance (SD3 recipes use the empty prompt)."},
     )
-    max_sequence_length: int = field(
-        default=256, metadata={"help": "T5 token length of prompt embeddings (SD3 pipelines default to 256)."},
+    max_sequence_length: int | None = field(
+        default=None,
+        metadata={"help": "Text token length of prompt embeddings (SD3 pipelines: 256 T5 tokens). Unset: the "
+                          "pipeline's own length, capped by its text encoder's."},
     )
 
     # ---- objective -----------------------------------------------------------------------------------
@@ -280,7 +298,7 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         super().__post_init__()
         self.height = self.height or self.resolution
         self.width = self.width or self.resolution
-        if self.eval_guidance_scale is None:
+        if self.eval_guidance_scale is None and self.guidance_scale is not None:
             self.eval_guidance_scale = self.guidance_scale
         if self.eval_guidance_scales is not None:
             scales = [self.eval_guidance_scales] if isinstance(self.eval_guidance_scales, (int, float)) \
@@ -306,10 +324,31 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                              "remove_unused_columns=False.")
         if self.ema_decay < 0 or self.ema_decay >= 1:
             raise ValueError(f"ema_decay={self.ema_decay} must be in [0, 1).")
-        check_health_arguments(self)  # gold rewards, best model, alarms and guards (health/arguments.py)
+        self._check_health_settings()
 
     #: the trainer this configuration is for (in error messages)
     _trainer_name = "the trainer"
+    #: why the algorithm's rollouts sample without classifier-free guidance, when they do by design (an unset
+    #: guidance_scale is then the family's no-guidance value, not the model card's); None: the model's guidance
+    _cfg_free_rollouts: ClassVar[str | None] = None
+
+    def _check_generation_settings(self) -> None:
+        """The checks that use the generation settings, run again once the trainer has resolved them from the model
+        (``flowgrpo.models.defaults.apply_generation_settings``)."""
+        self._check_choices()
+        self._check_algorithm()
+        self._check_health_settings()
+
+    def _check_health_settings(self) -> None:
+        """Gold rewards, best model, alarms and guards (health/arguments.py). Their bound of ``base_model_tail_steps``
+        by ``num_inference_steps`` waits for the step count when it is the model's own (checked once resolved)."""
+        steps = self.num_inference_steps
+        if steps is None:
+            self.num_inference_steps = math.inf
+        try:
+            check_health_arguments(self)
+        finally:
+            self.num_inference_steps = steps
 
     def _check_algorithm(self) -> None:
         """The algorithm's own settings: checked by each trainer's config (after the shared ones)."""
@@ -326,13 +365,24 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                              "advantages; set num_generations >= 2.")
         if self.eval_images_per_prompt < 1:
             raise ValueError(f"eval_images_per_prompt={self.eval_images_per_prompt} must be >= 1.")
-        if isinstance(self.num_frames, bool) or not isinstance(self.num_frames, int) or self.num_frames < 1:
+        if self.num_frames is not None and (isinstance(self.num_frames, bool) or not isinstance(self.num_frames, int)
+                                            or self.num_frames < 1):
             raise ValueError(f"num_frames={self.num_frames!r} must be an integer >= 1 (1 for image families; Wan: "
-                             "4k + 1).")
+                             "4k + 1), or unset for the model's own.")
         if self.log_video_fps <= 0:
             raise ValueError(f"log_video_fps={self.log_video_fps} must be > 0.")
-        if self.num_inference_steps < 2:
+        if self.num_inference_steps is not None and self.num_inference_steps < 2:
             raise ValueError(f"num_inference_steps={self.num_inference_steps} must be >= 2.")
+        if self.eval_num_inference_steps is not None and self.eval_num_inference_steps < 1:
+            raise ValueError(f"eval_num_inference_steps={self.eval_num_inference_steps} must be >= 1.")
+        if self.max_sequence_length is not None and self.max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length={self.max_sequence_length} must be >= 1, or unset for the model's "
+                             "own.")
+        for name in ("guidance_scale", "eval_guidance_scale"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name}={value} must be >= 0 (1 = no guidance for most families), or unset for the "
+                                 "model's own.")
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations={self.num_iterations} must be >= 1.")
         if self.beta < 0:
@@ -340,7 +390,7 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         if self.adv_clip_max <= 0:
             raise ValueError(f"adv_clip_max={self.adv_clip_max} must be > 0.")
         for name in ("height", "width"):
-            if getattr(self, name) % 16:
+            if getattr(self, name) is not None and getattr(self, name) % 16:
                 raise ValueError(f"{name}={getattr(self, name)} must be a multiple of 16 (VAE downsampling x patch "
                                  "size); round it, e.g. to 512.")
 
@@ -406,10 +456,14 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
 
     @property
     def evaluation_guidance_scales(self) -> list[float]:
-        """The guidance scales of an evaluation: ``eval_guidance_scale`` first, then the other
-        ``eval_guidance_scales``."""
-        return list(dict.fromkeys([float(self.eval_guidance_scale), *(self.eval_guidance_scales or [])]))
+        """The guidance scales of an evaluation: ``eval_guidance_scale`` first (once given or resolved), then the
+        other ``eval_guidance_scales``."""
+        first = [] if self.eval_guidance_scale is None else [float(self.eval_guidance_scale)]
+        return list(dict.fromkeys([*first, *(self.eval_guidance_scales or [])]))
 
     @property
-    def image_size(self) -> tuple[int, int]:
+    def image_size(self) -> tuple[int, int] | tuple[None, None]:
+        """``(height, width)``; ``(None, None)`` until the model's own size is resolved (by the trainer)."""
+        if self.height is None or self.width is None:
+            return None, None
         return int(self.height), int(self.width)

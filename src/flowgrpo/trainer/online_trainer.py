@@ -44,6 +44,7 @@ from transformers.utils import logging
 
 from ..cpu_threads import apply_cpu_thread_plan, install_main_thread_yield, plan_cpu_threads
 from ..models import family_adapter_class
+from ..models.defaults import resolve_trainer_settings
 from ..rewards import RewardSet, resolve_reward_funcs
 from .base import FlowBaseTrainer
 from .console import install_training_console
@@ -189,13 +190,19 @@ class OnlineRLTrainer(FlowBaseTrainer):
         index = read_pipeline_index(model, pipeline_kwargs or {})
         check_family_settings(index, args, peft_config, (train_dataset, eval_dataset))
         self._check_datasets(index, args, (train_dataset, eval_dataset))
+        # Unset generation settings (size, steps, guidance, text length, frames) become the model's own, and
+        # impossible ones are refused, from the configs alone (models/defaults.py); when the index could not be read,
+        # the policy does it right after loading, before anything moves to a device.
+        settings = resolve_trainer_settings(model, args, index, pipeline_kwargs)
         if audio_rewards and index and "_class_name" in index:
             check_audio_rewards(family_adapter_class(index["_class_name"]), audio_rewards)
         import_own_components(index)
 
         # ---- the policy: loaded before transformers.Trainer, which needs the model ----------------------------
-        self.policy = Policy(model, args, peft_config, pipeline_kwargs,
+        self.policy = Policy(model, args, peft_config, pipeline_kwargs, generation_settings=settings,
                              keep_reference_copy=self._needs_reference(args) or needs_reference_copy(args))
+        #: the resolved generation settings and where each came from (``flowgrpo.models.defaults``)
+        self.generation_settings = self.policy.generation_settings
         adapter = self.policy.adapter
         check_audio_rewards(type(adapter), audio_rewards)
         self._card_base_model = self.policy.base_model_id

@@ -12,7 +12,8 @@ velocity KL to the reference (``beta``, ``kl_weight``) and the EMA adapter (``em
 level in [0.3, 0.9], predictor and corrector of order 2), the conditional velocity trained, 6 trained levels by
 ``discrete_wo_init`` in the first 90% of the steps, ``ghuber`` weighting with power 0.25, ``exp_first``, clip range 1,
 advantages scaled to 1, beta 0.001 (``Uniform``), EMA-adapter KL 1 (``Uniform``, decay min(0.3, 0.001 k)),
-on-policy, global std, lr 3e-4.
+on-policy, global std, lr 3e-4. The paper's 14 rollout and 40 evaluation
+steps are SD3.5-M's (``recipes/awm_geneval.yaml``); unset, the steps are the model's own.
 """
 
 from __future__ import annotations
@@ -75,12 +76,15 @@ class AWMConfig(TrainGuidanceArguments, OnlineRLConfig):
     sa_solver_corrector_order: int = field(
         default=2, metadata={"help": "SA-Solver's corrector order: 0 (no corrector), 1 or 2 (AWM: 2)."},
     )
-    num_inference_steps: int = field(default=14, metadata={"help": "Rollout steps (AWM: 14)."})
-    eval_num_inference_steps: int = field(default=40, metadata={"help": "Evaluation steps (AWM: 40)."})
-    guidance_scale: float = field(
-        default=1.0,
+    num_inference_steps: int | None = field(
+        default=None, metadata={"help": "Rollout steps (AWM on SD3.5-M: 14). Unset: the model card's steps."})
+    eval_num_inference_steps: int | None = field(
+        default=None, metadata={"help": "Evaluation steps (AWM on SD3.5-M: 40). Unset: the model card's steps."})
+    guidance_scale: float | None = field(
+        default=None,
         metadata={"help": "CFG scale of the rollouts (AWM: 1.0, CFG-free); the trained velocities use "
-                          "train_guidance_scale."},
+                          "train_guidance_scale. Unset: CFG-free (the family's no-guidance value; a guidance "
+                          "embedding keeps the model's value)."},
     )
     scale_rewards: str = field(
         default="batch",
@@ -163,6 +167,7 @@ class AWMConfig(TrainGuidanceArguments, OnlineRLConfig):
     )
 
     _trainer_name = "AWMTrainer"
+    _cfg_free_rollouts = "AWMConfig: CFG-free rollouts"
 
     def _check_algorithm(self) -> None:
         check_choice("sampler", self.sampler, AWM_SAMPLERS)
@@ -182,7 +187,7 @@ class AWMConfig(TrainGuidanceArguments, OnlineRLConfig):
         fraction = self.timestep_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"timestep_fraction={fraction!r} must be in (0, 1] (AWM: 0.9).")
-        if self.time_type.startswith("discrete"):
+        if self.time_type.startswith("discrete") and self.num_inference_steps is not None:
             last = int(self.num_inference_steps * fraction)
             low = 0 if self.time_type == "discrete" else 1
             if last < low:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ...models import PromptEmbeds
+from ...models.defaults import generation_card_lines
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..rollout.strategies import FinalSampleRollout
 from .awm_config import AWMConfig
@@ -157,6 +158,7 @@ class AWMTrainer(OnlineRLTrainer):
             f"- group size {args.num_generations}, {args.num_inference_steps} sampling steps, guidance "
             f"{args.guidance_scale}, {args.height}x{args.width}"
             + (f", {args.num_frames} frames" if args.num_frames > 1 else ""),
+            *generation_card_lines(self),
             f"- KL: beta {args.beta} ({args.kl_weight}), EMA adapter {args.ema_beta} ({args.kl_ema_weight}, decay "
             f"{args.kl_ema_decay_type} up to {args.kl_ema_decay:g}); learning rate {args.learning_rate}",
             f"- rewards: reward_aggregation={args.reward_aggregation}, scale_rewards={args.scale_rewards}, "

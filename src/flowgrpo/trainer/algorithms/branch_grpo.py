@@ -68,7 +68,7 @@ __all__ = ["BRANCH_PRUNINGS", "BRANCH_WIDTH_MODES", "SPLIT_LOG_PROBS", "BranchNo
            "edge_std", "node_noise", "node_rewards", "pruned_edges"]
 
 
-def check_branch_steps(branch_steps: Sequence[int], num_inference_steps: int, branch_factor: int) -> tuple[int, ...]:
+def check_branch_steps(branch_steps: Sequence[int], num_inference_steps: int | None, branch_factor: int) -> tuple[int, ...]:
     """The split steps as a sorted tuple, after checking them (distinct integers in 0 .. num_inference_steps - 1)
     and the factor (an integer >= 2); errors name the bad value and the fix."""
     if isinstance(branch_factor, bool) or not isinstance(branch_factor, int) or branch_factor < 2:
@@ -77,7 +77,8 @@ def check_branch_steps(branch_steps: Sequence[int], num_inference_steps: int, br
     steps = list(branch_steps)
     if any(isinstance(s, bool) or not isinstance(s, int) for s in steps):
         raise ValueError(f"branch_steps={steps!r} must be integers (sampling step indices), e.g. [0, 3, 6, 9].")
-    bad = [s for s in steps if not 0 <= s < num_inference_steps]
+    # an unset step count (the model's own, resolved by the trainer) is checked once it is known
+    bad = [s for s in steps if s < 0 or (num_inference_steps is not None and s >= num_inference_steps)]
     if bad:
         raise ValueError(f"branch_steps {bad} are outside 0 .. num_inference_steps - 1 = {num_inference_steps - 1}; "
                          "a split step is the index of a sampling step.")

@@ -146,7 +146,7 @@ class CRDConfig(OnlineRLConfig):
         fraction = self.timestep_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"timestep_fraction={fraction!r} must be in (0, 1] (CRD: 0.99).")
-        if int(self.num_inference_steps * fraction) < 1:
+        if self.num_inference_steps is not None and int(self.num_inference_steps * fraction) < 1:
             raise ValueError(f"timestep_fraction={fraction} of num_inference_steps={self.num_inference_steps} leaves "
                              f"int({self.num_inference_steps} x {fraction}) = 0 steps to draw from; raise "
                              "timestep_fraction.")

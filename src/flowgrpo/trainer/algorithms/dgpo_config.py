@@ -142,9 +142,9 @@ class DGPOConfig(OnlineRLConfig):
         check_choice("sampler", self.sampler, DGPO_SAMPLERS)
         steps = self.num_inference_steps
         trunc = self.dgpo_trunc_steps
-        if not _is_int(trunc) or not 0 <= trunc <= steps - 1:
+        if not _is_int(trunc) or trunc < 0 or (steps is not None and trunc > steps - 1):  # steps: once resolved
             raise ValueError(f"dgpo_trunc_steps={trunc!r} must be an integer in 0 .. num_inference_steps - 1 = "
-                             f"{steps - 1} (the last trainable rollout step index; DGPO: 6 of 10).")
+                             f"{None if steps is None else steps - 1} (the last trainable rollout step index; DGPO: 6 of 10).")
         count = self.dgpo_num_timesteps
         if not _is_int(count) or not 1 <= count <= trunc + 1:
             raise ValueError(f"dgpo_num_timesteps={count!r} must be an integer in 1 .. dgpo_trunc_steps + 1 = "

@@ -69,14 +69,16 @@ class DiffusionDPOConfig(TrainGuidanceArguments, OnlineRLConfig):
         default="dpmpp_2m",
         metadata={"help": "Deterministic solver of the online rollouts and of evaluation: 'dpmpp_2m' or 'euler'."},
     )
-    guidance_scale: float = field(
-        default=1.0,
+    guidance_scale: float | None = field(
+        default=None,
         metadata={"help": "CFG scale of the online rollouts (1.0: one forward per step; flow_grpo samples at 4.5); "
-                          "the trained and reference velocities use train_guidance_scale."},
+                          "the trained and reference velocities use train_guidance_scale. Unset: CFG-free (the "
+                          "family's no-guidance value; a guidance embedding keeps the model's value)."},
     )
     learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate of the LoRA."})
 
     _trainer_name = "DiffusionDPOTrainer"
+    _cfg_free_rollouts = "DiffusionDPOConfig: CFG-free rollouts"
 
     def _check_algorithm(self) -> None:
         check_choice("dpo_mode", self.dpo_mode, DPO_MODES)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ...models import PromptEmbeds, family_adapter_class
+from ...models.defaults import generation_card_lines
 from ..data.condition_images import load_condition_image
 from ..data.sampler import RepeatSampler
 from ..online_trainer import LossPart, OnlineRLTrainer
@@ -212,4 +213,5 @@ class DiffusionDPOTrainer(OnlineRLTrainer):
             f"- algorithm: {self._name} ({source}), beta_dpo {args.beta_dpo:g}, noise-level shift "
             f"{args.time_shift:g}",
             f"- guidance {args.guidance_scale}, {args.height}x{args.width}, learning rate {args.learning_rate}",
+            *generation_card_lines(self),
         ]

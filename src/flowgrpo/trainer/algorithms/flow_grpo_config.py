@@ -3,9 +3,10 @@
 The settings every online-RL trainer shares (groups, rollouts, rewards, memory, crash safety, logging) are those of
 `OnlineRLConfig`; this class adds Flow-GRPO's own: the stochastic sampler (noise level, SDE or CPS), its windows
 and solvers, and the clipped-ratio objective. Defaults follow the published Flow-GRPO recipes for Stable Diffusion
-3.5 Medium where they exist (LoRA r=32/alpha=64, lr 3e-4, 10 sampling steps, 40 evaluation steps, CFG 4.5, noise
-level 0.7, KL weight 0.04, clip range 1e-4, advantage clip 5, 512 px); each field's help says where its default
-comes from.
+3.5 Medium where they exist (LoRA r=32/alpha=64, lr 3e-4, noise level 0.7, KL weight 0.04, clip range 1e-4,
+advantage clip 5); each field's help says where its default comes from. The sampling settings (size, steps, guidance,
+text length) are the model's own unless given (the published SD3.5-M ones, 512 px, 10 steps, 40 for evaluation, CFG
+4.5, are in ``recipes/ocr.yaml`` and its siblings).
 """
 
 from __future__ import annotations
@@ -278,8 +279,9 @@ class FlowGRPOConfig(OnlineRLConfig):
         if self.branch_prune_depths is not None:
             depths = [self.branch_prune_depths] if isinstance(self.branch_prune_depths, int) \
                 else list(self.branch_prune_depths)
+            steps = self.num_inference_steps  # unset: the model's own, checked once the trainer has resolved it
             bad = [d for d in depths if isinstance(d, bool) or not isinstance(d, int)
-                   or not 1 <= d <= self.num_inference_steps]
+                   or d < 1 or (steps is not None and d > steps)]
             if bad:
                 raise ValueError(f"branch_prune_depths {bad} must be depths in 1 .. num_inference_steps = "
                                  f"{self.num_inference_steps} (the node after sampling step s is at depth s + 1).")
@@ -305,7 +307,8 @@ class FlowGRPOConfig(OnlineRLConfig):
             if not self.branch_prune_depths:
                 raise ValueError("branch_pruning='depth' needs branch_prune_depths, the depths whose edges are left "
                                  "out, e.g. [15, 16, 17, 18] for 20 steps.")
-        if self.branch_pruning == "width" and max(self.branch_steps) >= self.num_inference_steps - 1:
+        if self.branch_pruning == "width" and self.num_inference_steps is not None and \
+                max(self.branch_steps) >= self.num_inference_steps - 1:
             raise ValueError(f"branch_pruning='width' prunes the edges after the last split step, but the last split "
                              f"step {max(self.branch_steps)} is the final sampling step; split earlier or use "
                              "branch_pruning: none.")
@@ -318,6 +321,8 @@ class FlowGRPOConfig(OnlineRLConfig):
     def _check_window(self) -> None:
         steps = self.num_inference_steps
         k = self.sde_window_size
+        if steps is None and k > 0:  # the model's own step count: checked once the trainer has resolved it
+            return
         if k < 0:
             raise ValueError(f"sde_window_size={k} must be >= 0 (0 = SDE on every step but the last).")
         if k == 0:

@@ -32,6 +32,7 @@ from collections import ChainMap
 
 import torch
 
+from ...models.defaults import generation_card_lines
 from ...schedulers import sde_step_from_sigmas
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..outputs.lora_export import LORA_WEIGHTS_NAME
@@ -144,6 +145,7 @@ class FlowGRPOTrainer(OnlineRLTrainer):
             f"- group size {args.num_generations}, {args.num_inference_steps} sampling steps, guidance "
             f"{args.guidance_scale}, {args.height}x{args.width}"
             + (f", {args.num_frames} frames" if args.num_frames > 1 else ""),
+            *generation_card_lines(self),
             f"- beta (KL) {args.beta}, clip range {args.epsilon}, learning rate {args.learning_rate}",
             f"- SDE window: sde_window_strategy={args.sde_window_strategy}, sde_window_range={args.sde_window_range}, "
             f"sde_window_shift_interval={args.sde_window_shift_interval}, sde_window_stride={args.sde_window_stride}, "

@@ -67,12 +67,14 @@ class DiffusionNFTConfig(OnlineRLConfig):
                           "each rollout's final sample is kept; any solver works, since the loss never needs the "
                           "trajectory's likelihood. Evaluation samples with the same solver."},
     )
-    guidance_scale: float = field(
-        default=1.0,
+    guidance_scale: float | None = field(
+        default=None,
         metadata={"help": "Classifier-free guidance scale of rollouts and of the trained velocity. DiffusionNFT "
-                          "as published trains CFG-free (1.0: one transformer pass per step). > 1 guides both with "
-                          "the negative prompt: our extension, with no published counterpart (the official CFG>1 "
-                          "training path cannot run). Evaluate at several scales with eval_guidance_scales."},
+                          "as published trains CFG-free (1.0: one transformer pass per step), which is what an unset "
+                          "value gives (the family's no-guidance value; a guidance embedding keeps the model's value). "
+                          "> 1 guides both with the negative prompt: our extension, with no published counterpart "
+                          "(the official CFG>1 training path cannot run). Evaluate at several scales with "
+                          "eval_guidance_scales."},
     )
     timestep_fraction: float = field(
         default=0.99,
@@ -116,6 +118,7 @@ class DiffusionNFTConfig(OnlineRLConfig):
     )
 
     _trainer_name = "DiffusionNFTTrainer"
+    _cfg_free_rollouts = "DiffusionNFTConfig: CFG-free rollouts"
 
     def _check_algorithm(self) -> None:
         check_choice("sampler", self.sampler, NFT_SAMPLERS)
@@ -124,7 +127,7 @@ class DiffusionNFTConfig(OnlineRLConfig):
         fraction = self.timestep_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"timestep_fraction={fraction!r} must be in (0, 1] (DiffusionNFT: 0.99).")
-        if self.num_trained_timesteps < 1:
+        if self.num_inference_steps is not None and self.num_trained_timesteps < 1:
             raise ValueError(f"timestep_fraction={fraction} of num_inference_steps={self.num_inference_steps} trains "
                              f"int({self.num_inference_steps} x {fraction}) = 0 timesteps per sample; raise "
                              "timestep_fraction to at least "
@@ -139,8 +142,11 @@ class DiffusionNFTConfig(OnlineRLConfig):
                              "old policy for good).")
 
     @property
-    def num_trained_timesteps(self) -> int:
-        """Timesteps trained per sample: ``int(num_inference_steps * timestep_fraction)``."""
+    def num_trained_timesteps(self) -> int | None:
+        """Timesteps trained per sample: ``int(num_inference_steps * timestep_fraction)`` (``None`` until the step
+        count is given or resolved)."""
+        if self.num_inference_steps is None:
+            return None
         return int(self.num_inference_steps * self.timestep_fraction)
 
 

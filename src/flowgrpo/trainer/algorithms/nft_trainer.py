@@ -34,6 +34,7 @@ from collections import ChainMap
 
 import torch
 
+from ...models.defaults import generation_card_lines
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..policy.old_policy import old_policy_decay
 from ..rollout.strategies import FinalSampleRollout
@@ -140,6 +141,7 @@ class DiffusionNFTTrainer(OnlineRLTrainer):
             f"- group size {args.num_generations}, {args.num_inference_steps} sampling steps, guidance "
             f"{args.guidance_scale}, {args.height}x{args.width}"
             + (f", {args.num_frames} frames" if args.num_frames > 1 else ""),
+            *generation_card_lines(self),
             f"- nft_beta {args.nft_beta}, velocity penalty beta {args.beta}, advantage clip {args.adv_clip_max}, "
             f"learning rate {args.learning_rate}",
             f"- old policy: decay starts at step {args.old_policy_decay_start}, rises by "

@@ -113,9 +113,10 @@ class DiffusionOPDConfig(OnlineRLConfig):
             raise ValueError("opd_kl='exact' divides by the step's transition std, which is 0 with noise_level=0 "
                              "(ODE rollouts); set noise_level > 0 (e.g. 0.7) or opd_kl: ode.")
         k = self.sde_window_size
-        if not _is_int(k) or not 0 <= k <= self.num_inference_steps - 1:
+        steps = self.num_inference_steps  # unset: the model's own, checked once the trainer has resolved it
+        if not _is_int(k) or k < 0 or (steps is not None and k > steps - 1):
             raise ValueError(f"sde_window_size={k!r} must be an integer in 0 .. num_inference_steps - 1 = "
-                             f"{self.num_inference_steps - 1} (0 records every step but the last).")
+                             f"{None if steps is None else steps - 1} (0 records every step but the last).")
         if self.teacher_guidance_scale is not None and not self.teacher_guidance_scale > 0:
             raise ValueError(f"teacher_guidance_scale={self.teacher_guidance_scale} must be > 0 (1.0: no guidance), "
                              "or null for the student's guidance_scale.")

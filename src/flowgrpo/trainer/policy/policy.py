@@ -54,13 +54,20 @@ class Policy:
         pipeline_kwargs: extra ``from_pretrained`` arguments.
         keep_reference_copy: for full fine-tuning, keep a frozen copy of the transformer as the reference (when the
             loss or the health guards read the reference).
+        generation_settings: the generation settings resolved before loading (``flowgrpo.models.defaults``); None
+            when they could not be (no readable ``model_index.json``): then they are resolved from the loaded pipeline,
+            before the family adapter is built and anything moves to a device.
     """
 
     def __init__(self, model: Any, args: Any, peft_config: Any = None, pipeline_kwargs: dict | None = None, *,
-                 keep_reference_copy: bool = False):
+                 keep_reference_copy: bool = False, generation_settings: Any = None):
+        from ...models.defaults import resolve_trainer_settings
+
         self.args = args
         self.dtype = torch_dtype(args.dtype)
         self.pipeline = load_pipeline(model, args, pipeline_kwargs or {}, self.dtype)
+        #: the resolved generation settings (size, steps, guidance, text length, frames) and their sources
+        self.generation_settings = generation_settings or resolve_trainer_settings(self.pipeline, args)
         self.adapter = get_family_adapter(self.pipeline, num_frames=args.num_frames)
         #: the model id the model card names as the base
         self.base_model_id = model if isinstance(model, str) else getattr(self.pipeline, "name_or_path", None)
