@@ -212,6 +212,7 @@ def test_cpu_runs_of_the_checks_write_the_figures_the_report_shows(cpu_recorded)
     assert md == render_markdown(data)  # the markdown is a function of the JSON alone
     assert "| sd3-tiny/no-cfg | 1 | False | 0 |" in md and "Median of the 2 timed steps" in md
     assert "| step time, s (planned at MFU 0.29) |" in md and QUICK_TABLE_HEADER in md
+    assert QUICK_TABLE_HEADER in (REPO / "docs" / "benchmarks.md").read_text()  # the rows fit the docs' table
     row = data["docs_rows"]["sd35m_step"]
     assert row.startswith(f"| {data['date']} | 1x NVIDIA") or row.startswith(f"| {data['date']} | no GPU")
     assert row.count("|") == QUICK_TABLE_HEADER.count("|") and "(4 images)" in row
