@@ -16,7 +16,8 @@
 # without dependencies, into a new temporary folder that goes first on PYTHONPATH, with this tree's src/ after it:
 # flowgrpo is imported from the working tree, not installed. Writes OUT_DIR/gpu_report.md, OUT_DIR/gpu_report.json and
 # OUT_DIR/gpu_quick_logs.txt; the checks' files and the launch model go to FLOWGRPO_QUICK_WORK
-# (default $TMPDIR/flowgrpo-quick). Exit status: 0 all passed, 1 a check failed, 2 bad input or no wheels.
+# (default $TMPDIR/flowgrpo-quick). Exit status: 0 all passed, 1 a check failed (no wheels to install is a failed
+# setup/wheels: the report is still written), 2 bad input.
 set -uo pipefail
 
 started=$(date +%s.%N 2>/dev/null || date +%s)
@@ -42,33 +43,38 @@ work=${FLOWGRPO_QUICK_WORK:-$tmp/flowgrpo-quick}
 mkdir -p "$work" "$out" || exit 2
 out=$(cd "$out" && pwd) || exit 2          # absolute: the checks run from the repository root
 
+# A set-up problem does not stop the run: it is written into the report (setup/wheels fails with it), so that the
+# report always comes back.
+setup_error=""
 shopt -s nullglob
 files=("$wheels"/*.whl)
 shopt -u nullglob
-if [ ${#files[@]} -eq 0 ]; then
-  echo "gpu-quick: error: no wheels in $wheels: run 'make gpu-wheels' before the call and carry .whl with it" >&2
-  exit 2
-fi
-
 site=$(mktemp -d "$tmp/flowgrpo-site.XXXXXX") || exit 2
-platforms=()
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
-  platforms+=(--platform "$p")
-done
-# The tags are the GPU machine's (CPython 3.12, manylinux x86-64), so that the same install also runs in a dry run
-# on another interpreter.
-if ! "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-    --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
-    "${platforms[@]}" "${files[@]}" >"$work/setup.log" 2>&1; then
-  echo "gpu-quick: error: installing the wheels of $wheels into $site failed:" >&2
-  tail -n 20 "$work/setup.log" >&2
-  exit 2
+: >"$work/setup.log"
+if [ ${#files[@]} -eq 0 ]; then
+  setup_error="no wheels in $wheels: run 'make gpu-wheels' before the call and send .whl along with the working tree"
+else
+  platforms=()
+  for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+    platforms+=(--platform "$p")
+  done
+  # The tags are the GPU machine's (CPython 3.12, manylinux x86-64), so that the same install also runs in a dry run
+  # on another interpreter.
+  if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+      --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
+      "${platforms[@]}" "${files[@]}" >>"$work/setup.log" 2>&1; then
+    echo "[gpu-quick] ${#files[@]} wheels installed into $site" | tee -a "$work/setup.log"
+    printf '  %s\n' "${files[@]##*/}" >>"$work/setup.log"
+  else
+    setup_error="installing the wheels of $wheels into $site failed: $(tail -n 3 "$work/setup.log" | tr '\n' ' ')"
+  fi
 fi
-echo "[gpu-quick] ${#files[@]} wheels installed into $site" | tee -a "$work/setup.log"
-printf '  %s\n' "${files[@]##*/}" >>"$work/setup.log"
+if [ -n "$setup_error" ]; then
+  echo "gpu-quick: error: $setup_error" | tee -a "$work/setup.log" >&2
+fi
 
 export PYTHONPATH="$site:$repo/src${PYTHONPATH:+:$PYTHONPATH}"
-export FLOWGRPO_QUICK_SITE=$site
+export FLOWGRPO_QUICK_SITE=$site FLOWGRPO_QUICK_SETUP_ERROR=$setup_error
 export FLOWGRPO_QUICK_COMMAND="scripts/gpu_quick.sh ${dry_run[*]:+${dry_run[*]} }$out${*:+ $*}"
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
 cd "$repo" || exit 2

@@ -333,9 +333,13 @@ def test_dry_run_of_the_script_installs_the_wheels_and_writes_the_report_from_re
 
     empty = tmp_path / "no-wheels"
     empty.mkdir()
-    refused = subprocess.run(["bash", str(SCRIPT), "--dry-run", str(tmp_path / "out2")],
+    # no wheels: said at once, and the report is still written, with the set-up check failed for it
+    missing = subprocess.run(["bash", str(SCRIPT), "--dry-run", str(tmp_path / "out2")],
                              env={**env, "FLOWGRPO_WHEEL_DIR": str(empty)}, capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 2 and "run 'make gpu-wheels'" in refused.stderr
+    assert missing.returncode == 1 and "run 'make gpu-wheels'" in missing.stderr
+    setup = json.loads((tmp_path / "out2" / "gpu_report.json").read_text())["checks"][0]
+    assert setup["name"] == "setup/wheels" and setup["status"] == "failed"
+    assert "run 'make gpu-wheels'" in setup["failures"][0] and "nothing is installed" in " ".join(setup["failures"])
 
 
 # ---- the carried wheels -------------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -263,9 +264,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline = started + BUDGET_S - REPORT_S
 
     def report(pending: Sequence[str], finished: bool) -> None:
-        write_quick_report(results, out, machine=machine, commit=commit, command=command, budget=plan_budget,
-                           overrides=overrides, started_at=started, setup_s=setup_s, pending=pending,
-                           finished=finished, dry_run=args.dry_run, work=work)
+        try:
+            write_quick_report(results, out, machine=machine, commit=commit, command=command, budget=plan_budget,
+                               overrides=overrides, started_at=started, setup_s=setup_s, pending=pending,
+                               finished=finished, dry_run=args.dry_run, work=work)
+        except Exception:  # noqa: BLE001 - the figures must come back even when the report cannot be rendered
+            _raw_report(out, results, machine, traceback.format_exc())
 
     try:
         for i, check in enumerate(checks):
@@ -283,6 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[gpu-quick] {check.name}: running (limit {limit:.0f} s)", flush=True)
             result = run_check(replace(check, timeout_s=limit), folder, cwd=repo_root(), env=env,
                                kill_grace_s=KILL_GRACE_S, gpu_sampler=GpuMemorySampler())
+            setup_error = os.environ.get("FLOWGRPO_QUICK_SETUP_ERROR", "")
+            if check.name == "setup/wheels" and setup_error:
+                result.status = "failed"
+                result.failures.insert(0, setup_error)
             if limit < check.timeout_s:
                 result.notes.append(f"limit cut from {check.timeout_s:.0f} s to {limit:.0f} s: the time left of the "
                                     f"{BUDGET_S} s budget")
@@ -302,6 +310,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ran = [r for r in results if r.name == "setup/wheels" or r.name in recorded]
         return 0 if all(r.status == "passed" for r in ran) else 1
     return 0 if passed == len(results) else 1
+
+
+def _raw_report(out: Path, results: Sequence[Any], machine: Any, error: str) -> None:
+    """The results as they are, when the report itself failed: never lose what the checks measured."""
+    out.mkdir(parents=True, exist_ok=True)
+    raw = {"report_error": error, "machine": machine, "checks": [r.to_dict() for r in results]}
+    (out / "gpu_report.json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
+    (out / "gpu_report.md").write_text("# Quick GPU check: the report could not be written\n\n```\n" + error
+                                       + "\n```\n\nEvery check's figures are in gpu_report.json.\n")
 
 
 def _not_run(check: Check, why: str, status: str = "not_run") -> Any:

@@ -365,6 +365,8 @@ def verify_site(site: str | os.PathLike, environment: Mapping[str, str] | None =
             checked.setdefault(name, {})[str(req)] = found
             if not ok:
                 problems.append(f"{name} {dist.version} needs {req}: {normalize(req.name)} {found} is installed")
+    if not carried:
+        problems.append(f"nothing is installed in {site}: the carried wheels are missing (make gpu-wheels)")
     return {"site": str(site), "carried": dict(sorted(carried.items())), "requirements": checked, "problems": problems}
 
 
