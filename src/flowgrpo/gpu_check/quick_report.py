@@ -252,9 +252,11 @@ def render_markdown(data: Mapping[str, Any]) -> str:
              f"{_num(budget.get('shell_setup_s'))}), limits {budget.get('limits_s')}; the run took "
              f"{_num(data.get('elapsed_s'), 4)} s.", ""]
     state = "finished" if data.get("finished") else "still running"
-    lines.append(f"**{counts.get('passed', 0)} of {len(checks)} checks passed ({state})**; "
-                 + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in counts.items() if k != "passed" and v)
-                 + (f"; not run yet: {', '.join(data['pending'])}" if data.get("pending") else "") + ".")
+    others = [f"{k.replace('_', ' ')}: {v}" for k, v in counts.items() if k != "passed" and v]
+    if data.get("pending"):
+        others.append(f"not run yet: {', '.join(data['pending'])}")
+    lines.append(f"**{counts.get('passed', 0)} of {len(checks)} checks passed ({state})**"
+                 + (f"; {', '.join(others)}" if others else "") + ".")
     if data.get("overrides"):
         lines.append(f"Recipe overrides for `sd35m_step` and its plan: `{' '.join(data['overrides'])}`.")
     lines += ["", "| check | status | wall s | limit s | peak GPU MiB (torch allocated / reserved / nvidia-smi above "
