@@ -321,6 +321,7 @@ def test_dry_run_of_the_script_installs_the_wheels_and_writes_the_report_from_re
     wheels_check = checks["setup/wheels"]
     assert wheels_check["status"] == "passed" and set(wheels_check["metrics"]["wheels"]["carried"]) == expected
     assert wheels_check["metrics"]["wheels"]["problems"] == []
+    assert "diffusers>=0.42.1" in wheels_check["metrics"]["wheels"]["requirements"]["flowgrpo"]  # setup.py checked
     for name in ("bf16_onpolicy", "sd35m_step", "plan_vs_measured"):  # from the recorded report
         assert checks[name]["status"] == "passed" and "recorded: from gpu_report.json" in checks[name]["notes"][-1]
     assert checks["nft_step"]["status"] == "not_run" and checks["launch/fsdp8"]["status"] == "not_run"
@@ -415,9 +416,10 @@ def test_verify_names_unmet_requirements(tmp_path):
                                    "Requires-Dist: packaging>=20\nRequires-Dist: packaging<1\n"
                                    "Requires-Dist: no-such-distribution-here\n"
                                    'Requires-Dist: another-missing; extra == "docs"\n')
-    result = wheels.verify_site(site)
-    assert result["carried"] == {"probe-pkg": "1.0"}
-    assert len(result["problems"]) == 2
+    project = [wheels._requirement(r) for r in ("packaging>=20", "packaging<1", "not-here-either>=1")]
+    result = wheels.verify_site(site, project_requirements=project)
+    assert result["carried"] == {"probe-pkg": "1.0"} and result["absent"] == ["not-here-either>=1"]
+    assert len(result["problems"]) == 3 and "flowgrpo needs packaging<1" in result["problems"][2]
     assert "needs packaging<1: packaging" in result["problems"][0]
     assert "no-such-distribution-here: not installed" in result["problems"][1]
 

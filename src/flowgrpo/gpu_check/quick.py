@@ -18,8 +18,8 @@ skipped and reported as such.
 ======================  =====  ===============================================================================
 check                   limit  what it runs and records
 ======================  =====  ===============================================================================
-``setup/wheels``           15  the carried wheels (:mod:`.wheels`): their requirements against what is importable
-                               there, with versions; diffusers and datasets imported
+``setup/wheels``           15  the carried wheels (:mod:`.wheels`) and flowgrpo's own requirements against what is
+                               importable there, with versions; torch, diffusers, datasets, ... imported
 ``bf16_onpolicy``          30  one bf16 optimizer step each on the tiny SD3 pipeline with CFG 4.5 and without CFG,
                                and on the tiny FLUX pipeline (guidance embedded): first-pass ratio 1 and KL 0
 ``sd35m_step``             85  ``recipes/ocr.yaml``'s Flow-GRPO-Fast LoRA step at one GPU's share (512 px, 10 steps,
@@ -150,7 +150,8 @@ def build_quick_plan(work: str | os.PathLike, *, site: str | None, overrides: Se
     work = Path(work)
     overrides = [str(o) for o in overrides]
     commands: dict[str, list[str]] = {
-        "setup/wheels": [py, "-m", "flowgrpo.gpu_check.wheels", "verify", "--site", str(site or "")]
+        "setup/wheels": [py, "-m", "flowgrpo.gpu_check.wheels", "verify", "--site", str(site or ""),
+                         "--setup-py", "setup.py"]
                         + ([] if dry_run else ["--import", "torch", "diffusers", "datasets", "transformers", "peft",
                                                 "accelerate"]),
         "bf16_onpolicy": [py, "-m", "flowgrpo.gpu_check.bf16_onpolicy", "--output", str(work / "bf16_onpolicy"),

@@ -219,7 +219,15 @@ def _wheels_section(check: Mapping[str, Any]) -> list[str]:
     if imported:
         lines.append("Imported: " + ", ".join(f"{k} {v.get('version')}" for k, v in imported.items()) + ".")
     problems = wheels.get("problems") or []
-    lines.append("Requirements: " + ("all met." if not problems else "; ".join(problems)))
+    lines.append("Requirements (the carried wheels' and flowgrpo's setup.py): "
+                 + ("all met." if not problems else "; ".join(problems)))
+    if wheels.get("absent"):
+        lines.append("Not installed (flowgrpo requires them, the quick check does not import them): "
+                     + ", ".join(wheels["absent"]) + ".")
+    flowgrpo = (wheels.get("requirements") or {}).get("flowgrpo") or {}
+    if flowgrpo:
+        lines.append("Found for flowgrpo's requirements: " + ", ".join(f"{k} -> {v}" for k, v in flowgrpo.items())
+                     + ".")
     return lines
 
 

@@ -341,9 +341,13 @@ def download_wheels(wheel_set: WheelSet, dest: str | os.PathLike, *, python: str
 
 # ---- on the machine ---------------------------------------------------------------------------------------------------
 
-def verify_site(site: str | os.PathLike, environment: Mapping[str, str] | None = None) -> dict[str, Any]:
+def verify_site(site: str | os.PathLike, environment: Mapping[str, str] | None = None,
+                project_requirements: Sequence = ()) -> dict[str, Any]:
     """Every distribution installed in ``site``, its version, and each of its requirements checked against what this
-    interpreter can import (``site`` first on ``sys.path`` is the caller's business: ``PYTHONPATH``)."""
+    interpreter can import (``site`` first on ``sys.path`` is the caller's business: ``PYTHONPATH``); then
+    ``project_requirements`` (flowgrpo's own, from setup.py) the same way: a version outside one is a problem, a
+    distribution that is not there at all is listed under ``absent`` (the quick check does not import every one of
+    them: trl, say)."""
     from importlib.metadata import PackageNotFoundError, distributions, version
 
     from packaging.markers import default_environment
@@ -367,7 +371,20 @@ def verify_site(site: str | os.PathLike, environment: Mapping[str, str] | None =
                 problems.append(f"{name} {dist.version} needs {req}: {normalize(req.name)} {found} is installed")
     if not carried:
         problems.append(f"nothing is installed in {site}: the carried wheels are missing (make gpu-wheels)")
-    return {"site": str(site), "carried": dict(sorted(carried.items())), "requirements": checked, "problems": problems}
+    absent: list[str] = []
+    for req in project_requirements:
+        if not _applies(req, env):
+            continue
+        try:
+            found = version(req.name)
+        except PackageNotFoundError:
+            absent.append(str(req))
+            continue
+        checked.setdefault("flowgrpo", {})[str(req)] = found
+        if req.specifier and not req.specifier.contains(found, prereleases=True):
+            problems.append(f"flowgrpo needs {req}: {normalize(req.name)} {found} is installed")
+    return {"site": str(site), "carried": dict(sorted(carried.items())), "requirements": checked, "problems": problems,
+            "absent": absent}
 
 
 # ---- command line ------------------------------------------------------------------------------------------------------
@@ -390,12 +407,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("verify", help="check the requirements of what is installed in --site (on the machine)")
     p.add_argument("--site", required=True)
     p.add_argument("--json", default=None, help="also write the result here")
+    p.add_argument("--setup-py", default=None, help="also check flowgrpo's install_requires (setup.py)")
     p.add_argument("--import", dest="imports", nargs="*", default=[],
                    help="modules to import afterwards (their versions are recorded; a failure is a problem)")
     args = parser.parse_args(argv)
 
     if args.command == "verify":
-        result = verify_site(args.site)
+        project = flowgrpo_requirements(args.setup_py) if args.setup_py else ()
+        result = verify_site(args.site, project_requirements=project)
         result["imported"] = {}
         for module in args.imports:
             try:
@@ -411,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         imported = ", ".join(f"{k} {v['version']}" for k, v in result["imported"].items())
         summary = (f"{len(result['carried'])} carried ({', '.join(f'{k} {v}' for k, v in result['carried'].items())})"
                    f"; requirements {'met' if not result['problems'] else 'NOT met'}"
-                   + (f"; imported {imported}" if imported else ""))
+                   + (f"; imported {imported}" if imported else "")
+                   + (f"; not installed: {', '.join(result['absent'])}" if result["absent"] else ""))
         write_result(not result["problems"], {"wheels": result}, result["problems"], summary)
         print(summary)
         for problem in result["problems"]:
