@@ -182,6 +182,7 @@ def cpu_recorded(tmp_path_factory):
     return root
 
 
+@pytest.mark.xdist_group("gpu_quick_cpu_runs")  # one worker runs the CPU checks for both tests that read them
 def test_cpu_runs_of_the_checks_write_the_figures_the_report_shows(cpu_recorded):
     from flowgrpo.gpu_check.quick_report import QUICK_TABLE_HEADER, render_markdown
 
@@ -298,6 +299,7 @@ def _tiny_wheel(folder: Path, name: str = "flowgrpo_quick_probe", version: str =
     return path
 
 
+@pytest.mark.xdist_group("gpu_quick_cpu_runs")
 def test_dry_run_of_the_script_installs_the_wheels_and_writes_the_report_from_recorded_inputs(cpu_recorded,
                                                                                               tmp_path):
     real = sorted((REPO / ".whl").glob("*.whl"))
