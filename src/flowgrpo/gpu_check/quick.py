@@ -99,8 +99,9 @@ class QuickCheck:
 
 
 QUICK_CHECKS: tuple[QuickCheck, ...] = (
-    QuickCheck("setup/wheels", 15, "the carried wheels' requirements against what is importable; diffusers and "
-                                   "datasets imported"),
+    QuickCheck("setup/wheels", 15, "the carried wheels' and flowgrpo's requirements against what is importable, "
+                                   "with versions; torch, diffusers, datasets, transformers, peft, accelerate "
+                                   "imported"),
     QuickCheck("bf16_onpolicy", 30, "bf16 first-pass ratio and KL at step 1: tiny SD3 with CFG 4.5 and without CFG, "
                                     "tiny FLUX"),
     QuickCheck("sd35m_step", 85, f"{STEP_RECIPE} (Flow-GRPO-Fast LoRA) at one GPU's share on the full-size "
