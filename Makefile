@@ -7,6 +7,8 @@
 #   make bench     the benchmark harness (PRESET=small-cpu by default)
 #   make gpu-check every GPU check (bf16, accelerate launches, full-size benchmarks, the 24 GB recipe, OCR
 #                  throughput) with a report in outputs/gpu_check; GPU_CHECK_ARGS="--only launch" to select
+#   make gpu-wheels the wheels a lent GPU machine lacks for the quick check (scripts/gpu_quick.sh), into .whl/
+#                  (ignored; derived from the check's imports and scripts/gpu_image_packages.txt; at most 40 MiB)
 #
 # Choosing torch: TORCH=auto (default) installs a CUDA build when `nvidia-smi` finds a GPU and the
 # CPU build otherwise. TORCH=cpu / TORCH=cuda force one. The CPU build is `torch==$(CPU_TORCH_VERSION)`;
@@ -37,7 +39,7 @@ export TOKENIZERS_PARALLELISM := false
 
 STAMP := $(VENV)/.flowgrpo-installed
 
-.PHONY: install test demo lint bench gpu-check clean
+.PHONY: install test demo lint bench gpu-check gpu-wheels clean
 
 install: $(STAMP)
 
@@ -71,6 +73,12 @@ bench: install
 
 gpu-check: install
 	$(PY) scripts/gpu_check.py --output outputs/gpu_check $(GPU_CHECK_ARGS)
+
+# Needs the development environment (the imports of the quick check are traced in it) and PyPI; not `install`
+# itself, so that it never reinstalls into an environment it only reads.
+gpu-wheels:
+	@test -x $(PY) || { echo "gpu-wheels traces the quick check's imports in $(VENV): run 'make install' first" >&2; exit 2; }
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m flowgrpo.gpu_check.wheels download --dest .whl
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

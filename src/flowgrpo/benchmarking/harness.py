@@ -193,8 +193,9 @@ class _BenchmarkClock(TrainerCallback):
     """Step times (between consecutive step ends, the floor excluded), the trainer's timings, optimizer time."""
 
     def __init__(self, trainer, floor: bool, reward_times: list[float], reward_lock: threading.Lock,
-                 ab: str | None = None):
+                 ab: str | None = None, on_record: Callable[[dict[str, Any]], None] | None = None):
         self.trainer = trainer
+        self.on_record = on_record
         self.ab_switches = AB_SWITCHES[ab] if ab else ()
         self.floor_enabled = floor
         self.floor: FloorRunner | None = None
@@ -256,6 +257,8 @@ class _BenchmarkClock(TrainerCallback):
                 self.floor = FloorRunner(self.trainer)
             record["floor"] = self.floor.measure()
         self.records.append(record)
+        if self.on_record is not None:
+            self.on_record(record)
         if self.ab_switches:  # the next step: "on" on even step numbers, "off" on odd ones
             for name in self.ab_switches:
                 setattr(self.trainer.rollouts, name, (state.global_step + 1) % 2 == 0)
@@ -358,7 +361,9 @@ def build_trainer(preset: BenchmarkPreset, max_steps: int, output_dir: str, seed
 def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, warmup_steps: int | None = None,
                   threads: str | int | None = None, torch_threads: int | None = None, measure_floor: bool = True,
                   seed: int = 0, ab: str | None = None, output_dir: str | None = None,
-                  thread_speedup: bool = False, log: Callable[[str], None] | None = print) -> dict[str, Any]:
+                  thread_speedup: bool = False, log: Callable[[str], None] | None = print,
+                  trainer_builder: Callable[..., Any] | None = None,
+                  on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the benchmark and return its results as a JSON-ready dict (see the module docstring).
 
     ``threads`` is the trainer's ``cpu_threads`` (``"auto"``: the thread policy, ``"keep"``: no policy, or the main
@@ -366,6 +371,11 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
     anything is built: with ``threads="keep"`` it reproduces a fixed setting such as ``OMP_NUM_THREADS=N``.
     ``thread_speedup`` also times the floor at one thread and at the main thread's count (``floor_thread_speedup``,
     ``overhead_bound``; see the module docstring).
+
+    ``trainer_builder(preset, max_steps, output_dir, seed=seed)`` replaces :func:`build_trainer` (a trainer made
+    from a recipe, say; ``preset`` then only describes the run for the report and the FLOP count), and
+    ``on_step(record)`` receives each step's record as soon as the step ends (to keep partial results of a run that
+    may be stopped).
     """
     preset = get_preset(preset) if isinstance(preset, str) else preset
     check_device(preset)
@@ -394,7 +404,7 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
     try:
         t_build = time.perf_counter()
         say(f"[benchmark] building preset {preset.name!r} ({preset.description})")
-        trainer = build_trainer(preset, warmup + steps, output_dir or tmp.name, seed=seed)
+        trainer = (trainer_builder or build_trainer)(preset, warmup + steps, output_dir or tmp.name, seed=seed)
         build_s = time.perf_counter() - t_build
         main_threads = _main_thread_torch_threads()
         if thread_speedup and main_threads < 2:
@@ -406,7 +416,7 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
         reward_set = trainer.reward_set
         reward_set.funcs = [_TimedReward(f, reward_times, lock) for f in reward_set.funcs]
         trainer.rollouts.timing_sync = trainer.accelerator.device.type == "cuda"
-        clock = _BenchmarkClock(trainer, measure_floor, reward_times, lock, ab=ab)
+        clock = _BenchmarkClock(trainer, measure_floor, reward_times, lock, ab=ab, on_record=on_step)
         trainer.add_callback(clock)
         say(f"[benchmark] built in {build_s:.1f}s; running {warmup} warm-up + {steps} measured steps")
         trainer.train()

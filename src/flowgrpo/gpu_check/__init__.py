@@ -7,6 +7,11 @@ failure and writes ``report.md`` and ``report.json`` (:mod:`.report`) after ever
 ``bench/<preset>`` (``scripts/benchmark.py`` under :mod:`.probe`). The random-weight SD3.5-Medium-architecture
 pipelines they share are built on the GPU by :mod:`.pipelines`.
 
+The quick check for a lent GPU machine (``scripts/gpu_quick.sh``, :mod:`.quick`): six checks in 6 minutes, set-up
+included (the wheels of :mod:`.wheels`, bf16 on-policy, the SD3.5-M steps of ``recipes/ocr.yaml`` and
+``recipes/nft_ocr.yaml`` timed by :mod:`.recipe_step`, their plan by :mod:`.step_plan`, an ``fsdp8`` launch), with
+``gpu_report.md`` and ``gpu_report.json`` (:mod:`.quick_report`).
+
 Importing this package is cheap (no torch); the modules above import what they need.
 """
 

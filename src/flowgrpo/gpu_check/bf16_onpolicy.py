@@ -12,6 +12,10 @@ it, KL weight 0.04; recorded at step 1: ``on_policy_ratio_max_dev`` (max |ratio 
 * ``sd35m-random``: the SD3.5-Medium architecture at full size (the benchmark preset's pipeline), 512 px, 4 images,
   10 steps, window 3, CFG 4.5, 256 T5 tokens, LoRA r=32 on both streams' attention, gradient checkpointing.
 
+``--cfg both`` also runs every model that uses classifier-free guidance with guidance 1.0, i.e. without it (one
+pass per step instead of two: a different batch shape, so different kernels), recorded as ``<model>/no-cfg``; FLUX
+embeds its guidance and runs once either way.
+
 Passes when every model ran and stayed within ``FlowGRPOConfig.on_policy_tolerance`` (1e-3, the trainer's own
 warning threshold) for the ratio and the KL; ``tolerance_held`` names the tightest of 0, 1e-7, ..., 1e-1 that held.
 
@@ -30,7 +34,7 @@ from typing import Any
 
 from .probe import install_memory_recorder, write_result
 
-__all__ = ["MODELS", "TOLERANCES", "main", "run_model", "tightest_tolerance"]
+__all__ = ["CFG_MODELS", "MODELS", "TOLERANCES", "main", "run_model", "runs_for", "tightest_tolerance"]
 
 MODELS = ("sd3-tiny", "flux-tiny", "sd35m-random")
 TOLERANCES = (0.0, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
@@ -43,7 +47,7 @@ def tightest_tolerance(deviation: float) -> float | None:
     return next((t for t in TOLERANCES if abs(deviation) <= t), None)
 
 
-def _trainer_for(model: str, device: str, work: Path):
+def _trainer_for(model: str, device: str, work: Path, guidance_scale: float | None = None):
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -61,7 +65,7 @@ def _trainer_for(model: str, device: str, work: Path):
         source: Any = str(cached_tiny_pipeline_path(family))  # the fingerprinted user cache
         args = FlowGRPOConfig(**common, resolution=64, num_inference_steps=4, eval_num_inference_steps=4,
                               sde_window_size=2, sde_window_range=[0, 2], max_sequence_length=16,
-                              guidance_scale=4.5 if family == "sd3" else 3.5)
+                              guidance_scale=guidance_scale or (4.5 if family == "sd3" else 3.5))
         lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
                           target_modules=["to_q", "to_k", "to_v", "to_out.0"])
     elif model == "sd35m-random":
@@ -73,7 +77,7 @@ def _trainer_for(model: str, device: str, work: Path):
         preset = get_preset("sd35m-random")
         source = build_preset_pipeline(preset)  # bf16, on the GPU
         args = FlowGRPOConfig(**common, resolution=512, num_inference_steps=10, eval_num_inference_steps=10,
-                              sde_window_size=3, max_sequence_length=256, guidance_scale=4.5,
+                              sde_window_size=3, max_sequence_length=256, guidance_scale=guidance_scale or 4.5,
                               activation_checkpointing=True)
         lora = LoraConfig(r=32, lora_alpha=64, init_lora_weights="gaussian", target_modules=list(preset.lora_targets))
     else:
@@ -82,7 +86,25 @@ def _trainer_for(model: str, device: str, work: Path):
                            train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=lora)
 
 
-def run_model(model: str, device: str, work: Path) -> dict[str, Any]:
+#: models whose guidance is classifier-free (two passes a step); FLUX.1 embeds its guidance scale
+CFG_MODELS = ("sd3-tiny", "sd35m-random")
+
+
+def runs_for(models: list[str], cfg: str) -> list[tuple[str, str, float | None]]:
+    """``(name, model, guidance_scale)`` of each run: ``cfg`` ``on`` runs every model at its own guidance,
+    ``off`` the CFG models at 1.0 (no guidance), ``both`` the two."""
+    if cfg not in ("on", "off", "both"):
+        raise ValueError(f"cfg={cfg!r}; choose on, off or both")
+    runs = []
+    for model in models:
+        if cfg in ("on", "both") or model not in CFG_MODELS:
+            runs.append((model, model, None))
+        if cfg in ("off", "both") and model in CFG_MODELS:
+            runs.append((f"{model}/no-cfg", model, 1.0))
+    return runs
+
+
+def run_model(model: str, device: str, work: Path, guidance_scale: float | None = None) -> dict[str, Any]:
     """One bf16 optimizer step on ``model``; the step-1 figures, wall time and peak memory."""
     import torch
 
@@ -90,7 +112,8 @@ def run_model(model: str, device: str, work: Path) -> dict[str, Any]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     tic = time.perf_counter()
-    trainer = _trainer_for(model, device, work)
+    trainer = _trainer_for(model, device, work / ("no-cfg" if guidance_scale == 1.0 else "default"),
+                           guidance_scale)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "ratio_mean" in h]
     if not logs:
@@ -104,6 +127,8 @@ def run_model(model: str, device: str, work: Path) -> dict[str, Any]:
         "approx_kl": float(log["approx_kl"]),
         "clip_frac": float(log["clip_frac"]),
         "base_weight_dtype": str(params[0].dtype) if params else None,
+        "guidance_scale": float(trainer.args.guidance_scale),
+        "cfg": bool(trainer.adapter.uses_cfg(trainer.args.guidance_scale)),
         "wall_s": round(time.perf_counter() - tic, 2),
     }
     if device == "cuda":
@@ -121,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="work folder (tiny pipelines, trainer output)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--cfg", choices=["on", "off", "both"], default="on",
+                        help="CFG models at their guidance (on), at 1.0 (off) or both")
     args = parser.parse_args(argv)
     install_memory_recorder("bf16_onpolicy")
     work = Path(args.output)
@@ -130,22 +157,26 @@ def main(argv: list[str] | None = None) -> int:
     tolerance = FlowGRPOConfig.__dataclass_fields__["on_policy_tolerance"].default
     per_model: dict[str, Any] = {}
     failures: list[str] = []
-    for model in args.models:
-        print(f"[bf16_onpolicy] {model} on {args.device}", flush=True)
+    runs = runs_for(args.models, args.cfg)
+    for name, model, guidance in runs:
+        print(f"[bf16_onpolicy] {name} on {args.device}", flush=True)
         try:
-            result = run_model(model, args.device, work)
+            result = run_model(model, args.device, work, guidance)
         except Exception as err:
             traceback.print_exc()
-            failures.append(f"{model}: {type(err).__name__}: {err}")
-            per_model[model] = {"error": f"{type(err).__name__}: {err}"}
+            failures.append(f"{name}: {type(err).__name__}: {err}")
+            per_model[name] = {"error": f"{type(err).__name__}: {err}"}
             continue
-        per_model[model] = result
-        print(f"[bf16_onpolicy] {model}: {result}", flush=True)
+        per_model[name] = result
+        print(f"[bf16_onpolicy] {name}: {result}", flush=True)
+        # what finished so far, in case the run is stopped at its time limit before the next model
+        write_result(False, {"models": per_model, "tolerance": tolerance, "device": args.device, "partial": True},
+                     failures, f"{len(per_model)} of {len(runs)} runs finished")
         if result["on_policy_ratio_max_dev"] > tolerance:
-            failures.append(f"{model}: first-pass max |ratio - 1| = {result['on_policy_ratio_max_dev']:.3g} > "
+            failures.append(f"{name}: first-pass max |ratio - 1| = {result['on_policy_ratio_max_dev']:.3g} > "
                             f"{tolerance}")
         if abs(result["kl"]) > tolerance:
-            failures.append(f"{model}: KL at step 1 = {result['kl']:.3g} > {tolerance}")
+            failures.append(f"{name}: KL at step 1 = {result['kl']:.3g} > {tolerance}")
     ran = [m for m in per_model.values() if "error" not in m]
     max_dev = max((m["on_policy_ratio_max_dev"] for m in ran), default=None)
     max_kl = max((abs(m["kl"]) for m in ran), default=None)
@@ -153,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                "tolerance_held": tightest_tolerance(max(max_dev, max_kl)) if ran else None, "device": args.device}
     summary = (f"max |ratio-1| {max_dev:.3g}, max |KL| {max_kl:.3g} over {len(ran)} model(s); tolerance held: "
                f"{metrics['tolerance_held']}") if ran else "no model ran"
-    passed = not failures and len(ran) == len(args.models)
+    passed = not failures and len(ran) == len(runs)
     write_result(passed, metrics, failures, summary)
     print(f"[bf16_onpolicy] {'PASSED' if passed else 'FAILED'}: {summary}", flush=True)
     return 0 if passed else 1

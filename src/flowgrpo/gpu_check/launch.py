@@ -19,6 +19,11 @@ Then, in this process, what a user would do with the result:
   differ from the base, and the stock pipeline samples finite images with it (the 5 GB folder is deleted afterwards
   unless ``--keep-outputs``).
 
+``--recipe recipes/ocr.yaml`` launches that recipe file itself instead, as the README's launch line does, with
+``--key value`` overrides that point it at the ``sd35m-launch`` folder and the shipped prompts and shorten it to
+two steps of one micro-batch (:func:`recipe_launch_overrides`); ``--verify file`` then checks the exported LoRA
+file alone (LoRA tensors named for diffusers, non-zero B matrices) without loading the pipeline a second time.
+
 It also reads ``trainer_state.json`` (2 logged steps, the first-pass ratio at step 1 under distribution), checks that
 the peak-memory records came from ranks 0 .. N-1 (N processes really trained), and, for the replicated configs (``single_gpu``, ``multi_gpu``, ``zero2`` with LoRA), every rank's records
 (``FLOWGRPO_RANK_LOG_DIR``): world size = the processes launched, and the same trainable-weight digest on every rank
@@ -41,8 +46,9 @@ from typing import Any
 from .plan import LAUNCH_CONFIGS, repo_root
 from .probe import MEMORY_DIR_ENV, install_memory_recorder, read_memory_records, write_result
 
-__all__ = ["RANK_LOGGED_CONFIGS", "accelerate_command", "check_rank_logs", "launch_recipe", "main",
-           "read_training_log", "verify_full_finetune", "verify_lora_export", "write_prompt_files", "write_recipe"]
+__all__ = ["RANK_LOGGED_CONFIGS", "accelerate_command", "check_rank_logs", "inspect_lora_file", "launch_recipe", "main",
+           "read_training_log", "recipe_launch_overrides", "verify_full_finetune", "verify_lora_export",
+           "write_prompt_files", "write_recipe"]
 
 #: configs whose ranks hold full copies of the trainable weights (their digests can be compared across ranks)
 RANK_LOGGED_CONFIGS = ("single_gpu", "multi_gpu", "zero2")
@@ -96,9 +102,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def recipe_launch_overrides(model_dir: str | os.PathLike, data_dir: str | os.PathLike,
+                            output_dir: str | os.PathLike) -> list[str]:
+    """``--key value`` overrides that run a shipped recipe for 2 optimizer steps of one micro-batch on a local model
+    folder, with ``data_dir``'s prompts (its test prompts evaluated once at the end, at 10 steps), the
+    JPEG-compressibility reward, and nothing saved but the final LoRA and state."""
+    return ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--max_steps", "2",
+            "--gradient_accumulation_steps", "1", "--reward_funcs", "jpeg_compressibility", "--reward_kwargs", "{}",
+            "--eval_strategy", "no", "--eval_num_inference_steps", "10", "--max_eval_samples", "8",
+            "--save_strategy", "no", "--report_to", "none", "--log_images_steps", "0", "--logging_steps", "1",
+            "--output_dir", str(output_dir), "--disable_tqdm", "true"]
+
+
 def accelerate_command(config: str, num_processes: int, recipe: str | os.PathLike, *, python: str | None = None,
-                       port: int | None = None) -> list[str]:
-    """``accelerate launch`` of src/train.py under the probe, with the config's process count overridden."""
+                       port: int | None = None, extra_args: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """``accelerate launch`` of src/train.py under the probe, with the config's process count overridden
+    (``extra_args``: ``--key value`` overrides after the recipe)."""
     if config not in LAUNCH_CONFIGS:
         raise ValueError(f"config={config!r}; choose one of {', '.join(LAUNCH_CONFIGS)}.")
     if num_processes < 1:
@@ -106,7 +125,7 @@ def accelerate_command(config: str, num_processes: int, recipe: str | os.PathLik
     return [python or sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", f"accelerate_configs/{config}.yaml", "--num_processes", str(num_processes),
             "--main_process_port", str(port if port is not None else _free_port()),
-            "-m", "flowgrpo.gpu_check.probe", "src/train.py", str(recipe)]
+            "-m", "flowgrpo.gpu_check.probe", "src/train.py", str(recipe), *map(str, extra_args)]
 
 
 def read_training_log(output_dir: str | os.PathLike, expected_steps: int) -> tuple[dict[str, Any], list[str]]:
@@ -162,16 +181,11 @@ def _images(pipe, size: int, seed: int = 0):
                 output_type="np", generator=torch.Generator().manual_seed(seed)).images
 
 
-def verify_lora_export(model_dir: str | os.PathLike, output_dir: str | os.PathLike, *, device: str = "cuda",
-                       dtype: Any = None, size: int = 256) -> tuple[dict[str, Any], list[str]]:
-    """Load the exported LoRA into the stock pipeline; see the module docstring for what must hold."""
-    import numpy as np
-    import torch
-    from diffusers import DiffusionPipeline
-    from peft.tuners.lora import LoraLayer
+def inspect_lora_file(output_dir: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
+    """The exported ``pytorch_lora_weights.safetensors``: its LoRA tensors, named for diffusers (``transformer.``
+    prefix), and how many B matrices training moved away from zero."""
     from safetensors import safe_open
 
-    dtype = dtype or torch.bfloat16
     path = Path(output_dir) / "pytorch_lora_weights.safetensors"
     if not path.is_file():
         return {}, [f"no {path.name} in {output_dir}: the LoRA was not exported"]
@@ -183,18 +197,33 @@ def verify_lora_export(model_dir: str | os.PathLike, output_dir: str | os.PathLi
     if not lora_a or not all(k.startswith("transformer.") for k in keys):
         failures.append(f"{path.name} holds {len(lora_a)} lora_A tensors; keys must start with 'transformer.' "
                         f"(first: {keys[:2]})")
+    if nonzero_b == 0:
+        failures.append("every lora_B is zero: training did not move the adapter")
+    return {"lora_tensors": len(keys), "lora_layers_in_file": len(lora_a), "nonzero_lora_B": nonzero_b}, failures
+
+
+def verify_lora_export(model_dir: str | os.PathLike, output_dir: str | os.PathLike, *, device: str = "cuda",
+                       dtype: Any = None, size: int = 256) -> tuple[dict[str, Any], list[str]]:
+    """Load the exported LoRA into the stock pipeline; see the module docstring for what must hold."""
+    import numpy as np
+    import torch
+    from diffusers import DiffusionPipeline
+    from peft.tuners.lora import LoraLayer
+
+    dtype = dtype or torch.bfloat16
+    found, failures = inspect_lora_file(output_dir)
+    if not found:
+        return found, failures
     pipe = DiffusionPipeline.from_pretrained(str(model_dir), dtype=dtype).to(device)
     base = _images(pipe, size)
     pipe.load_lora_weights(str(output_dir))
     loaded = sum(isinstance(m, LoraLayer) for m in pipe.transformer.modules())
     tuned = _images(pipe, size)
     diff = float(np.abs(base.astype(np.float32) - tuned.astype(np.float32)).max())
-    metrics = {"lora_tensors": len(keys), "lora_layers_in_file": len(lora_a), "lora_layers_loaded": loaded,
-               "nonzero_lora_B": nonzero_b, "image_max_abs_diff": diff}
-    if loaded != len(lora_a):
-        failures.append(f"load_lora_weights put {loaded} LoRA layers in the transformer, the file has {len(lora_a)}")
-    if nonzero_b == 0:
-        failures.append("every lora_B is zero: training did not move the adapter")
+    metrics = {**found, "lora_layers_loaded": loaded, "image_max_abs_diff": diff}
+    if loaded != found["lora_layers_in_file"]:
+        failures.append(f"load_lora_weights put {loaded} LoRA layers in the transformer, the file has "
+                        f"{found['lora_layers_in_file']}")
     if not np.isfinite(tuned).all():
         failures.append("the pipeline with the LoRA produced non-finite images")
     elif diff == 0.0:
@@ -255,7 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="the check's folder")
     parser.add_argument("--full-finetune", action="store_true", help="train the whole transformer instead of a LoRA")
     parser.add_argument("--keep-outputs", action="store_true", help="keep a fine-tuned transformer after checking it")
+    parser.add_argument("--recipe", default=None,
+                        help="launch this recipe file with recipe_launch_overrides (e.g. recipes/ocr.yaml) instead of "
+                             "the generated launch recipe")
+    parser.add_argument("--verify", choices=["reload", "file"], default="reload",
+                        help="reload the export into the stock pipeline (default) or only inspect the LoRA file")
     args = parser.parse_args(argv)
+    if args.recipe and args.full_finetune:
+        parser.error("--recipe launches a LoRA recipe as it is; --full-finetune goes with the generated recipe")
     install_memory_recorder("launch_verify")
     from .pipelines import ensure_pipeline
 
@@ -267,8 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_dir = ensure_pipeline("sd35m-launch", args.model_dir)
         run_dir = work / "run"
-        recipe = write_recipe(work / "recipe.yaml", launch_recipe(model_dir, write_prompt_files(work / "prompts"),
-                                                                  run_dir, full_finetune=args.full_finetune))
+        extra: list[str] = []
+        if args.recipe:
+            recipe: Path | str = args.recipe
+            extra = recipe_launch_overrides(model_dir, repo_root() / "data" / "ocr_synthetic", run_dir)
+            metrics["recipe"] = args.recipe
+        else:
+            recipe = write_recipe(work / "recipe.yaml", launch_recipe(model_dir, write_prompt_files(work / "prompts"),
+                                                                      run_dir, full_finetune=args.full_finetune))
         env = dict(os.environ)
         rank_dir = None
         if args.config in RANK_LOGGED_CONFIGS and not args.full_finetune:
@@ -276,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             for old in rank_dir.glob("rank*.jsonl"):
                 old.unlink()
             env["FLOWGRPO_RANK_LOG_DIR"] = str(rank_dir)
-        command = accelerate_command(args.config, args.num_processes, recipe)
+        command = accelerate_command(args.config, args.num_processes, recipe, extra_args=extra)
         print(f"[launch] $ {' '.join(command)}", flush=True)
         tic = time.monotonic()
         code = subprocess.run(command, cwd=repo_root(), env=env).returncode
@@ -298,8 +340,11 @@ def main(argv: list[str] | None = None) -> int:
                 found, problems = check_rank_logs(rank_dir, args.num_processes)
                 metrics["ranks"] = found
                 failures += problems
-            verify = verify_full_finetune if args.full_finetune else verify_lora_export
-            found, problems = verify(model_dir, run_dir)
+            if args.verify == "file":
+                found, problems = inspect_lora_file(run_dir)
+            else:
+                verify = verify_full_finetune if args.full_finetune else verify_lora_export
+                found, problems = verify(model_dir, run_dir)
             metrics["export"] = found
             failures += problems
             if args.full_finetune and not args.keep_outputs:
@@ -312,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     passed = not failures
     export = metrics.get("export") or {}
     summary = (f"x{args.num_processes} {metrics['training']}: ratio dev {metrics.get('on_policy_ratio_max_dev')}, "
-               + (f"{export.get('lora_layers_loaded')} LoRA layers reloaded" if not args.full_finetune else
+               + (f"{export.get('lora_layers_in_file')} LoRA layers exported" if args.verify == "file" else
+                  f"{export.get('lora_layers_loaded')} LoRA layers reloaded" if not args.full_finetune else
                   f"{export.get('changed_tensors')} tensors changed, reloaded"))
     write_result(passed, metrics, failures, summary if passed else "")
     print(f"[launch] {'PASSED' if passed else 'FAILED'} {json.dumps(metrics, default=str)}", flush=True)
