@@ -19,10 +19,12 @@ waveform is
   shorter than 10 s with ``repeatpad`` (the clip tiled, then zero-filled to 480000 samples) and truncates longer
   audio with ``rand_trunc`` (a random 10 s window, drawn from numpy's global generator as the extractor does).
 
-Two CLAP callers among the peers pass ``padding=True`` to the processor, which does not mean "the default padding":
-the extractor then skips ``repeatpad`` and zero-fills instead, which changes the mel input and the score of every
-clip shorter than 10 s. ``padding`` here is ``None`` (the checkpoint's setting) unless asked for; ``padding=True``
-reproduces the peers' call.
+Two CLAP callers among the peers pass ``padding=True`` to the processor. Under the transformers 4.x releases they
+run with, that does not mean "the default padding": the extractor then skips ``repeatpad`` and zero-fills instead,
+which changes the mel input and the score of every clip shorter than 10 s (transformers 5 reads ``True`` as the
+checkpoint's setting). ``padding`` here is ``None`` (the checkpoint's setting) unless asked for; ``padding=True`` (or
+``"zero"``) reproduces the peers' zero padding on any transformers release: the waveform is zero-filled to the
+extractor's length before the extractor sees it, exactly what the 4.x extractor does.
 
 The model runs in float32 by default (its audio encoder's batch norms are kept in float32 by the peers too). Memory:
 about 0.8 GB of weights (``larger_clap_general``: 193 M parameters).
@@ -89,8 +91,8 @@ class CLAPReward(ModelReward):
         model_name_or_path: a ``ClapModel`` checkpoint with its processor (hub id or local folder; default
             ``laion/larger_clap_general``).
         padding: ``None`` (default): the feature extractor's own padding (``repeatpad`` for the LAION checkpoints);
-            ``True``: what ``processor(..., padding=True)`` does (zero padding), as two peers call it; or a padding
-            mode name (``"repeatpad"``, ``"repeat"``, ``"pad"``).
+            ``True`` or ``"zero"``: zero padding, what ``processor(..., padding=True)`` does under transformers 4.x,
+            as two peers call it; or ``"repeatpad"`` / ``"repeat"``.
         device (alias ``reward_device``), dtype (default float32), batch_size: placement and chunking.
     """
 
@@ -101,9 +103,12 @@ class CLAPReward(ModelReward):
                  device: str | None = None, dtype: Any = None, batch_size: int = 16, reward_device: str | None = None):
         if padding is False:
             padding = None
-        if padding is not None and padding is not True and padding not in ("repeatpad", "repeat", "pad"):
-            raise ValueError(f"padding must be None (the checkpoint's own), True (zero padding, as "
-                             f"processor(padding=True) does) or one of 'repeatpad', 'repeat', 'pad'; got {padding!r}")
+        if padding is True:
+            padding = "zero"
+        if padding is not None and padding not in ("zero", "repeatpad", "repeat"):
+            raise ValueError(f"padding must be None (the checkpoint's own), True / 'zero' (zero padding, as "
+                             f"processor(padding=True) does under transformers 4.x), 'repeatpad' or 'repeat'; got "
+                             f"{padding!r}")
         super().__init__(device=device, dtype=dtype, batch_size=batch_size, reward_device=reward_device)
         self.model_name_or_path = str(model_name_or_path)
         self.padding = padding
@@ -136,10 +141,15 @@ class CLAPReward(ModelReward):
     def features(self, prompts: Sequence[str], waveforms: Sequence[Any]) -> dict[str, Any]:
         """The model inputs of one chunk: the prompts tokenised (padded, truncated) and the prepared waveforms through
         the feature extractor with the chosen padding."""
+        import numpy as np
+
         model = self.load()
-        extra = {} if self.padding is None else {"padding": self.padding}
-        audio = self._feature_extractor(list(waveforms), sampling_rate=self.sampling_rate, return_tensors="pt",
-                                        **extra)
+        extra = {} if self.padding in (None, "zero") else {"padding": self.padding}
+        waveforms = list(waveforms)
+        if self.padding == "zero":
+            length = int(self._feature_extractor.nb_max_samples)
+            waveforms = [np.pad(w, (0, length - len(w))) if len(w) < length else w for w in waveforms]
+        audio = self._feature_extractor(waveforms, sampling_rate=self.sampling_rate, return_tensors="pt", **extra)
         text = self._tokenizer(list(prompts), padding=True, truncation=True, return_tensors="pt")
         device = self.current_device
         dtype = next(model.parameters()).dtype

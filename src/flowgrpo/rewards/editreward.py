@@ -308,10 +308,10 @@ def load_editreward(model_name_or_path: str, base_model_name_or_path: str, devic
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
+    state = convert_editreward_state_dict(load_editreward_state_dict(model_name_or_path))
     processor = load_vlm_processor(base_model_name_or_path)
     processor.tokenizer.add_special_tokens({"additional_special_tokens": [EDITREWARD_REWARD_TOKEN]})
     reward_id = processor.tokenizer.convert_tokens_to_ids(EDITREWARD_REWARD_TOKEN)
-    state = convert_editreward_state_dict(load_editreward_state_dict(model_name_or_path))
     embed_key = "model.language_model.embed_tokens.weight"
     if embed_key not in state:
         raise ValueError(f"{model_name_or_path}: the EditReward checkpoint has no token embedding ({embed_key})")
