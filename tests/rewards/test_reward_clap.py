@@ -108,3 +108,21 @@ def test_audio_columns_reach_clap_through_a_reward_set_and_bad_input_is_named(cl
         CLAPReward(padding="mirror")
     with pytest.raises(ValueError, match="shape"):
         to_mono(np.zeros((1, 2, 3)))
+
+
+def test_clap_behind_the_reward_server(clap_path):
+    from flowgrpo.rewards.server import serve
+
+    kwargs = {"clap": {"model_name_or_path": str(clap_path), "device": "cpu"}}
+    clips = _clips(24000, seconds=(0.6, 0.9))
+    direct = get_reward("clap", **kwargs["clap"])(PROMPTS[:2], [None] * 2, audio=clips,
+                                                   audio_sampling_rate=[24000] * 2)
+    with serve(["clap"], reward_kwargs=kwargs, port=0, token="") as server:
+        from PIL import Image
+
+        client = get_reward("remote", url=server.url, reward_name="clap", token_env=None, accepts_audio=True)
+        assert accepts_audio(client)
+        rewards = resolve_reward_funcs([client], reward_weights=[1.0])
+        images = [Image.new("RGB", (8, 8))] * 2
+        remote = rewards(PROMPTS[:2], images, audio=clips, audio_sampling_rate=[24000] * 2).per_reward
+    assert list(remote.values())[0] == pytest.approx(direct, abs=1e-6)  # float32 audio survives JSON exactly
