@@ -45,6 +45,8 @@ EXTRAS = {
     "bnb": ["bitsandbytes>=0.50.2"],
     # The `geneval` reward: transformers' Mask2Former builds its (training) matcher with scipy.
     "geneval": ["scipy>=1.11"],
+    # The `clap` reward resamples generated sound with scipy's polyphase resampler.
+    "audio": ["scipy>=1.11"],
     "dev": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "ruff>=0.17.5", "tensorboard>=2.21.0", "wandb>=0.31.0",
             "scipy>=1.11"],
 }

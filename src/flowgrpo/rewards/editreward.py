@@ -33,8 +33,9 @@ refused before anything loads.
 
 Checkpoint: the official ``model.pth`` / ``model.safetensors`` (the reward model's full state dict: ``model.*``,
 ``lm_head.weight``, ``rm_heads.*``, in the in-memory layout of transformers 4.57, which is also today's; the older
-layout with ``model.layers.*`` and ``visual.*`` converts too). The LM head is not loaded. Memory: about 16.6 GB of
-weights in bfloat16 (8.3 B parameters without the LM head); each scoring runs the backbone twice per sample.
+layout with ``model.layers.*`` and ``visual.*`` converts too). The LM head is not loaded. Memory: about 15.5 GB of
+weights in bfloat16 (7.75 B parameters: Qwen2.5-VL-7B without its LM head); each scoring runs the backbone twice per
+sample.
 """
 
 from __future__ import annotations
