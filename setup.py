@@ -12,7 +12,7 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).parent
 # The reward modules of flowgrpo.rewards (kept equal to flowgrpo.rewards.registry.BUILTIN_REWARD_MODULES by a test).
 BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge", "geneval", "imagereward", "hpsv2",
-                          "hpsv3", "unifiedreward", "vqascore", "deqa")
+                          "hpsv3", "unifiedreward", "vqascore", "deqa", "editreward", "edit_judges", "clap")
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "src/flowgrpo/__init__.py").read_text()).group(1)
 
 INSTALL_REQUIRES = [
@@ -48,6 +48,8 @@ EXTRAS = {
     "bnb": ["bitsandbytes>=0.50.2"],
     # The `geneval` reward: transformers' Mask2Former builds its (training) matcher with scipy.
     "geneval": ["scipy>=1.11"],
+    # The `clap` reward resamples generated sound with scipy's polyphase resampler.
+    "audio": ["scipy>=1.11"],
     "dev": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "ruff>=0.17.5", "tensorboard>=2.21.0", "wandb>=0.31.0",
             "scipy>=1.11"],
 }

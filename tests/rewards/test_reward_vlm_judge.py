@@ -71,7 +71,7 @@ class ChatServer:
                     time.sleep(delay)
                     if status != 200:
                         return self._send(status, {"error": {"message": f"status {status}"}})
-                    text = next(p["text"] for p in body["messages"][-1]["content"] if p["type"] == "text")
+                    text = "".join(p["text"] for p in body["messages"][-1]["content"] if p["type"] == "text")
                     answer = reply(text)
                     if isinstance(answer, dict):  # a raw (possibly malformed) body
                         return self._send(200, answer)

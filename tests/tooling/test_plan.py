@@ -41,12 +41,12 @@ def test_bad_gpu_name_is_a_clear_error(capsys):
 def test_per_gpu_states_are_numel_times_bytes_over_shards():
     from flowgrpo.cli.parser import parse_recipe
     from flowgrpo.plan.accelerate_config import Parallelism
-    from flowgrpo.plan.cli import _spec_for
     from flowgrpo.plan.gpus import get_gpu
+    from flowgrpo.plan.model_specs import spec_for_model_args
     from flowgrpo.plan.planner import make_plan, plan_inputs
 
     script, model_args, args = parse_recipe([TINY, "--use_peft", "false"])
-    spec = _spec_for(model_args)
+    spec = spec_for_model_args(model_args)
     inputs = plan_inputs(script, model_args, args, Parallelism("fsdp", 4, mixed_precision="no"), get_gpu("h100-80gb"),
                          spec)
     plan = make_plan(inputs)
@@ -66,8 +66,7 @@ def _preset_case(name: str):
     import dataclasses
 
     from flowgrpo.benchmarking.presets import PRESETS, SMALL_CPU_TRANSFORMER
-    from flowgrpo.plan.cli import toy_world_spec
-    from flowgrpo.plan.model_specs import load_model_spec
+    from flowgrpo.plan.model_specs import load_model_spec, toy_world_spec
     from flowgrpo.plan.step import StepSettings
     from flowgrpo.testing import cached_tiny_pipeline_path
 

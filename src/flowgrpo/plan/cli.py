@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .gpus import DEFAULT_GPU, GPUS, get_gpu
+from .model_specs import spec_for_model_args
 
 JSON_KEYS = ("fits", "peak_memory_gb", "gpu", "world_size", "phases", "breakdown_gb", "step_flops", "est_step_time_s",
              "mfu_assumed", "method", "suggestions")
@@ -55,7 +56,7 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str 
     if training_args.use_cpu and config_file and "cpu" in Path(config_file).name:
         config_file = None
     parallel = load_parallelism(config_file, num_processes)
-    spec = _spec_for(model_args)
+    spec = spec_for_model_args(model_args)
     from .recipe_settings import resolve_recipe_settings
 
     resolve_recipe_settings(script_args, model_args, training_args, spec)  # the model's own where the recipe is silent
@@ -87,46 +88,6 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str 
 
         result["details"]["fsdp2_check"] = fsdp2_states(spec, inputs.settings, parallel).as_dict()
     return result
-
-
-def _spec_for(model_args):
-    """The model's sizes; a recipe that builds a tiny pipeline is planned on that pipeline (built offline, cached)."""
-    from .model_specs import load_model_spec
-
-    path = Path(str(model_args.model_name_or_path)).expanduser()
-    family = model_args.build_tiny_pipeline_if_missing
-    if family and not (path / "model_index.json").is_file():
-        if family == "toy":
-            return toy_world_spec()
-        else:
-            from ..testing import cached_tiny_pipeline_path
-
-            path = Path(cached_tiny_pipeline_path(family, seed=model_args.tiny_pipeline_seed))
-    return load_model_spec(str(path) if (path / "model_index.json").is_file() else str(model_args.model_name_or_path))
-
-
-def toy_world_spec():
-    """The toy world's sizes (``flowgrpo.toy``'s "full" preset) without training it: its transformer and VAE built on
-    the meta device from the preset, the tiny SD3 pipeline's text encoders, and the preset's schedule shift."""
-    import dataclasses
-
-    import torch
-
-    from ..testing import cached_tiny_pipeline_path
-    from ..toy.build import PRESETS, _make_transformer, _make_vae
-    from .model_specs import load_model_spec
-
-    tiny = load_model_spec(str(cached_tiny_pipeline_path("sd3", seed=0)))
-    preset = PRESETS["full"]
-    with torch.device("meta"):
-        transformer = _make_transformer(preset, tiny.transformer_config["joint_attention_dim"],
-                                        tiny.transformer_config["pooled_projection_dim"])
-        vae = _make_vae(preset)
-    strip = lambda config: {k: v for k, v in dict(config).items() if not k.startswith("_")}  # noqa: E731
-    return dataclasses.replace(tiny, name="toy world (full preset)", transformer_config=strip(transformer.config),
-                               vae_config=strip(vae.config),
-                               scheduler_config=dict(tiny.scheduler_config, shift=preset.scheduler_shift),
-                               origin="flowgrpo.toy preset 'full' (architecture only)")
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ config, so the limits read from a tokenizer or an encoder show only with the mod
 from __future__ import annotations
 
 from ..models.defaults import resolve_generation_settings
-from .model_specs import _from_packaged, packaged_specs
+from .model_specs import packaged_specs, spec_from_packaged
 from .recipe_settings import configs_from_spec
 
 TABLE_START, TABLE_END = "<!-- defaults-table:start -->", "<!-- defaults-table:end -->"
@@ -23,7 +23,7 @@ def defaults_rows() -> list[dict[str, str]]:
     """One row per packaged Hub id: the resolved defaults and where the steps and guidance come from."""
     rows = []
     for _, raw in sorted(packaged_specs().items()):
-        spec = _from_packaged(raw)
+        spec = spec_from_packaged(raw)
         for name in raw.get("names", [raw["name"]]):
             settings = resolve_generation_settings(configs_from_spec(spec, name), {})
             v, profile = settings.values, settings.profile

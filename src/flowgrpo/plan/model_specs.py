@@ -65,7 +65,7 @@ def packaged_specs() -> dict[str, dict[str, Any]]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(CONFIG_DIR.glob("*.json"))}
 
 
-def _from_packaged(raw: dict[str, Any]) -> ModelSpec:
+def spec_from_packaged(raw: dict[str, Any]) -> ModelSpec:
     return ModelSpec(
         name=raw["name"], family=raw["family"], pipeline_class=raw["pipeline_class"],
         transformer_class=raw["transformer"]["class_name"], transformer_config=dict(raw["transformer"]["config"]),
@@ -164,11 +164,48 @@ def load_model_spec(model_name_or_path: str) -> ModelSpec:
     if snapshot is not None:
         return _from_folder(snapshot, f"hub cache {snapshot}", fallback)
     if fallback is not None:
-        return _from_packaged(fallback)
+        return spec_from_packaged(fallback)
     raise ValueError(f"model_name_or_path={model_name_or_path!r}: no local pipeline folder, no Hugging Face cache entry "
                      f"and no packaged config of that name. Packaged models: "
                      f"{', '.join(sorted(n for r in packaged.values() for n in r.get('names', [])))}. Add a JSON file to "
                      f"{CONFIG_DIR} or point model_name_or_path at a folder saved with save_pretrained.")
 
 
-__all__ = ["CONFIG_DIR", "ModelSpec", "load_model_spec", "packaged_specs"]
+__all__ = ["CONFIG_DIR", "ModelSpec", "load_model_spec", "packaged_specs", "spec_for_model_args", "spec_from_packaged",
+           "toy_world_spec"]
+
+
+def spec_for_model_args(model_args: Any) -> ModelSpec:
+    """The model's sizes; a recipe that builds a tiny pipeline is planned on that pipeline (built offline, cached)."""
+    path = Path(str(model_args.model_name_or_path)).expanduser()
+    family = model_args.build_tiny_pipeline_if_missing
+    if family and not (path / "model_index.json").is_file():
+        if family == "toy":
+            return toy_world_spec()
+        else:
+            from ..testing import cached_tiny_pipeline_path
+
+            path = Path(cached_tiny_pipeline_path(family, seed=model_args.tiny_pipeline_seed))
+    return load_model_spec(str(path) if (path / "model_index.json").is_file() else str(model_args.model_name_or_path))
+
+
+def toy_world_spec() -> ModelSpec:
+    """The toy world's sizes (``flowgrpo.toy``'s "full" preset) without training it: its transformer and VAE built on
+    the meta device from the preset, the tiny SD3 pipeline's text encoders, and the preset's schedule shift."""
+    import dataclasses
+
+    import torch
+
+    from ..testing import cached_tiny_pipeline_path
+    from ..toy.build import PRESETS, _make_transformer, _make_vae
+    tiny = load_model_spec(str(cached_tiny_pipeline_path("sd3", seed=0)))
+    preset = PRESETS["full"]
+    with torch.device("meta"):
+        transformer = _make_transformer(preset, tiny.transformer_config["joint_attention_dim"],
+                                        tiny.transformer_config["pooled_projection_dim"])
+        vae = _make_vae(preset)
+    strip = lambda config: {k: v for k, v in dict(config).items() if not k.startswith("_")}  # noqa: E731
+    return dataclasses.replace(tiny, name="toy world (full preset)", transformer_config=strip(transformer.config),
+                               vae_config=strip(vae.config),
+                               scheduler_config=dict(tiny.scheduler_config, shift=preset.scheduler_shift),
+                               origin="flowgrpo.toy preset 'full' (architecture only)")

@@ -52,6 +52,8 @@ REWARD_MODEL_PARAMS: dict[str, tuple[float, int]] = {
     "pickscore": (986e6, 2),     # yuvalkirstain/PickScore_v1: CLIP ViT-H/14, fp16
     "clipscore": (428e6, 2),     # openai/clip-vit-large-patch14
     "aesthetic": (428e6 + 0.8e6, 2),  # CLIP ViT-L/14 + the LAION aesthetic MLP
+    "editreward": (7.75e9, 2),   # TIGER-Lab/EditReward-Qwen2.5-VL-7B: Qwen2.5-VL-7B without its LM head, bf16
+    "clap": (193e6, 4),          # laion/larger_clap_general: HTSAT + RoBERTa, fp32
 }
 CUDA_CONTEXT_GB = 0.75
 NCCL_BUFFERS_GB = 0.5

@@ -50,9 +50,9 @@ def recipe_model_configs(model_args: Any, spec: ModelSpec | None = None) -> Mode
 
         return read_model_configs(cached_tiny_pipeline_path(family, seed=seed))
     if spec is None:  # a Hub id: its snapshot in the Hugging Face cache, else the packaged config (no download)
-        from .cli import _spec_for
+        from .model_specs import spec_for_model_args
 
-        spec = _spec_for(model_args)
+        spec = spec_for_model_args(model_args)
     if spec.origin != "packaged" and spec.sources and (Path(spec.sources[0]) / "model_index.json").is_file():
         return read_model_configs(spec.sources[0])
     return configs_from_spec(spec, name)

@@ -7,10 +7,16 @@ Protocol (JSON only; nothing received over the network is ever unpickled)::
 
     GET  /health  -> {"status": "ok", "rewards": ["ocr", ...], "default": "ocr"}
     POST /score   <- {"prompts": [str], "images": [base64 str], "image_format": "png" | "jpeg",
-                      "columns": {name: [value, ...]}, "reward": str | null}
+                      "columns": {name: [value, ...]}, "reward": str | null,
+                      "image_columns": {name: [base64 str | [base64 str, ...] | null, ...]}}
                   -> {"scores": [float | null], "reward": "ocr"}
                      (+ "notes": [str | null], "metrics": {key: [float | null]} when the served reward gives them;
                       the client then returns a `flowgrpo.rewards.RewardOutput`)
+
+Columns of PIL images (an editing dataset's ``image`` column: the source of each edit) travel in ``image_columns``,
+each image encoded like the scored images (a row may hold one image, a list of them, or null); the server decodes
+them back into PIL images before calling the reward. Columns of numpy arrays (the generated ``audio``) travel as
+nested JSON lists of numbers (float32 values survive the round trip exactly).
 
 When the server has a token configured, both endpoints require ``Authorization: Bearer <token>``.
 ``"reward": null`` selects the server's default reward (the first one it serves).
@@ -72,6 +78,7 @@ __all__ = [
 ]
 
 DEFAULT_TOKEN_ENV = "FLOWGRPO_REWARD_TOKEN"
+_IMAGE_COLUMN_PREFIX = "\0image:"  # marks an encoded image column inside the client (never sent as a name)
 IMAGE_FORMATS = ("png", "jpeg")
 _SERVER_HINT = (
     "Start a reward server with `flowgrpo-reward-server --rewards ocr --host 0.0.0.0 --port 8000` "
@@ -366,6 +373,8 @@ class RemoteReward:
             failures persist after the retries (``"skip"`` logs a warning and returns ``None`` for the failed
             images).
         max_response_bytes: refuse answers larger than this.
+        accepts_audio: declare that the served reward scores sound (e.g. ``clap``), so that the trainer decodes the
+            generated audio and sends the ``audio`` / ``audio_sampling_rate`` columns to it.
     """
 
     def __init__(
@@ -384,6 +393,7 @@ class RemoteReward:
         health_timeout: float | None = None,
         on_failure: str = "raise",
         max_response_bytes: int = 16 * 2**20,
+        accepts_audio: bool = False,
     ):
         parts = urllib.parse.urlsplit(url or "")
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -411,6 +421,7 @@ class RemoteReward:
         self.batch_size = batch_size
         self.on_failure = on_failure
         self.max_response_bytes = int(max_response_bytes)
+        self.accepts_audio = bool(accepts_audio)
         self.health_timeout = float(health_timeout) if health_timeout is not None else min(self.timeout, 10.0)
         self.__name__ = f"remote:{reward_name}" if reward_name else "remote"
         self._warned_columns: set[str] = set()
@@ -470,9 +481,36 @@ class RemoteReward:
 
     # -- scoring --------------------------------------------------------------------------------
 
+    def _image_column(self, values: Any) -> list | None:
+        """A column of PIL images (or lists of them, or None per row) encoded for ``image_columns``; ``None`` when the
+        column holds anything else."""
+        def is_image_row(v: Any) -> bool:
+            return v is None or isinstance(v, Image.Image) or (
+                isinstance(v, (list, tuple)) and bool(v) and all(isinstance(x, Image.Image) for x in v))
+
+        values = list(values)
+        if not values or not all(is_image_row(v) for v in values) or all(v is None for v in values):
+            return None
+
+        def encode(v: Any) -> Any:
+            if v is None:
+                return None
+            if isinstance(v, Image.Image):
+                return encode_image(v, self.image_format, self.jpeg_quality)
+            return [encode_image(x, self.image_format, self.jpeg_quality) for x in v]
+
+        return [encode(v) for v in values]
+
     def _columns_payload(self, columns: Mapping[str, Any], n: int) -> dict[str, list]:
         out = {}
         for name, values in columns.items():
+            if values is not None:
+                encoded = self._image_column(values)
+                if encoded is not None:
+                    if len(encoded) != n:
+                        raise ValueError(f"column {name!r} has {len(encoded)} values for {n} prompts")
+                    out[_IMAGE_COLUMN_PREFIX + name] = encoded
+                    continue
             converted = _jsonable_column(name, values) if values is not None else None
             if converted is None:
                 if name not in self._warned_columns:
@@ -485,13 +523,18 @@ class RemoteReward:
         return out
 
     def _score_chunk(self, prompts: list[str], images: list[Image.Image], columns: dict[str, list]) -> list[float | None]:
+        plain = {k: v for k, v in columns.items() if not k.startswith(_IMAGE_COLUMN_PREFIX)}
+        image_columns = {k[len(_IMAGE_COLUMN_PREFIX):]: v for k, v in columns.items()
+                         if k.startswith(_IMAGE_COLUMN_PREFIX)}
         payload = {
             "prompts": list(prompts),
             "images": [encode_image(img, self.image_format, self.jpeg_quality) for img in images],
             "image_format": self.image_format,
-            "columns": columns,
+            "columns": plain,
             "reward": self.reward_name,
         }
+        if image_columns:
+            payload["image_columns"] = image_columns
         url = f"{self.url}/score"
         try:
             obj = request_json(

@@ -10,7 +10,8 @@ and point the trainer at it with ``reward_funcs=["remote"]`` and
 Endpoints (see `flowgrpo.rewards.remote` for the full protocol):
 
 * ``GET /health`` -> ``{"status": "ok", "rewards": [...], "default": name}``
-* ``POST /score`` with ``{"prompts", "images" (base64 PNG/JPEG), "image_format", "columns", "reward"}``
+* ``POST /score`` with ``{"prompts", "images" (base64 PNG/JPEG), "image_format", "columns", "reward"}`` (and
+  ``"image_columns"``: columns of base64 images, e.g. the source images of editing rewards, decoded to PIL images)
   -> ``{"scores": [float | null], "reward": name}``, plus ``"notes"`` and ``"metrics"`` when the reward returns a
   `flowgrpo.rewards.RewardOutput` (per-image notes and metric values, e.g. GenEval's reasons and per-task accuracy)
 
@@ -75,6 +76,18 @@ def _to_score(value: Any, reward: str, index: int) -> float | None:
     except (TypeError, ValueError):
         raise _HTTPError(500, f"reward {reward!r} returned {value!r} for item {index}; expected a number or None") from None
     return f if math.isfinite(f) else None
+
+
+def _decode_image_row(value: Any, column: str, index: int) -> Any:
+    """One row of an image column: a base64 image, a list of them, or null."""
+    try:
+        if value is None:
+            return None
+        if isinstance(value, list):
+            return [decode_image(v) for v in value]
+        return decode_image(value)
+    except ValueError as exc:
+        raise _HTTPError(400, f"image column {column!r}, row {index}: {exc}") from None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -242,6 +255,15 @@ class RewardServer(ThreadingHTTPServer):
                 raise _HTTPError(400, f"column {key!r} must be a list of {len(prompts)} values")
             if key in ("prompts", "images"):
                 raise _HTTPError(400, f"column name {key!r} is reserved")
+        image_columns = request.get("image_columns") or {}
+        if not isinstance(image_columns, dict):
+            raise _HTTPError(400, "'image_columns' must be an object of lists of base64 images")
+        for key, values in image_columns.items():
+            if not isinstance(values, list) or len(values) != len(prompts):
+                raise _HTTPError(400, f"image column {key!r} must be a list of {len(prompts)} values")
+            if key in columns or key in ("prompts", "images"):
+                raise _HTTPError(400, f"image column name {key!r} is reserved or also a plain column")
+            columns[key] = [_decode_image_row(v, key, i) for i, v in enumerate(values)]
         decoded = []
         for i, data in enumerate(images):
             try:

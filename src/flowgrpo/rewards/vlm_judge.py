@@ -298,7 +298,9 @@ class VLMJudgeReward:
             value = parse_score(text, scale=self.scale)
         return None if value is None else float(value)
 
-    def _score_one(self, body: dict) -> float | None | object:
+    def _request_text(self, body: dict) -> str | None | object:
+        """The first choice's text for one request body; `_FAILED` for a request that kept failing under
+        ``on_failure="skip"`` (a failure it must not hide raises)."""
         try:
             obj = request_json(
                 "POST", self.endpoint, body, headers=self._headers(), timeout=self.timeout,
@@ -310,7 +312,25 @@ class VLMJudgeReward:
                 logger.warning("vlm_judge: %s; this image scores None", exc)
                 return _FAILED
             raise
-        text = _message_text(obj, self.endpoint)
+        return _message_text(obj, self.endpoint)
+
+    def complete_many(self, bodies: Sequence[dict]) -> tuple[list[str | None], list[bool]]:
+        """Send several chat-completions request bodies (at most ``max_concurrency`` in flight) and return each
+        answer's text (``None`` when the model said nothing or the request failed) and whether it failed (a request
+        that kept failing under ``on_failure="skip"``; other failures raise). Failures are not reported here: the
+        caller counts its failed samples."""
+        if not bodies:
+            return [], []
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(bodies)),
+                                thread_name_prefix="vlm_judge") as pool:
+            answers = list(pool.map(self._request_text, bodies))
+        failed = [a is _FAILED for a in answers]
+        return [None if f else a for a, f in zip(answers, failed)], failed
+
+    def _score_one(self, body: dict) -> float | None | object:
+        text = self._request_text(body)
+        if text is _FAILED:
+            return _FAILED
         score = self._parse(text)
         if score is None:
             logger.warning("vlm_judge: could not read a score from %r; this image scores None", (text or "")[:200])

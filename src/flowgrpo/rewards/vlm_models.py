@@ -30,7 +30,8 @@ from PIL import Image
 
 from .placement import ModelReward
 
-__all__ = ["VLMReward", "as_rgb", "cached_vlm", "chat_text", "load_vlm", "load_vlm_processor", "vlm_batch"]
+__all__ = ["VLMReward", "as_rgb", "cached_vlm", "chat_content_text", "chat_text", "load_vlm", "load_vlm_processor",
+           "vlm_batch"]
 
 _MODELS: dict[tuple, tuple[Any, Any]] = {}
 _MODELS_LOCK = threading.Lock()
@@ -197,6 +198,20 @@ def chat_text(processor: Any, question: str, system_prompt: str | None = None) -
     if system_prompt:
         messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
     messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
+    return processor.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+
+
+def chat_content_text(processor: Any, content: Sequence[dict], system_prompt: str | None = None) -> str:
+    """One user turn with the content parts ``content`` (``{"type": "image"}`` and ``{"type": "text", "text": ...}``,
+    in order; several images allowed) rendered with the processor's chat template, plus the generation prompt."""
+    template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(f"{type(processor).__name__} has no chat template; give a processor folder that has one "
+                         f"(chat_template.jinja / chat_template.json or the tokenizer's chat_template)")
+    messages: list[dict] = []
+    if system_prompt:
+        messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
+    messages.append({"role": "user", "content": [dict(part) for part in content]})
     return processor.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
 
 
