@@ -40,7 +40,7 @@ __all__ = [
 
 # Modules whose import registers built-in rewards. Each must keep heavy imports inside functions.
 BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge", "geneval", "imagereward", "hpsv2",
-                          "hpsv3", "unifiedreward", "vqascore", "deqa")
+                          "hpsv3", "unifiedreward", "vqascore", "deqa", "videoalign", "geneval2")
 
 for _module in BUILTIN_REWARD_MODULES:
     if importlib.util.find_spec(f"{__name__}.{_module}") is not None:

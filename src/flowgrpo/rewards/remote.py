@@ -6,11 +6,15 @@ any registered reward(s), so an OCR engine or a GenEval-style detector can live 
 Protocol (JSON only; nothing received over the network is ever unpickled)::
 
     GET  /health  -> {"status": "ok", "rewards": ["ocr", ...], "default": "ocr"}
-    POST /score   <- {"prompts": [str], "images": [base64 str], "image_format": "png" | "jpeg",
+    POST /score   <- {"prompts": [str], "images": [base64 str | [base64 str]], "image_format": "png" | "jpeg",
                       "columns": {name: [value, ...]}, "reward": str | null}
                   -> {"scores": [float | null], "reward": "ocr"}
                      (+ "notes": [str | null], "metrics": {key: [float | null]} when the served reward gives them;
                       the client then returns a `flowgrpo.rewards.RewardOutput`)
+
+A sample that is a video (a list of frames) is sent as the list of its encoded frames; a client built with
+``accepts_video=True`` receives whole videos from `flowgrpo.rewards.RewardSet` (for a served video reward such as
+``videoalign``), otherwise the set scores the frames one by one.
 
 When the server has a token configured, both endpoints require ``Authorization: Bearer <token>``.
 ``"reward": null`` selects the server's default reward (the first one it serves).
@@ -366,6 +370,8 @@ class RemoteReward:
             failures persist after the retries (``"skip"`` logs a warning and returns ``None`` for the failed
             images).
         max_response_bytes: refuse answers larger than this.
+        accepts_video: the served reward scores whole videos (``videoalign``): each video is sent as the list of its
+            frames instead of frame by frame.
     """
 
     def __init__(
@@ -384,6 +390,7 @@ class RemoteReward:
         health_timeout: float | None = None,
         on_failure: str = "raise",
         max_response_bytes: int = 16 * 2**20,
+        accepts_video: bool = False,
     ):
         parts = urllib.parse.urlsplit(url or "")
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -401,6 +408,7 @@ class RemoteReward:
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.reward_name = reward_name
+        self.accepts_video = bool(accepts_video)
         self.token_env = token_env
         self.image_format = fmt
         self.jpeg_quality = jpeg_quality
@@ -487,7 +495,9 @@ class RemoteReward:
     def _score_chunk(self, prompts: list[str], images: list[Image.Image], columns: dict[str, list]) -> list[float | None]:
         payload = {
             "prompts": list(prompts),
-            "images": [encode_image(img, self.image_format, self.jpeg_quality) for img in images],
+            "images": [[encode_image(frame, self.image_format, self.jpeg_quality) for frame in img]
+                       if isinstance(img, (list, tuple)) else encode_image(img, self.image_format, self.jpeg_quality)
+                       for img in images],
             "image_format": self.image_format,
             "columns": columns,
             "reward": self.reward_name,
