@@ -45,8 +45,10 @@ EXTRAS = {
     "bnb": ["bitsandbytes>=0.50.2"],
     # The `geneval` reward: transformers' Mask2Former builds its (training) matcher with scipy.
     "geneval": ["scipy>=1.11"],
+    # The `videoalign` reward's MP4 round trip (H.264 encoding and decoding with FFmpeg's libx264, bundled).
+    "video": ["av>=14.0.0"],
     "dev": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "ruff>=0.17.5", "tensorboard>=2.21.0", "wandb>=0.31.0",
-            "scipy>=1.11"],
+            "scipy>=1.11", "av>=14.0.0"],
 }
 EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() for req in reqs})
 

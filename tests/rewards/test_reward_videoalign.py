@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 
 from flowgrpo.rewards import RewardSet, get_reward, list_rewards
+from flowgrpo.rewards.video_io import decode_mp4, encode_mp4
 from flowgrpo.rewards.videoalign import (
     VIDEOALIGN_PROMPT,
     VideoAlignReward,
@@ -30,7 +31,6 @@ from flowgrpo.rewards.videoalign import (
     smart_nframes,
     videoalign_prompt,
 )
-from flowgrpo.rewards.video_io import decode_mp4, encode_mp4
 from flowgrpo.testing.tiny_videoreward import cached_tiny_videoreward_path
 
 DATA = Path(__file__).parent / "data"
