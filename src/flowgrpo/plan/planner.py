@@ -52,6 +52,8 @@ REWARD_MODEL_PARAMS: dict[str, tuple[float, int]] = {
     "pickscore": (986e6, 2),     # yuvalkirstain/PickScore_v1: CLIP ViT-H/14, fp16
     "clipscore": (428e6, 2),     # openai/clip-vit-large-patch14
     "aesthetic": (428e6 + 0.8e6, 2),  # CLIP ViT-L/14 + the LAION aesthetic MLP
+    "videoalign": (2.21e9, 2),   # KlingTeam/VideoReward: Qwen2-VL-2B (LoRA merged) + a linear head, bf16
+    "geneval2": (8.77e9, 2),     # Qwen/Qwen3-VL-8B-Instruct, bf16
 }
 CUDA_CONTEXT_GB = 0.75
 NCCL_BUFFERS_GB = 0.5
