@@ -19,7 +19,7 @@ Register a function or a class under a name::
 ``get_reward(name, **kwargs)`` instantiates a registered class with ``kwargs`` and binds ``kwargs`` to a
 registered function with ``functools.partial``. The built-in rewards (``ocr``, ``jpeg_compressibility``,
 ``jpeg_incompressibility``, ``aesthetic``, ``clipscore``, ``pickscore``, ``remote``, ``vlm_judge``, ``hpsv3``,
-``unifiedreward``, ``vqascore``, ``deqa``) register themselves when ``flowgrpo.rewards`` is imported; their heavy
+``unifiedreward``, ``vqascore``, ``deqa``, ``videoalign``, ``geneval2``) register themselves when ``flowgrpo.rewards`` is imported; their heavy
 dependencies (OCR engines, CLIP models, VLMs) load only when a reward is first called.
 """
 
