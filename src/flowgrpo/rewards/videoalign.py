@@ -51,7 +51,7 @@ Score: ``(raw - mean) / std`` per dimension with ``use_norm`` (the checkpoint's 
 2.2476, MQ 1.1646 / 1.3811, TA 2.8105 / 2.5121), raw otherwise; ``Overall = VQ + MQ + TA``. The reward is the sum of
 the chosen ``dimensions`` (default ``["Overall"]``); every dimension is also returned as a metric
 (``rewards/videoalign/VQ`` ...). ``accepts_video = True``: each sample is a list of frames. Memory: Qwen2-VL-2B,
-about 4.4 GB in bfloat16; a 33-frame 480x832 video at 8 fps is 8 frames of 308x532, about 840 video tokens.
+about 4.4 GB in bfloat16; a 33-frame 480x832 video at 8 fps is 8 frames of 336x588, 1008 video tokens.
 """
 
 from __future__ import annotations
