@@ -8,8 +8,9 @@ memory with PyAV (``pip install 'flowgrpo[video]'``), which bundles FFmpeg with 
   diffusers' ``export_to_video`` (imageio-ffmpeg with ``quality=5``, which it maps to ``-crf 25``), with which
   DanceGRPO-style scripts write their rollouts, except two that make the bytes a function of the frames alone: one
   encoder thread, and no macroblock-tree rate control (``mbtree=0``). With x264's defaults the same frames encode to
-  different files from call to call (measured with PyAV 18.1's x264: 2 to 37 of 40 encodings of one 64x48 clip
-  differed, 2 of 12 at 832x480), so the same video would get different rewards;
+  different files from call to call (measured with PyAV 18.1's x264: 40 encodings of one 64x48 clip in one process
+  gave two or three different files, the less common ones 3 to 16 times; 12 of a 832x480 clip gave two, 10 and 2),
+  so the same video would get different rewards; with these two settings every encoding gave the same file;
 * decoding: every frame, converted to RGB24 by FFmpeg's scaler, with the container's average frame rate and frame
   count, as ``decord.VideoReader`` reports them (``len(vr)``, ``vr.get_avg_fps()``). On the same file the RGB
   frames equal decord 0.6.0's bit for bit (checked on the tiny test videos).
