@@ -12,7 +12,8 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).parent
 # The reward modules of flowgrpo.rewards (kept equal to flowgrpo.rewards.registry.BUILTIN_REWARD_MODULES by a test).
 BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge", "geneval", "imagereward", "hpsv2",
-                          "hpsv3", "unifiedreward", "vqascore", "deqa", "editreward", "edit_judges", "clap")
+                          "hpsv3", "unifiedreward", "vqascore", "deqa", "editreward", "edit_judges", "clap", "videoalign",
+                          "geneval2")
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "src/flowgrpo/__init__.py").read_text()).group(1)
 
 INSTALL_REQUIRES = [
@@ -50,8 +51,10 @@ EXTRAS = {
     "geneval": ["scipy>=1.11"],
     # The `clap` reward resamples generated sound with scipy's polyphase resampler.
     "audio": ["scipy>=1.11"],
+    # The `videoalign` reward's MP4 round trip (H.264 encoding and decoding with FFmpeg's libx264, bundled).
+    "video": ["av>=14.0.0"],
     "dev": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "ruff>=0.17.5", "tensorboard>=2.21.0", "wandb>=0.31.0",
-            "scipy>=1.11"],
+            "scipy>=1.11", "av>=14.0.0"],
 }
 EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() for req in reqs})
 

@@ -158,8 +158,13 @@ def test_editscore_requests_and_reward(monkeypatch):
         # other policies: the whole edit's reward when an answer cannot be read
         strict = get_reward("editscore", base_url=server.base_url, api_key_env=None, on_unparsable="none",
                             health_check=False, pq_inputs="edited")
+        before = len(server.requests)
         assert list(strict(prompts[:2], edited[:2], image=sources[:2])) == pytest.approx([expected[0], None])
-        assert [p["type"] for p in server.requests[-1]["messages"][0]["content"]].count("image_url") == 1
+        # its PQ requests (sent concurrently with the SC ones, so in any order) show the edited image only
+        pq_requests = [r for r in server.requests[before:]
+                       if any("naturalness" in p.get("text", "") for p in r["messages"][0]["content"])]
+        assert len(pq_requests) == 2
+        assert all([p["type"] for p in r["messages"][0]["content"]].count("image_url") == 1 for r in pq_requests)
         with pytest.raises(EditJudgeUnparsableError, match="refuse"):
             get_reward("editscore", base_url=server.base_url, api_key_env=None, on_unparsable="raise",
                        health_check=False)(prompts[1:2], edited[1:2], image=sources[1:2])

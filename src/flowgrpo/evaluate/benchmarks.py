@@ -4,12 +4,15 @@
 benchmark   prompts (``--metadata``)                      images per prompt  scored by
 =========== ============================================ ================== ==========================================
 geneval     data/geneval/evaluation_metadata.jsonl (553)  4                  the ``geneval`` detector rules (accuracy)
+geneval2    data/geneval2/geneval2_data.jsonl (800)       1                  the ``geneval2`` reward (Soft-TIFA AM, GM)
 ocr         data/ocr/test.txt                             1                  the ``ocr`` reward
 pickscore   data/pickscore/test.txt                       1                  the ``pickscore`` reward (PickScore scale)
 toy         <toy world>/prompts_eval.txt                  4                  the toy world's attribute checks
 =========== ============================================ ================== ==========================================
 
-``scripts/prepare_data.py geneval|ocr|pickscore`` downloads the prompt files. Every benchmark samples
+``scripts/prepare_data.py geneval|geneval2|ocr|pickscore`` downloads the prompt files. GenEval2's evaluation script
+takes one image per prompt (a ``{prompt: image path}`` file), hence 1 here; its sampler is Flow-GRPO's evaluation
+protocol below (GenEval 2 prescribes none). Every benchmark samples
 deterministically (the Euler ODE of the flow, as the trainers' evaluation does) from fixed per-image seeds. The
 published protocol of Flow-GRPO's SD3.5-Medium evaluation (``scripts/train_sd3.py`` ``eval`` with
 ``config/grpo.py``: ``eval_num_steps = 40``, ``guidance_scale = 4.5``, ``resolution = 512``, text embeddings of
@@ -116,6 +119,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         "geneval", "GenEval (553 compositional prompts, 6 tasks; accuracy per task and overall)",
         "data/geneval/evaluation_metadata.jsonl", replace(_FLOW_GRPO_EVAL, images_per_prompt=4),
         prepare_hint="python scripts/prepare_data.py geneval"),
+    "geneval2": Benchmark(
+        "geneval2", "GenEval 2 (800 compositional prompts; Soft-TIFA AM and GM of a Qwen3-VL judge, per skill and "
+        "per atomicity)", "data/geneval2/geneval2_data.jsonl", _FLOW_GRPO_EVAL, rewards=("geneval2",),
+        prepare_hint="python scripts/prepare_data.py geneval2"),
     "ocr": Benchmark(
         "ocr", "visual text rendering: OCR accuracy of the quoted text of Flow-GRPO's OCR test prompts",
         "data/ocr/test.txt", _FLOW_GRPO_EVAL, rewards=("ocr",), prepare_hint="python scripts/prepare_data.py ocr"),
@@ -237,6 +244,8 @@ def read_benchmark_prompts(benchmark: Benchmark, metadata_path: str | os.PathLik
                          f"from {Path.cwd()}).{hint} pass the file with --metadata PATH.")
     if benchmark.name == "geneval":
         return _read_geneval_metadata(path)
+    if benchmark.name == "geneval2":
+        return _read_geneval2_data(path)
     from ..cli.data import read_prompt_file
     from ..cli.parser import RecipeError
 
@@ -272,7 +281,40 @@ def _read_geneval_metadata(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def check_geneval2_row(row: Any, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` unless ``row`` is a line of GenEval2's ``geneval2_data.jsonl``: a
+    ``prompt``, an integer ``atom_count``, a ``vqa_list`` of [question, answer] strings and one ``skills`` entry per
+    pair."""
+    vqa = row.get("vqa_list") if isinstance(row, dict) else None
+    skills = row.get("skills") if isinstance(row, dict) else None
+    pairs = isinstance(vqa, list) and bool(vqa) and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in vqa)
+    if not (pairs and isinstance(row.get("prompt"), str) and isinstance(row.get("atom_count"), int)
+            and isinstance(skills, list) and len(skills) == len(vqa)):
+        raise ValueError(f"{where} is not a GenEval2 line: it needs a 'prompt', an integer 'atom_count', a 'vqa_list' "
+                         f"of [question, answer] pairs and one 'skills' entry per pair (GenEval2's "
+                         f"geneval2_data.jsonl; `python scripts/prepare_data.py geneval2` downloads it); got "
+                         f"{json.dumps(row)[:200]}")
+
+
+def _read_geneval2_data(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} line {number} is not JSON: {err}.") from err
+        check_geneval2_row(row, f"{path} line {number}")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no prompt.")
+    return rows
+
+
 __all__ = [
-    "BENCHMARKS", "DTYPES", "MODEL_SETTINGS", "ODE_SOLVERS", "SEED_STRIDE", "Benchmark", "RecipeSettings", "SamplingProtocol",
-    "get_benchmark", "image_seed", "read_benchmark_prompts", "read_recipe_settings",
+    "BENCHMARKS", "DTYPES", "MODEL_SETTINGS", "ODE_SOLVERS", "SEED_STRIDE", "Benchmark", "RecipeSettings",
+    "SamplingProtocol", "check_geneval2_row", "get_benchmark", "image_seed", "read_benchmark_prompts",
+    "read_recipe_settings",
 ]

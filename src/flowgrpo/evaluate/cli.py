@@ -65,7 +65,9 @@ def build_parser(prog: str = "flowgrpo evaluate") -> argparse.ArgumentParser:
                "(<output_dir>/transformer, or <output_dir>)")
     _flag(what, "metadata", default=None, metavar="PATH",
           help="the benchmark's prompts: geneval: GenEval's evaluation_metadata.jsonl (default "
-               "data/geneval/evaluation_metadata.jsonl, from `python scripts/prepare_data.py geneval`); ocr / "
+               "data/geneval/evaluation_metadata.jsonl, from `python scripts/prepare_data.py geneval`); geneval2: "
+               "GenEval2's geneval2_data.jsonl (default data/geneval2/geneval2_data.jsonl, from `python "
+               "scripts/prepare_data.py geneval2`); ocr / "
                "pickscore: a prompt file (default data/<name>/test.txt, or the recipe's test prompts); toy: default "
                "<model>/prompts_eval.txt")
     _flag(what, "recipe", default=None, metavar="YAML",
@@ -143,6 +145,8 @@ def settings_from_args(args: argparse.Namespace):
             if name == "geneval":  # what the training reward returns or how it receives images: not the benchmark's
                 for key in _GENEVAL_TRAINING_ONLY:
                     options.pop(key, None)
+            if name == "geneval2":  # the benchmark reports both means
+                options.pop("aggregation", None)
             if options:
                 reward_kwargs[name] = options
     for name, options in benchmark.reward_kwargs.items():

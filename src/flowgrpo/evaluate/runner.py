@@ -196,6 +196,11 @@ def _score(settings: EvaluationSettings, folders: list[layout.PromptFolder], dis
     bar = tqdm(total=total, desc=f"{benchmark.name}: scoring", unit="img", disable=not dist.is_local_main,
                dynamic_ncols=True)
     try:
+        if benchmark.name == "geneval2":
+            from .geneval2_scoring import score_folders_with_geneval2
+
+            return score_folders_with_geneval2(folders, settings.reward_kwargs.get("geneval2") or {}, dist.device,
+                                               progress=bar.update)
         if benchmark.scored_by_rewards:
             from .reward_scoring import build_reward_set, score_folders_with_rewards
 
@@ -214,7 +219,13 @@ def _summarize(settings: EvaluationSettings, records: list[dict]) -> dict[str, A
     benchmark = settings.benchmark
     output = settings.output
     records.sort(key=_record_order)
-    if benchmark.scored_by_rewards:
+    if benchmark.name == "geneval2":
+        from .geneval2_scoring import geneval2_summary_markdown, summarize_geneval2_records, write_official_files
+
+        summary = summarize_geneval2_records(records)
+        markdown = geneval2_summary_markdown(summary)
+        write_official_files(output, records)
+    elif benchmark.scored_by_rewards:
         from .reward_scoring import reward_summary_markdown, summarize_reward_records
 
         summary = summarize_reward_records(records, benchmark.rewards)

@@ -54,6 +54,8 @@ REWARD_MODEL_PARAMS: dict[str, tuple[float, int]] = {
     "aesthetic": (428e6 + 0.8e6, 2),  # CLIP ViT-L/14 + the LAION aesthetic MLP
     "editreward": (7.75e9, 2),   # TIGER-Lab/EditReward-Qwen2.5-VL-7B: Qwen2.5-VL-7B without its LM head, bf16
     "clap": (193e6, 4),          # laion/larger_clap_general: HTSAT + RoBERTa, fp32
+    "videoalign": (2.21e9, 2),   # KlingTeam/VideoReward: Qwen2-VL-2B (LoRA merged) + a linear head, bf16
+    "geneval2": (8.77e9, 2),     # Qwen/Qwen3-VL-8B-Instruct, bf16
 }
 CUDA_CONTEXT_GB = 0.75
 NCCL_BUFFERS_GB = 0.5

@@ -154,7 +154,8 @@ def get_reward(name: str, **kwargs: Any) -> Callable[..., list[float | None]]:
 ENTRY_POINT_GROUP = "flowgrpo.rewards"
 #: the reward modules of flowgrpo.rewards, as setup.py declares them (the fallback of an uninstalled source tree)
 BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge", "geneval", "imagereward", "hpsv2",
-                          "hpsv3", "unifiedreward", "vqascore", "deqa", "editreward", "edit_judges", "clap")
+                          "hpsv3", "unifiedreward", "vqascore", "deqa", "editreward", "edit_judges", "clap", "videoalign",
+                          "geneval2")
 
 _loaded = False
 

@@ -6,7 +6,7 @@ any registered reward(s), so an OCR engine or a GenEval-style detector can live 
 Protocol (JSON only; nothing received over the network is ever unpickled)::
 
     GET  /health  -> {"status": "ok", "rewards": ["ocr", ...], "default": "ocr"}
-    POST /score   <- {"prompts": [str], "images": [base64 str], "image_format": "png" | "jpeg",
+    POST /score   <- {"prompts": [str], "images": [base64 str | [base64 str]], "image_format": "png" | "jpeg",
                       "columns": {name: [value, ...]}, "reward": str | null,
                       "image_columns": {name: [base64 str | [base64 str, ...] | null, ...]}}
                   -> {"scores": [float | null], "reward": "ocr"}
@@ -17,6 +17,10 @@ Columns of PIL images (an editing dataset's ``image`` column: the source of each
 each image encoded like the scored images (a row may hold one image, a list of them, or null); the server decodes
 them back into PIL images before calling the reward. Columns of numpy arrays (the generated ``audio``) travel as
 nested JSON lists of numbers (float32 values survive the round trip exactly).
+
+A sample that is a video (a list of frames) is sent as the list of its encoded frames; a client built with
+``accepts_video=True`` receives whole videos from `flowgrpo.rewards.RewardSet` (for a served video reward such as
+``videoalign``), otherwise the set scores the frames one by one.
 
 When the server has a token configured, both endpoints require ``Authorization: Bearer <token>``.
 ``"reward": null`` selects the server's default reward (the first one it serves).
@@ -375,6 +379,8 @@ class RemoteReward:
         max_response_bytes: refuse answers larger than this.
         accepts_audio: declare that the served reward scores sound (e.g. ``clap``), so that the trainer decodes the
             generated audio and sends the ``audio`` / ``audio_sampling_rate`` columns to it.
+        accepts_video: the served reward scores whole videos (``videoalign``): each video is sent as the list of its
+            frames instead of frame by frame.
     """
 
     def __init__(
@@ -394,6 +400,7 @@ class RemoteReward:
         on_failure: str = "raise",
         max_response_bytes: int = 16 * 2**20,
         accepts_audio: bool = False,
+        accepts_video: bool = False,
     ):
         parts = urllib.parse.urlsplit(url or "")
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -411,6 +418,7 @@ class RemoteReward:
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.reward_name = reward_name
+        self.accepts_video = bool(accepts_video)
         self.token_env = token_env
         self.image_format = fmt
         self.jpeg_quality = jpeg_quality
@@ -528,7 +536,9 @@ class RemoteReward:
                          if k.startswith(_IMAGE_COLUMN_PREFIX)}
         payload = {
             "prompts": list(prompts),
-            "images": [encode_image(img, self.image_format, self.jpeg_quality) for img in images],
+            "images": [[encode_image(frame, self.image_format, self.jpeg_quality) for frame in img]
+                       if isinstance(img, (list, tuple)) else encode_image(img, self.image_format, self.jpeg_quality)
+                       for img in images],
             "image_format": self.image_format,
             "columns": plain,
             "reward": self.reward_name,

@@ -10,8 +10,9 @@ and point the trainer at it with ``reward_funcs=["remote"]`` and
 Endpoints (see `flowgrpo.rewards.remote` for the full protocol):
 
 * ``GET /health`` -> ``{"status": "ok", "rewards": [...], "default": name}``
-* ``POST /score`` with ``{"prompts", "images" (base64 PNG/JPEG), "image_format", "columns", "reward"}`` (and
-  ``"image_columns"``: columns of base64 images, e.g. the source images of editing rewards, decoded to PIL images)
+* ``POST /score`` with ``{"prompts", "images" (base64 PNG/JPEG; a video is a list of them, its frames),
+  "image_format", "columns", "reward"}`` (and ``"image_columns"``: columns of base64 images, e.g. the source images
+  of editing rewards, decoded to PIL images)
   -> ``{"scores": [float | null], "reward": name}``, plus ``"notes"`` and ``"metrics"`` when the reward returns a
   `flowgrpo.rewards.RewardOutput` (per-image notes and metric values, e.g. GenEval's reasons and per-task accuracy)
 
@@ -246,7 +247,8 @@ class RewardServer(ThreadingHTTPServer):
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise _HTTPError(400, "'prompts' must be a list of strings")
         if not isinstance(images, list) or len(images) != len(prompts):
-            raise _HTTPError(400, f"'images' must be a list of {len(prompts)} base64 strings (one per prompt)")
+            raise _HTTPError(400, f"'images' must be a list of {len(prompts)} base64 strings (one per prompt; a "
+                                  f"video is a list of base64 frames)")
         columns = request.get("columns") or {}
         if not isinstance(columns, dict):
             raise _HTTPError(400, "'columns' must be an object of lists")
@@ -264,10 +266,15 @@ class RewardServer(ThreadingHTTPServer):
             if key in columns or key in ("prompts", "images"):
                 raise _HTTPError(400, f"image column name {key!r} is reserved or also a plain column")
             columns[key] = [_decode_image_row(v, key, i) for i, v in enumerate(values)]
-        decoded = []
+        decoded: list[Any] = []
         for i, data in enumerate(images):
             try:
-                decoded.append(decode_image(data))
+                if isinstance(data, list):  # a video: its frames, in order
+                    if not data:
+                        raise ValueError("a video needs at least one frame")
+                    decoded.append([decode_image(frame) for frame in data])
+                else:
+                    decoded.append(decode_image(data))
             except ValueError as exc:
                 raise _HTTPError(400, f"image {i}: {exc}") from None
         if not prompts:
