@@ -235,7 +235,7 @@ def test_two_processes_share_the_workers_and_send_the_weights_once(ray_cluster, 
     """``accelerate launch`` with two CPU processes (gloo) and two rollout workers, one step off: each rank samples its
     own share (its own noise), and each worker loads every sync's weights once (process 0 sends them)."""
     prompts = tmp_path / "same_prompt.txt"
-    prompts.write_text('a wooden sign that says "OPEN"\n' * 4)
+    prompts.write_text('a wooden sign that says "OPEN"\n' * 8)  # two generations per epoch
     out, rank_logs = tmp_path / "out", tmp_path / "ranks"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_ddp.yaml",
            "src/train.py", "recipes/tiny_cpu.yaml", "--max_steps", "2", "--output_dir", str(out),

@@ -416,7 +416,7 @@ class RayRolloutBackend(RolloutBackend):
         policy = self.policy
         spec_common = dict(
             model=model_ref, args=worker_args, peft_config=self._peft_config(), pipeline_kwargs=pipeline_kwargs,
-            strategy=strategy, coordinator=self.coordinator, device=device,
+            strategy=strategy, device=device,
             mixed_precision=str(self.accelerator.mixed_precision), uses_old_policy=policy.old_policy is not None,
             reference_own_adapter=bool(policy.reference is not None and policy.reference.kind == "adapter"),
             keep_reference_copy=self.include_reference and not policy.is_peft,
@@ -427,7 +427,7 @@ class RayRolloutBackend(RolloutBackend):
             return ray.remote(RolloutWorker).options(
                 name=name, namespace=NAMESPACE, max_restarts=args.max_worker_restarts, max_task_retries=0,
                 runtime_env={"env_vars": _worker_env(threads)}, **_resource_options(resources),
-            ).remote(WorkerSpec(name=name, **spec_common))
+            ).remote(WorkerSpec(name=name, **spec_common), [self.coordinator])
 
         self.worker_names = [f"{session.run}-rollout-{i}" for i in range(args.rollout_workers)]
         self.workers = [session.create_or_find(name, make) for name in self.worker_names]

@@ -100,7 +100,7 @@ class WorkerSpec:
 
     ``model``: the trainer's model path, or an ``ObjectRef`` of a pipeline it put in the object store. ``args``: the
     trainer's configuration (its generation settings resolved; ``dtype`` set to the trainer's resolved one).
-    ``strategy``: the algorithm's `RolloutStrategy` (settings only). ``coordinator``: the `RolloutCoordinator`'s handle.
+    ``strategy``: the algorithm's `RolloutStrategy` (settings only).
     """
 
     name: str
@@ -109,7 +109,6 @@ class WorkerSpec:
     peft_config: Any
     pipeline_kwargs: dict | None
     strategy: Any
-    coordinator: Any
     device: str = "cpu"
     mixed_precision: str = "no"
     uses_old_policy: bool = False
@@ -154,7 +153,9 @@ class RolloutWorker:
     ``sample(request)`` (a streaming generator: one payload per micro-batch, then a final one), ``fingerprint()``.
     """
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, coordinator: list):
+        """``coordinator``: ``[the run's RolloutCoordinator handle]`` (in a list: Ray then passes the handle itself,
+        which a restarted worker uses again)."""
         tic = time.perf_counter()
         import ray
 
@@ -165,6 +166,7 @@ class RolloutWorker:
         from ..engine import RolloutEngine
 
         self.spec = spec
+        self.coordinator = coordinator[0]
         self.name = spec.name
         device = torch.device(spec.device)
         if spec.torch_threads:
@@ -195,8 +197,8 @@ class RolloutWorker:
         self.version: int | None = None
         self.digest: str | None = None
         self.loads = 0
-        self.incarnation = ray.get(spec.coordinator.register.remote(self.name))
-        latest = ray.get(spec.coordinator.latest_weights.remote())
+        self.incarnation = ray.get(self.coordinator.register.remote(self.name))
+        latest = ray.get(self.coordinator.latest_weights.remote())
         if latest is not None:  # a restarted worker: the current weights, before any request reaches it
             version, digest, holder = latest
             self.load_weights(version, digest, ray.get(holder[0]))
@@ -227,7 +229,7 @@ class RolloutWorker:
         """Load the coordinator's latest weights (a worker that came back with none, or an older version)."""
         import ray
 
-        latest = ray.get(self.spec.coordinator.latest_weights.remote())
+        latest = ray.get(self.coordinator.latest_weights.remote())
         if latest is None:
             raise RuntimeError("The coordinator holds no weights yet.")
         version, digest, holder = latest
