@@ -45,7 +45,7 @@ from flowgrpo.trainer.rollout.ray.cluster import probe_tokenless_join, ray_liste
 
 REPO = Path(__file__).resolve().parents[2]
 REWARD = "jpeg_compressibility"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_cluster")]  # one cluster, one test worker
 
 
 @pytest.fixture(scope="module")
@@ -132,10 +132,10 @@ def test_ray_backend_samples_scores_and_trains_exactly_as_the_local_one(kind, ra
     """max_staleness 0 on the CPU with one thread everywhere: the same rewards at every step and the same weights
     after two steps. Flow-GRPO's rewards are scored by a reward worker; DiffusionNFT samples with its old policy,
     which must reach the worker at every sync."""
+    extra = {"reward_backend": "ray"} if kind == "flow_grpo" else {}
+    remote = build(kind, tiny_sd3_path, tmp_path / "ray", rollout_backend="ray", **extra)  # its workers start loading
     local = build(kind, tiny_sd3_path, tmp_path / "local")
     local.train()
-    extra = {"reward_backend": "ray"} if kind == "flow_grpo" else {}
-    remote = build(kind, tiny_sd3_path, tmp_path / "ray", rollout_backend="ray", **extra)
     remote.train()
     assert isinstance(remote.rollout_backend, RayRolloutBackend)
     keys = ("reward", "reward_std", f"rewards/{REWARD}/mean")
@@ -166,43 +166,39 @@ def test_one_step_off_samples_the_next_generation_with_the_previous_weights(one_
     assert all("on_policy_ratio_max_dev" not in h for h in logs[1:])
 
 
-def test_a_worker_killed_mid_generation_is_restarted_and_its_groups_sampled_again(one_step_off, tiny_sd3_path,
-                                                                                  tmp_path):
+def test_a_killed_worker_is_restarted_and_one_that_stops_answering_stops_the_run_with_a_checkpoint(
+        one_step_off, tiny_sd3_path, tmp_path):
+    """One run, two faults, then a resume. Generation 1: the worker is killed (SIGKILL) once its first micro-batch
+    has arrived; Ray restarts it, it reloads the current weights and the generation is sampled again with its own
+    seeds. Generation 2: the (restarted) worker is stopped (SIGSTOP) the same way; past rollout_timeout_s the run
+    stops with an error naming it and a checkpoint of step 2, from which ``resume_from_checkpoint="last"`` ends where
+    the uninterrupted run ended: no group was lost or trained twice, the in-flight one was sampled again with the
+    weights it was first sent with."""
     trainer = build("flow_grpo", tiny_sd3_path, tmp_path, rollout_backend="ray", max_staleness=1, max_steps=3)
-    killed = []
+    faults = {}
 
-    def kill(gen_index, index, worker, pid):  # the first of generation 2's two micro-batches has arrived
-        if gen_index == 2 and index == 0 and not killed:
-            killed.append(pid)
+    def fault(gen_index, index, worker, pid):
+        if index != 0 or gen_index in faults:
+            return
+        if gen_index == 1:
+            faults[1] = pid
             os.kill(pid, signal.SIGKILL)
-
-    trainer.rollout_backend.on_micro_batch = kill
-    trainer.train()
-    assert killed
-    logs = step_logs(trainer)
-    assert logs[-1]["rollout/worker_restarts"] == 1
-    # sampled again with its own seeds by the same weights: the run ends where the uninterrupted one ended
-    assert [h["reward"] for h in logs] == [h["reward"] for h in step_logs(one_step_off)]
-    assert_same_weights(trained(trainer), trained(one_step_off))
-
-
-def test_a_worker_that_stops_answering_stops_the_run_with_a_checkpoint_that_resumes(one_step_off, tiny_sd3_path,
-                                                                                    tmp_path):
-    trainer = build("flow_grpo", tiny_sd3_path, tmp_path, rollout_backend="ray", max_staleness=1, max_steps=3,
-                    rollout_timeout_s=6.0)
-    stopped = []
-
-    def stop(gen_index, index, worker, pid):
-        if gen_index == 2 and index == 0 and not stopped:
-            stopped.append((worker, pid))
+        elif gen_index == 2:
+            faults[2] = (worker, pid)
+            trainer.args.rollout_timeout_s = 3.0  # the restart above had the default's time; this wait has 3 s
             os.kill(pid, signal.SIGSTOP)
 
-    trainer.rollout_backend.on_micro_batch = stop
+    trainer.rollout_backend.on_micro_batch = fault
     with pytest.raises(RolloutWorkerError) as raised:
         trainer.train()
-    worker, pid = stopped[0]
-    assert worker in str(raised.value) and "rollout_timeout_s=6" in str(raised.value)
-    assert "checkpoint-2" in str(raised.value) and "--resume_from_checkpoint last" in str(raised.value)
+    worker, stopped_pid = faults[2]
+    assert stopped_pid != faults[1]  # the restarted worker is a new process
+    message = str(raised.value)
+    assert worker in message and "rollout_timeout_s=3" in message
+    assert "checkpoint-2" in message and "--resume_from_checkpoint last" in message
+    logs = step_logs(trainer)
+    assert [h["rollout/worker_restarts"] for h in logs] == [0, 1]
+    assert [h["reward"] for h in logs] == [h["reward"] for h in step_logs(one_step_off)[:2]]
     checkpoint = tmp_path / "checkpoint-2"
     saved = json.loads((checkpoint / BACKEND_STATE_NAME).read_text())
     # generation 2 was sent with the weights after step 1 and never trained: it is in flight, with those weights
@@ -211,8 +207,6 @@ def test_a_worker_that_stops_answering_stops_the_run_with_a_checkpoint_that_resu
 
     resumed = build("flow_grpo", tiny_sd3_path, tmp_path, rollout_backend="ray", max_staleness=1, max_steps=3)
     resumed.train(resume_from_checkpoint="last")
-    # generation 2 is sampled again with the weights it was first sent with: the run ends where the uninterrupted
-    # one ended
     assert step_logs(resumed)[-1]["reward"] == step_logs(one_step_off)[-1]["reward"]
     assert_same_weights(trained(resumed), trained(one_step_off))
 

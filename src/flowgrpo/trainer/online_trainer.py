@@ -270,6 +270,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
                                    self.accelerator, ode_solver=self._eval_ode_solver(), audio_rewards=audio_rewards)
         #: where rollouts are sampled: the training processes (local) or Ray workers (rollout/backend.py)
         self.rollout_backend = build_rollout_backend(self, rollout_source)
+        self.rollout_backend.launch()  # Ray workers load the pipeline while the trainer goes on
 
     # ---- read-only views of the parts ------------------------------------------------------------------
     @property

@@ -2,7 +2,8 @@
 local backend (today's path: the trainer's own `RolloutEngine`, in the training processes) and the choice between it
 and the Ray backend (`rollout.ray.backend.RayRolloutBackend`, ``rollout_backend: ray``).
 
-The trainer calls, in this order: `start` when training starts, `read_ahead` on the dataloader's iterator (the Ray
+The trainer calls, in this order: `launch` at the end of its construction (workers start loading), `start` when
+training starts (waits for them), `read_ahead` on the dataloader's iterator (the Ray
 backend reads the coming generations' prompts ahead so that it can sample them early; the local backend returns the
 iterator unchanged), `generate` once per generation, `save` / `load` with each checkpoint, and `close` when training
 ends. Scoring (gathers, advantages, the health hook) always runs in the training processes, through the trainer's
@@ -38,8 +39,11 @@ class RolloutBackend:
     #: whether the trainer logs ``rollout/*`` metrics of this backend (first-pass ratio, ...)
     logs_rollout_metrics: bool = False
 
+    def launch(self) -> None:
+        """At the end of the trainer's construction: start what loads in the background (workers)."""
+
     def start(self) -> None:
-        """Before the first generation of a ``train()`` call (workers start here)."""
+        """When ``train()`` starts: wait until the backend is ready."""
 
     def read_ahead(self, iterator: Iterator, position: int) -> Iterator:
         """The dataloader iterator the trainer reads its batches from; ``position``: the micro-step of its next
@@ -67,6 +71,10 @@ class LocalRolloutBackend(RolloutBackend):
     def __init__(self, engine: Any, reward_workers: Any = None):
         self.engine = engine
         self.reward_workers = reward_workers
+
+    def launch(self) -> None:
+        if self.reward_workers is not None:
+            self.reward_workers.launch()
 
     def start(self) -> None:
         if self.reward_workers is not None:

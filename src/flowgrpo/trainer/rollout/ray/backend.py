@@ -206,12 +206,12 @@ class RewardWorkers:
         self.handles: list = []
         self._local = None
 
-    def start(self) -> None:
+    def launch(self) -> None:
+        """Create the reward actors (they load their rewards in the background)."""
         if self.handles:
             return
         import ray
 
-        from .rewards import RayRewardSet
         from .worker import RewardWorker
 
         args = self.trainer.args
@@ -229,6 +229,16 @@ class RewardWorkers:
 
         self.handles = [self.session.create_or_find(f"{self.session.run}-reward-{i}", make)
                         for i in range(args.reward_workers)]
+
+    def start(self) -> None:
+        """Wait until every reward actor is ready, then score through them."""
+        if self._local is not None:
+            return
+        from .rewards import RayRewardSet
+
+        self.launch()
+        args = self.trainer.args
+        reward_set = self.trainer.rollouts.rewards
         names = [f"reward worker {i}" for i in range(len(self.handles))]
         described = self.session.wait([h.describe.remote() for h in self.handles], args.rollout_startup_timeout_s,
                                       "at start", names)
@@ -377,6 +387,7 @@ class RayRolloutBackend(RolloutBackend):
         self._incarnations: dict[str, int] = {}
         self._resume: dict | None = None
         self._closed = False
+        self._ready = False
 
     # ---- set-up ------------------------------------------------------------------------------------
     @property
@@ -387,19 +398,22 @@ class RayRolloutBackend(RolloutBackend):
     def restarts(self) -> int:
         return sum(count - 1 for count in self._incarnations.values())
 
-    def start(self) -> None:
+    def launch(self) -> None:
+        """Connect and create the actors: the workers load the pipeline in the background while the trainer goes on
+        (its set-up, the first evaluation); `start` waits for them."""
         if self.workers:
             return
         import ray
 
-        from .worker import RolloutCoordinator, RolloutWorker, WorkerSpec, rollout_fingerprint
+        from .worker import RolloutCoordinator, RolloutWorker, WorkerSpec
 
         self._closed = False
+        self._ready = False
         args = self.args
         session = self.session
         session.open()
         if self.rewards is not None:
-            self.rewards.start()
+            self.rewards.launch()
         self.coordinator = session.create_or_find(
             f"{session.run}-coordinator",
             lambda name: ray.remote(RolloutCoordinator).options(name=name, namespace=NAMESPACE, num_cpus=0).remote())
@@ -431,6 +445,18 @@ class RayRolloutBackend(RolloutBackend):
 
         self.worker_names = [f"{session.run}-rollout-{i}" for i in range(args.rollout_workers)]
         self.workers = [session.create_or_find(name, make) for name in self.worker_names]
+
+    def start(self) -> None:
+        """Wait (up to ``rollout_startup_timeout_s``) until every worker has loaded the pipeline, and check that it
+        samples with the trainer's settings."""
+        if self.workers and self._ready:
+            return
+        from .worker import rollout_fingerprint
+
+        self.launch()
+        args, session = self.args, self.session
+        if self.rewards is not None:
+            self.rewards.start()
         failed = None
         if session.is_main:
             try:
@@ -446,6 +472,7 @@ class RayRolloutBackend(RolloutBackend):
         if self.trainer._any_process(failed is not None):
             self.close()
             raise failed or RolloutWorkerError("The rollout workers failed to start (see process 0).")
+        self._ready = True
 
     def _worker_args(self) -> Any:
         import copy
@@ -822,6 +849,7 @@ class RayRolloutBackend(RolloutBackend):
                 except Exception:  # already gone
                     pass
         self.workers, self.coordinator = [], None
+        self._ready = False
         self._requests.clear()
         self._inputs.clear()
         self._read_ahead = None
