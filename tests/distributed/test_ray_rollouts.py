@@ -120,10 +120,48 @@ def test_local_cluster_refuses_clients_without_its_token(ray_cluster):
                          env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
     assert out.returncode == 0 and "joined" in out.stdout, out.stderr[-2000:]
     # No dashboard, hence no Jobs API: nothing listens on the dashboard's port, no dashboard process runs.
-    sockets = ray_listening_sockets()
+    sockets = ray_listening_sockets(ray_cluster.temp_dir)  # this cluster's processes only
     assert sockets, "ss found no Ray socket"
     assert not [s for s in sockets if s[0].endswith(":8265") or "dashboard" in s[1]]
     assert {"gcs_server", "raylet"} <= {name for _, name, _ in sockets}
+
+
+def test_joining_a_cluster_without_token_authentication_warns(caplog):
+    """A cluster started by hand without token authentication (``ray start --head`` with RAY_AUTH_MODE=disabled,
+    even with --node-ip-address=127.0.0.1) accepts a tokenless client: joining it through ray_address warns."""
+    import logging
+    import shutil
+    import tempfile
+    import time
+
+    from flowgrpo.trainer.rollout.ray import cluster
+
+    temp = tempfile.mkdtemp(prefix="fgo", dir="/tmp")  # short: Unix socket paths are limited to 107 bytes
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "RAY_AUTH_MODE": "disabled"}
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    try:
+        out = subprocess.run([ray_cli, "start", "--head", "--port=0", "--num-cpus=0", "--include-dashboard=false",
+                              "--node-ip-address=127.0.0.1", f"--temp-dir={temp}", "--disable-usage-stats"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        address = next(line.split("--address=")[1].strip().strip("'\"") for line in out.stdout.splitlines()
+                       if "ray start --address=" in line)
+        # the servers listen on every interface anyway
+        assert any(local.startswith("*:") and name == "gcs_server" for local, name, _ in
+                   cluster.ray_listening_sockets(temp))
+        with caplog.at_level(logging.WARNING, logger=cluster.__name__):
+            cluster._warn_if_open(address)
+        assert "accepts clients without a token" in caplog.text and address in caplog.text
+    finally:
+        pids = cluster._cluster_pids(temp) - {os.getpid()}
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.run_first

@@ -60,7 +60,8 @@ from .outputs.lora_export import EXPERT_LORA_WEIGHTS_NAMES
 from .outputs.sample_logging import log_sample_images
 from .policy.loading import check_family_settings, import_own_components, read_pipeline_index
 from .policy.policy import Policy
-from .rollout.backend import RolloutWorkerError, build_rollout_backend, model_source
+from .rollout.backend import RolloutWorkerError, model_source
+from .rollout.backend_choice import build_rollout_backend
 from .rollout.engine import RolloutEngine
 from .rollout.sound import audio_reward_names, check_audio_rewards
 from .rollout.strategies import RolloutStrategy

@@ -1,6 +1,6 @@
 """Where a trainer's rollouts are sampled: the one small interface both backends implement (`RolloutBackend`), the
-local backend (today's path: the trainer's own `RolloutEngine`, in the training processes) and the choice between it
-and the Ray backend (`rollout.ray.backend.RayRolloutBackend`, ``rollout_backend: ray``).
+local backend (today's path: the trainer's own `RolloutEngine`, in the training processes). The Ray backend is
+`rollout.ray.backend.RayRolloutBackend` (``rollout_backend: ray``); `rollout.backend_choice` picks one.
 
 The trainer calls, in this order: `launch` at the end of its construction (workers start loading), `start` when
 training starts (waits for them), `read_ahead` on the dataloader's iterator (the Ray
@@ -17,7 +17,7 @@ from typing import Any
 
 from .generation import Generation
 
-__all__ = ["LocalRolloutBackend", "RolloutBackend", "RolloutWorkerError", "build_rollout_backend", "model_source"]
+__all__ = ["LocalRolloutBackend", "RolloutBackend", "RolloutWorkerError", "model_source"]
 
 
 class RolloutWorkerError(RuntimeError):
@@ -99,18 +99,3 @@ def model_source(model: Any, pipeline_kwargs: dict | None, args: Any) -> Any:
     import pickle
 
     return pickle.dumps(model), None
-
-
-def build_rollout_backend(trainer: Any, source: Any) -> RolloutBackend:
-    """The backend ``trainer.args`` asks for, built from the trainer's parts (nothing is started yet)."""
-    args = trainer.args
-    if args.rollout_backend == "ray":
-        from .ray.backend import RayRolloutBackend
-
-        return RayRolloutBackend(trainer, source)
-    reward_workers = None
-    if args.reward_backend == "ray":
-        from .ray.backend import RewardWorkers
-
-        reward_workers = RewardWorkers(trainer)
-    return LocalRolloutBackend(trainer.rollouts, reward_workers)

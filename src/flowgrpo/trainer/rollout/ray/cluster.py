@@ -163,12 +163,36 @@ def connect_ray(address: str | None, *, namespace: str | None = None, probe_auth
     return joined
 
 
-def ray_listening_sockets() -> list[tuple[str, str, str]]:
-    """``(local address:port, process name, pid)`` of the TCP sockets listened on by this machine's Ray processes
-    (``ss -ltnp``; the processes named ``gcs_server``, ``raylet``, ``ray::...`` and this driver); an empty list when
+def _cluster_pids(temp_dir: str) -> set[int]:
+    """This driver and the processes of the cluster whose session lives under ``temp_dir``: the GCS, the raylet and
+    the agents (named by the session folder on their command line), and every process they started (the workers)."""
+    import psutil
+
+    roots = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(temp_dir in part for part in proc.info["cmdline"] or []):
+                roots.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    pids = {os.getpid()}
+    for root in roots:
+        pids.add(root.pid)
+        try:
+            pids.update(child.pid for child in root.children(recursive=True))
+        except psutil.NoSuchProcess:
+            continue
+    return pids
+
+
+def ray_listening_sockets(temp_dir: str | None = None) -> list[tuple[str, str, str]]:
+    """``(local address:port, process name, pid)`` of the TCP sockets this machine's Ray processes listen on (``ss
+    -ltnp``: the processes named ``gcs_server``, ``raylet``, ``ray::...`` and this driver); with ``temp_dir``, only
+    those of the cluster whose session lives there (another cluster on the machine is left out). An empty list when
     ``ss`` is missing."""
     if shutil.which("ss") is None:
         return []
+    mine = _cluster_pids(temp_dir) if temp_dir else None
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=False).stdout
     rows = []
     for line in out.splitlines():
@@ -179,6 +203,9 @@ def ray_listening_sockets() -> list[tuple[str, str, str]]:
         users = line[line.index("users:"):]
         name = users.split('"')[1] if '"' in users else users
         pid = users.split("pid=")[1].split(",")[0] if "pid=" in users else ""
-        if name in ("gcs_server", "raylet") or name.startswith("ray::") or pid == str(os.getpid()):
+        if mine is not None:
+            if pid.isdigit() and int(pid) in mine:
+                rows.append((local, name, pid))
+        elif name in ("gcs_server", "raylet") or name.startswith("ray::") or pid == str(os.getpid()):
             rows.append((local, name, pid))
     return rows
