@@ -828,8 +828,8 @@ class RayRolloutBackend(RolloutBackend):
         resume, self._resume = self._resume, None
         states = resume["states"]
         for gen_index, version in sorted(resume["in_flight"].items()):
-            if gen_index not in self._inputs:
-                continue  # not read ahead (an epoch's end): sampled later, with fresher weights
+            if gen_index not in self._inputs or self._start_step(gen_index) - version > self.args.max_staleness:
+                continue  # not read ahead (an epoch's end), or too old for this run's bound: sampled later, fresher
             if self.version != version:
                 self._publish(version, states.get(version))
             self._submit(gen_index)
