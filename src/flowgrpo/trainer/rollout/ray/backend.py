@@ -650,8 +650,9 @@ class RayRolloutBackend(RolloutBackend):
             del self._requests[gen_index]
             self._submit(gen_index)
 
-    def _await_restart(self, worker: int) -> None:
-        """Wait (up to ``rollout_timeout_s``) until ``worker`` is alive again with the current weights."""
+    def _await_restart(self, worker: int, version: int | None = None) -> dict:
+        """Wait (up to ``rollout_timeout_s``) until ``worker`` is alive again with the weights of ``version`` (default:
+        the current version); returns its answer."""
         import ray
         from ray.exceptions import ActorDiedError
 
@@ -675,12 +676,14 @@ class RayRolloutBackend(RolloutBackend):
             except Exception:  # still restarting
                 time.sleep(0.2)
         self._incarnations[name] = max(self._incarnations.get(name, 1), int(info["incarnation"]))
-        if info["version"] != self.version:
-            answer = self.session.wait([handle.reload_latest.remote()], max(1.0, deadline - time.monotonic()),
-                                       "reloading the weights", [name])[0]
-            if answer["version"] != self.version:
-                raise RolloutWorkerError(f"Rollout worker {name} came back with weights version {answer['version']}, "
-                                         f"not {self.version}.", worker=name)
+        version = self.version if version is None else version
+        if info["version"] != version:
+            info = self.session.wait([handle.reload_latest.remote()], max(1.0, deadline - time.monotonic()),
+                                     "reloading the weights", [name])[0]
+            if info["version"] != version:
+                raise RolloutWorkerError(f"Rollout worker {name} came back with weights version {info['version']}, "
+                                         f"not {version}.", worker=name)
+        return info
 
     def _assemble(self, pending: _Pending) -> Generation:
         """The `Generation` of a complete request, on this process's device, checked: every micro-batch, one version
@@ -759,9 +762,7 @@ class RayRolloutBackend(RolloutBackend):
                 ref = ray.put(state)
                 ray.get(self.coordinator.publish.remote(version, digest, [ref]),
                         timeout=self.args.rollout_timeout_s)
-                answers = self.session.wait([w.load_weights.remote(version, digest, ref) for w in self.workers],
-                                            self.args.rollout_timeout_s, f"the weight sync of version {version}",
-                                            self.worker_names)
+                answers = self._load_everywhere(version, digest, ref)
                 for answer in answers:
                     if answer["version"] != version or answer["digest"] != digest:
                         raise RolloutWorkerError(
@@ -778,6 +779,30 @@ class RayRolloutBackend(RolloutBackend):
             raise error or RolloutWorkerError(f"The weight sync of version {version} failed on process 0.")
         self.session.barrier()
         self.version = version
+
+    def _load_everywhere(self, version: int, digest: str, ref: Any) -> list[dict]:
+        """Every worker loads ``ref``; a worker that dies meanwhile is waited for: restarted, it loads the
+        coordinator's latest weights (these) by itself."""
+        import ray
+
+        refs = [w.load_weights.remote(version, digest, ref) for w in self.workers]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.args.rollout_timeout_s)
+        answers = []
+        for i, one in enumerate(refs):
+            name = self.worker_names[i]
+            if one in pending:
+                raise RolloutWorkerError(f"{name} did not answer the weight sync of version {version} within "
+                                         f"rollout_timeout_s={self.args.rollout_timeout_s:g} s.", worker=name)
+            try:
+                answers.append(ray.get(one))
+            except Exception as err:
+                if not _actor_died(err):
+                    raise RolloutWorkerError(f"{name} failed the weight sync of version {version}: "
+                                             f"{type(err).__name__}: {err}", worker=name) from err
+                logger.warning("Rollout worker %s died during the weight sync of version %d; waiting for its restart.",
+                               name, version)
+                answers.append(self._await_restart(i, version))
+        return answers
 
     def _prune_states(self) -> None:
         needed = {p.request.version for p in self._requests.values()} | {self.version}

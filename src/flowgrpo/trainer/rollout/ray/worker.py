@@ -221,6 +221,9 @@ class RolloutWorker:
         load_policy_state(self.policy, state, include_reference=self.spec.include_reference)
         self.version = int(version)
         self.digest = policy_state_digest(self.policy, include_reference=self.spec.include_reference)
+        if self.digest != digest:
+            raise ValueError(f"{self.name} holds weights with digest {self.digest} after loading version {version}, "
+                             f"whose digest is {digest}.")
         self.loads += 1
         return {"name": self.name, "version": self.version, "digest": self.digest, "sent_digest": digest,
                 "loads": self.loads}
