@@ -164,6 +164,8 @@ def test_joining_a_cluster_without_token_authentication_warns(caplog):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+# Long (each case: a local run, a Ray run and its worker's start-up; Flow-GRPO also a reward worker's): the equality
+# of the two backends is the contract item 5 names, for the log-prob and the old-policy paths.
 @pytest.mark.run_first
 @pytest.mark.parametrize("kind", ["flow_grpo", "diffusion_nft"])
 def test_ray_backend_samples_scores_and_trains_exactly_as_the_local_one(kind, ray_cluster, tiny_sd3_path, tmp_path):
@@ -176,6 +178,8 @@ def test_ray_backend_samples_scores_and_trains_exactly_as_the_local_one(kind, ra
     local.train()
     remote.train()
     assert isinstance(remote.rollout_backend, RayRolloutBackend)
+    # one torch thread like the trainer, at the trainer's priority (Ray's default niceness 15 is undone)
+    assert [(i["torch_threads"], i["niceness"]) for i in remote.rollout_backend.worker_info] == [(1, 0)]
     keys = ("reward", "reward_std", f"rewards/{REWARD}/mean")
     assert [{k: h[k] for k in keys} for h in step_logs(remote)] == [{k: h[k] for k in keys} for h in step_logs(local)]
     assert_same_weights(trained(remote), trained(local))
@@ -186,6 +190,7 @@ def test_ray_backend_samples_scores_and_trains_exactly_as_the_local_one(kind, ra
         assert all(h["rollout/first_pass_ratio"] == 1.0 for h in step_logs(remote))
 
 
+# Long: a three-step run and its worker's start-up; shared by the two tests below.
 @pytest.fixture(scope="module")
 def one_step_off(ray_cluster, tiny_sd3_path, tmp_path_factory):
     """The reference of the fault tests: Flow-GRPO, three steps, one step off (max_staleness 1)."""
@@ -204,6 +209,7 @@ def test_one_step_off_samples_the_next_generation_with_the_previous_weights(one_
     assert all("on_policy_ratio_max_dev" not in h for h in logs[1:])
 
 
+# Long: a run whose worker is restarted (a second start-up), a 3-s timeout, and the resumed run with its own worker.
 def test_a_killed_worker_is_restarted_and_one_that_stops_answering_stops_the_run_with_a_checkpoint(
         one_step_off, tiny_sd3_path, tmp_path):
     """One run, two faults, then a resume. Generation 1: the worker is killed (SIGKILL) once its first micro-batch
@@ -249,6 +255,7 @@ def test_a_killed_worker_is_restarted_and_one_that_stops_answering_stops_the_run
     assert_same_weights(trained(resumed), trained(one_step_off))
 
 
+# Long: each case is a two-step run with its worker's start-up (the staleness semantics of each algorithm).
 @pytest.mark.parametrize("kind, extra", [("awm", {"off_policy": False, "train_timesteps": 2}),
                                          ("diffusion_dpo", {"dpo_mode": "online", "beta_dpo": 50.0})])
 def test_awm_and_online_dpo_train_on_stale_samples(kind, extra, ray_cluster, tiny_sd3_path, tmp_path):
@@ -263,9 +270,10 @@ def test_awm_and_online_dpo_train_on_stale_samples(kind, extra, ray_cluster, tin
         assert "old_log_probs" in trainer.buffer[0]
 
 
-def test_two_processes_share_the_workers_and_send_the_weights_once(ray_cluster, tiny_sd3_path, tmp_path):
-    """``accelerate launch`` with two CPU processes (gloo) and two rollout workers, one step off: each rank samples its
-    own share (its own noise), and each worker loads every sync's weights once (process 0 sends them)."""
+def test_two_processes_share_a_worker_and_send_the_weights_once(ray_cluster, tiny_sd3_path, tmp_path):
+    """``accelerate launch`` with two CPU processes (gloo) and one rollout worker serving both, one step off: each
+    rank gets its own share (its own noise), and the worker loads every sync's weights once (process 0 sends them).
+    About 20 s on a quiet machine: two trainer processes and a worker each import the stack."""
     prompts = tmp_path / "same_prompt.txt"
     prompts.write_text('a wooden sign that says "OPEN"\n' * 8)  # two generations per epoch
     out, rank_logs = tmp_path / "out", tmp_path / "ranks"
@@ -274,7 +282,7 @@ def test_two_processes_share_the_workers_and_send_the_weights_once(ray_cluster, 
            "--model_name_or_path", str(tiny_sd3_path), "--dataset_name", str(prompts), "--eval_dataset_name",
            str(prompts), "--max_eval_samples", "2", "--disable_tqdm", "true", "--eval_on_start", "false",
            "--save_strategy", "no", "--reward_funcs", REWARD, "--reward_weights", "1.0", "--cpu_threads", "1",
-           "--rollout_backend", "ray", "--rollout_workers", "2", "--max_staleness", "1",
+           "--rollout_backend", "ray", "--rollout_workers", "1", "--max_staleness", "1",
            "--ray_address", ray_cluster.address]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "WANDB_MODE": "disabled", "FLOWGRPO_RANK_LOG_DIR": str(rank_logs)}
@@ -287,6 +295,6 @@ def test_two_processes_share_the_workers_and_send_the_weights_once(ray_cluster, 
         assert not {s["image_sha1"] for s in a["samples"]} & {s["image_sha1"] for s in b["samples"]}
         assert a["logs"]["rollout/staleness_max"] == b["logs"]["rollout/staleness_max"]
     assert [r["logs"]["rollout/staleness_max"] for r in r0] == [0, 1]
-    # process 0 sent each sync once: every worker loaded exactly one version per step
+    # process 0 sent each sync once: the worker loaded exactly one version per step, not one per process
     assert [r["logs"]["rollout/worker_weight_loads"] for r in r0] == [1, 2]
     assert all("rollout/worker_weight_loads" not in r["logs"] for r in r1)

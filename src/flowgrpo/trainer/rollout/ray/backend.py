@@ -378,6 +378,8 @@ class RayRolloutBackend(RolloutBackend):
         self.include_reference = rollout_reads_reference(args)
         self.workers: list = []
         self.worker_names: list[str] = []
+        #: process 0: what each worker said when it was ready (pid, node, device, threads, niceness, start-up time)
+        self.worker_info: list[dict] = []
         self.coordinator = None
         self.version: int | None = None
         self._states: dict[int, dict[str, torch.Tensor]] = {}  # process 0: the states of versions still needed
@@ -462,10 +464,16 @@ class RayRolloutBackend(RolloutBackend):
             try:
                 described = session.wait([w.describe.remote() for w in self.workers], args.rollout_startup_timeout_s,
                                          "at start (loading the pipeline)", self.worker_names)
+                self.worker_info = described
                 for info in described:
                     self._incarnations[info["name"]] = info["incarnation"]
-                    logger.warning("Rollout worker %s: pid %s on %s, %s, %s torch threads, ready in %.1f s", info["name"],
+                    logger.info("Rollout worker %s: pid %s on %s, %s, %s torch threads, ready in %.1f s", info["name"],
                                 info["pid"], info["node"], info["device"], info["torch_threads"], info["startup_s"])
+                    if info["niceness"] > 0:
+                        logger.warning("Rollout worker %s runs at niceness %d (Ray's default for workers): on a busy "
+                                       "node it gets little CPU. Start Ray with RAY_worker_niceness=0 in the "
+                                       "environment of `ray start` (docs/distributed.md).", info["name"],
+                                       info["niceness"])
                 self._check_fingerprints(rollout_fingerprint(self.engine))
             except (RolloutWorkerError, ValueError) as err:
                 failed = err

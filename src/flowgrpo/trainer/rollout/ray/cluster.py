@@ -97,9 +97,11 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
     os.chmod(temp_dir, 0o700)
     token_path = write_token_file(temp_dir)
     _enable_token_auth(token_path)
+    # Ray starts its workers at niceness 15 by default: on a busy node a rollout worker then gets a fraction of the
+    # CPU the trainer gets (measured here: sampling 3x slower than the same sampling in the trainer's process).
     ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
              object_store_memory=object_store_memory, _temp_dir=temp_dir, namespace=namespace,
-             log_to_driver=False, configure_logging=False)
+             log_to_driver=False, configure_logging=False, _system_config={"worker_niceness": 0})
     address = ray.get_runtime_context().gcs_address
     return RayConnection(address=address, token_path=token_path, started_here=True, temp_dir=temp_dir,
                          namespace=namespace)

@@ -166,6 +166,7 @@ class RolloutWorker:
         from ..engine import RolloutEngine
 
         self.spec = spec
+        self.niceness = _normal_priority()
         self.coordinator = coordinator[0]
         self.name = spec.name
         device = torch.device(spec.device)
@@ -208,7 +209,7 @@ class RolloutWorker:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "pid": os.getpid(), "incarnation": self.incarnation, "version": self.version,
                 "digest": self.digest, "loads": self.loads, "device": str(self.accelerator.device), "torch_threads": torch.get_num_threads(),
-                "startup_s": self.startup_s, "node": _node_address()}
+                "startup_s": self.startup_s, "node": _node_address(), "niceness": self.niceness}
 
     def fingerprint(self) -> dict[str, Any]:
         return rollout_fingerprint(self.engine)
@@ -275,6 +276,20 @@ class RolloutWorker:
             yield {"kind": "micro_batch", "index": first, "record": move_to(record, "cpu"), "images": pil,
                    "columns": columns_future.result(), "decode_seconds": decode_seconds, "version": self.version,
                    "worker": self.name, "incarnation": self.incarnation, "pid": os.getpid()}
+
+
+def _normal_priority() -> int:
+    """Ray starts worker processes at niceness 15 unless the cluster was started with ``worker_niceness`` 0 (the
+    trainer's own cluster is; ``RAY_worker_niceness=0`` before ``ray start`` for others): a rollout worker then loses
+    the CPU to every other process of a busy node, its sampling and decoding included. Raise it back to 0 where
+    allowed; returns the niceness it runs at."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if current > 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        except PermissionError:
+            return current
+    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def _node_address() -> str | None:
