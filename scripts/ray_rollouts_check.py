@@ -12,10 +12,11 @@ world's held-out prompts (43 prompts x 4 images, the recipe's evaluation setting
 held-out shape accuracy (``eval_rewards/toy_shape/mean``) and colour accuracy, mean and standard deviation over the
 seeds, and the paired differences.
 
-``throughput``: toy_nft_fast and toy for ``--steps`` steps without evaluation, alternating the local backend with two
-torch threads and the Ray backend with a trainer of one thread and one worker of one thread (``max_staleness 1``),
-``--repeats`` times each, one run at a time; seconds per step measured from step 10 to the last (after start-up and
-the first generations), from each run's step-end times.
+``throughput``: toy_nft_fast and toy (``--recipes``) for ``--steps`` steps without evaluation, alternating the local
+backend with two torch threads, the Ray backend with a trainer of one thread and one worker of one thread
+(``max_staleness 1``) and, for reference, the local backend with one thread, ``--repeats`` times each, one run at a
+time; seconds per step measured from step 10 to the last (after start-up and the first generations), from each
+run's step-end times, with the machine's load average at the end of each run.
 
 Results: ``<output>/results.json`` and a markdown table on standard output.
 """
@@ -115,9 +116,10 @@ def learning(args: argparse.Namespace) -> dict:
 def throughput(args: argparse.Namespace) -> dict:
     world = _world()
     rows = []
+    recipes = args.recipes or RECIPES
     for repeat in range(args.repeats):
-        for recipe in RECIPES:
-            for backend, threads, extra in (("local", 2, []), ("ray", 1, RAY)):
+        for recipe in recipes:
+            for backend, threads, extra in (("local", 2, []), ("ray", 1, RAY), ("local-1-thread", 1, [])):
                 out = Path(args.output) / Path(recipe).stem / backend / f"repeat{repeat}"
                 tic = time.perf_counter()
                 proc = _start(_command(recipe, world, out, args.steps, 0, threads, extra, False), out, threads)
@@ -126,7 +128,7 @@ def throughput(args: argparse.Namespace) -> dict:
                 times = _read(out)["step_end_times"]
                 per_step = (times[-1] - times[9]) / (len(times) - 10)
                 rows.append({"recipe": recipe, "backend": backend, "repeat": repeat, "s_per_step": per_step,
-                             "wall_s": time.perf_counter() - tic})
+                             "wall_s": time.perf_counter() - tic, "load_average": os.getloadavg()[0]})
                 print(json.dumps(rows[-1]), flush=True)
     return {"steps": args.steps, "repeats": args.repeats, "runs": rows}
 
@@ -134,7 +136,7 @@ def throughput(args: argparse.Namespace) -> dict:
 def _table(result: dict, key: str) -> str:
     lines = []
     for recipe in RECIPES:
-        for backend in ("local", "ray"):
+        for backend in ("local", "ray", "local-1-thread"):
             values = [r[key] for r in result["runs"] if r["recipe"] == recipe and r["backend"] == backend]
             if values:
                 spread = statistics.stdev(values) if len(values) > 1 else 0.0
@@ -148,6 +150,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--recipes", nargs="+", default=None, help="throughput: the recipes (default both)")
     parser.add_argument("--output", default="outputs/ray_rollouts_check")
     args = parser.parse_args()
     Path(args.output).mkdir(parents=True, exist_ok=True)

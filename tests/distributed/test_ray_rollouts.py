@@ -11,7 +11,7 @@ and peft: several seconds each); that is what makes this module take tens of sec
 contracts need: the equality with the local backend (Flow-GRPO with rewards on a `RewardWorker`; DiffusionNFT, whose
 old policy must reach the worker), one uninterrupted one-step-off run as the reference of the two fault runs (a worker
 killed mid-generation; a worker that stops answering, then resumed from the checkpoint), AWM and online DPO with stale
-samples, the token, and one two-process launch.
+samples, the token, and one two-process launch (which starts its own cluster, as a user's launch does).
 """
 
 from __future__ import annotations
@@ -273,10 +273,12 @@ def test_awm_and_online_dpo_train_on_stale_samples(kind, extra, ray_cluster, tin
         assert "old_log_probs" in trainer.buffer[0]
 
 
-def test_two_processes_share_a_worker_and_send_the_weights_once(ray_cluster, tiny_sd3_path, tmp_path):
-    """``accelerate launch`` with two CPU processes (gloo) and one rollout worker serving both, one step off: each
-    rank gets its own share (its own noise), and the worker loads every sync's weights once (process 0 sends them).
-    About 20 s on a quiet machine: two trainer processes and a worker each import the stack."""
+def test_two_processes_share_a_worker_and_send_the_weights_once(tiny_sd3_path, tmp_path):
+    """``accelerate launch`` with two CPU processes (gloo) and one rollout worker serving both, one step off, from a
+    user's environment (no Ray variable): process 0 starts its own token-authenticated cluster and process 1 joins it
+    with the run's token file. Each rank gets its own share (its own noise), and the worker loads every sync's weights
+    once (process 0 sends them). About 25 s on a quiet machine: a second cluster starts, two trainer processes and a
+    worker each import the stack."""
     prompts = tmp_path / "same_prompt.txt"
     prompts.write_text('a wooden sign that says "OPEN"\n' * 8)  # two generations per epoch
     out, rank_logs = tmp_path / "out", tmp_path / "ranks"
@@ -285,10 +287,10 @@ def test_two_processes_share_a_worker_and_send_the_weights_once(ray_cluster, tin
            "--model_name_or_path", str(tiny_sd3_path), "--dataset_name", str(prompts), "--eval_dataset_name",
            str(prompts), "--max_eval_samples", "2", "--disable_tqdm", "true", "--eval_on_start", "false",
            "--save_strategy", "no", "--reward_funcs", REWARD, "--reward_weights", "1.0", "--cpu_threads", "1",
-           "--rollout_backend", "ray", "--rollout_workers", "1", "--max_staleness", "1",
-           "--ray_address", ray_cluster.address]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "WANDB_MODE": "disabled", "FLOWGRPO_RANK_LOG_DIR": str(rank_logs)}
+           "--rollout_backend", "ray", "--rollout_workers", "1", "--max_staleness", "1"]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
+           "FLOWGRPO_RANK_LOG_DIR": str(rank_logs)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     r0, r1 = ([json.loads(line) for line in (rank_logs / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1))

@@ -15,8 +15,9 @@ from flowgrpo import DiffusionNFTConfig, DiffusionNFTTrainer, FlowGRPOConfig
 from flowgrpo.rewards import RewardResult, resolve_reward_funcs
 from flowgrpo.trainer.data.datasets import INDEX_COLUMN
 from flowgrpo.trainer.rollout.backend import LocalRolloutBackend, RolloutWorkerError
-from flowgrpo.trainer.rollout.ray.backend import _ReadAhead, check_record_precision
+from flowgrpo.trainer.rollout.ray.backend import check_record_precision
 from flowgrpo.trainer.rollout.ray.importance import apply_truncated_importance_weights
+from flowgrpo.trainer.rollout.ray.read_ahead import ReadAhead
 from flowgrpo.trainer.rollout.ray.rewards import validate_reward_result
 from flowgrpo.trainer.rollout.ray.weights import (
     collect_policy_state,
@@ -68,7 +69,7 @@ def test_the_help_lists_the_backend_fields():
 def test_read_ahead_yields_the_batches_unchanged_and_shows_each_generation_early():
     seen = []
     batches = [[{"prompt": f"p{i // 2}", "i": i}] for i in range(9)]  # two micro-steps per generation
-    ahead = _ReadAhead(iter(batches), position=0, depth=3, period=2, note=lambda g, rows: seen.append((g, rows)))
+    ahead = ReadAhead(iter(batches), position=0, depth=3, period=2, note=lambda g, rows: seen.append((g, rows)))
     first = next(ahead)
     assert first is batches[0]
     assert [g for g, _ in seen] == [0, 1]  # generation 1 (micro-step 2) is known while micro-step 0 trains

@@ -66,7 +66,7 @@ class RolloutBackend:
 
 class LocalRolloutBackend(RolloutBackend):
     """Rollouts in the training processes: the trainer's own `RolloutEngine` (today's code path). With
-    ``reward_backend: ray`` its rewards go to reward workers (`rollout.ray.backend.RewardWorkers`)."""
+    ``reward_backend: ray`` its rewards go to reward workers (`rollout.ray.reward_workers.RewardWorkers`)."""
 
     def __init__(self, engine: Any, reward_workers: Any = None):
         self.engine = engine

@@ -20,7 +20,7 @@ def build_rollout_backend(trainer: Any, source: Any) -> RolloutBackend:
         return RayRolloutBackend(trainer, source)
     reward_workers = None
     if args.reward_backend == "ray":
-        from .ray.backend import RewardWorkers
+        from .ray.reward_workers import RewardWorkers
 
         reward_workers = RewardWorkers(trainer)
     return LocalRolloutBackend(trainer.rollouts, reward_workers)

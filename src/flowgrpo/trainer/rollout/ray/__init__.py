@@ -1,7 +1,8 @@
 """Rollouts on their own workers, on Ray (``rollout_backend: ray``; docs/distributed.md): the actors
 (`worker.RolloutWorker`, `worker.RewardWorker`, `worker.RolloutCoordinator`), the trainer's side
-(`backend.RayRolloutBackend`), the weights they exchange (`weights`), the cluster's connection and its token
-(`cluster`), rewards scored on workers (`rewards`) and truncated importance weights (`importance`). Ray itself is
+(`backend.RayRolloutBackend`, with `session.RaySession`, `reward_workers.RewardWorkers` and `read_ahead.ReadAhead`),
+the weights they exchange (`weights`), the cluster's connection and its token (`cluster`), rewards scored on workers
+(`rewards`) and truncated importance weights (`importance`). Ray itself is
 imported only when a backend starts."""
 
 from .worker import RewardWorker, RolloutCoordinator, RolloutWorker

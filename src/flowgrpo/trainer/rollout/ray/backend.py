@@ -42,8 +42,6 @@ import logging
 import os
 import threading
 import time
-import uuid
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,38 +53,17 @@ from ...data.datasets import INDEX_COLUMN
 from ..backend import RolloutBackend, RolloutWorkerError
 from ..generation import Generation, done_future
 from ..images import load_images
+from .read_ahead import ReadAhead
+from .reward_workers import RewardWorkers
+from .session import NAMESPACE, RaySession, actor_died, resource_options, worker_env
 from .weights import collect_policy_state, rollout_reads_reference, state_digest
 
-__all__ = ["BACKEND_STATE_NAME", "BACKEND_WEIGHTS_NAME", "NAMESPACE", "RayRolloutBackend", "RewardWorkers"]
+__all__ = ["BACKEND_STATE_NAME", "BACKEND_WEIGHTS_NAME", "RayRolloutBackend", "check_record_precision", "row_columns"]
 
 logger = logging.getLogger(__name__)
 
 BACKEND_STATE_NAME = "rollout_backend.json"
 BACKEND_WEIGHTS_NAME = "rollout_backend_weights.safetensors"
-#: the Ray namespace of every actor flowgrpo names
-NAMESPACE = "flowgrpo"
-#: environment variables passed to the workers (besides FLOWGRPO_CPU_THREADS, set per worker)
-_FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "DIFFUSERS_", "FLOWGRPO_", "TOKENIZERS_", "PYTHONPATH")
-
-
-def _actor_died(error: BaseException) -> bool:
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-    return isinstance(error, (ActorDiedError, ActorUnavailableError, RayActorError))
-
-
-def _worker_env(threads: int | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
-    if threads:
-        env["FLOWGRPO_CPU_THREADS"] = str(threads)
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
-
-
-def _resource_options(resources: dict) -> dict:
-    return {k: v for k, v in resources.items() if v is not None}
-
-
 def row_columns(rows: list[dict]) -> dict[str, list]:
     """The dataset's other columns of ``rows`` as the rewards receive them (source images loaded), as
     `RolloutEngine.generate` builds them."""
@@ -105,223 +82,6 @@ def check_record_precision(record: dict, where: str) -> None:
         if value.dtype not in (torch.float32, torch.float64):
             raise RolloutWorkerError(f"{where} recorded {key!r} in {value.dtype}; the trajectory must be float32 "
                                      "(a half-precision trajectory biases the ratio).")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the session: one connection per process, actors created by process 0 and found by name by the others
-# ----------------------------------------------------------------------------------------------------------
-class RaySession:
-    """This process's connection to the cluster and the run's name (``flowgrpo-<8 hex>``), agreed on by all
-    processes of a launch: process 0 connects first (starting a local cluster with token authentication unless
-    ``ray_address`` / ``RAY_ADDRESS`` names one) and broadcasts the address, the token file and the run's name."""
-
-    def __init__(self, args: Any, accelerator: Any):
-        self.args = args
-        self.accelerator = accelerator
-        self.connection = None
-        self.run = None
-        self._connected_here = False
-
-    @property
-    def is_main(self) -> bool:
-        return self.accelerator.process_index == 0
-
-    def broadcast(self, value: Any) -> Any:
-        if self.accelerator.num_processes == 1:
-            return value
-        from accelerate.utils import broadcast_object_list
-
-        holder = [value]
-        broadcast_object_list(holder, from_process=0)
-        return holder[0]
-
-    def barrier(self) -> None:
-        if self.accelerator.num_processes > 1:
-            self.accelerator.wait_for_everyone()
-
-    def open(self) -> None:
-        if self.connection is not None:
-            return
-        import ray
-
-        from .cluster import AUTH_MODE, TOKEN_PATH, connect_ray
-
-        was_connected = ray.is_initialized()
-        info = None
-        if self.is_main:
-            self.connection = connect_ray(self.args.ray_address, namespace=NAMESPACE)
-            info = (self.connection.address, self.connection.token_path, f"flowgrpo-{uuid.uuid4().hex[:8]}")
-        address, token_path, self.run = self.broadcast(info)
-        if not self.is_main:
-            if token_path and not os.environ.get(TOKEN_PATH) and not os.environ.get("RAY_AUTH_TOKEN"):
-                os.environ[AUTH_MODE], os.environ[TOKEN_PATH] = "token", token_path
-            self.connection = connect_ray(address, namespace=NAMESPACE, probe_auth=False)
-        self._connected_here = not was_connected
-        logger.info("Ray: %s the cluster at %s (run %s)",
-                    "started" if self.connection.started_here else "joined", self.connection.address, self.run)
-
-    def close(self) -> None:
-        if self.connection is not None and self._connected_here:
-            self.connection.close()
-        self.connection = None
-
-    def create_or_find(self, name: str, make) -> Any:
-        """Process 0 creates the actor (``make(name)``); the others find it by name once it exists."""
-        import ray
-
-        handle = make(name) if self.is_main else None
-        self.barrier()
-        if handle is None:
-            handle = ray.get_actor(name, namespace=NAMESPACE)
-        return handle
-
-    def wait(self, refs: list, timeout_s: float, what: str, names: list[str]) -> list:
-        """``ray.get`` of ``refs`` within ``timeout_s``; a `RolloutWorkerError` naming the workers that did not
-        answer (``names[i]`` for ``refs[i]``)."""
-        import ray
-
-        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        if pending:
-            late = [names[i] for i, ref in enumerate(refs) if ref in pending]
-            raise RolloutWorkerError(f"{', '.join(late)} did not answer {what} within {timeout_s:g} s "
-                                     "(rollout_timeout_s / rollout_startup_timeout_s).", worker=late[0])
-        out = []
-        for i, ref in enumerate(refs):
-            try:
-                out.append(ray.get(ref))
-            except Exception as err:
-                raise RolloutWorkerError(f"{names[i]} failed {what}: {type(err).__name__}: {err}",
-                                         worker=names[i]) from err
-        return out
-
-
-class RewardWorkers:
-    """``reward_backend: ray``: `RewardWorker` actors scoring for the trainer's reward set, which the trainer's
-    `RolloutEngine` then uses in place of its own (`RayRewardSet`); evaluation keeps scoring in the trainer."""
-
-    def __init__(self, trainer: Any, session: RaySession | None = None):
-        self.trainer = trainer
-        self.session = session or RaySession(trainer.args, trainer.accelerator)
-        self._owns_session = session is None
-        self.handles: list = []
-        self._local = None
-
-    def launch(self) -> None:
-        """Create the reward actors (they load their rewards in the background)."""
-        if self.handles:
-            return
-        import ray
-
-        from .worker import RewardWorker
-
-        args = self.trainer.args
-        self.session.open()
-        resources = dict(args.reward_worker_resources or {"num_cpus": 1})
-        reward_set = self.trainer.rollouts.rewards
-        threads = int(resources.get("num_cpus") or 1)
-        funcs = self._reward_specs(reward_set)
-
-        def make(name: str):
-            return ray.remote(RewardWorker).options(
-                name=name, namespace=NAMESPACE, runtime_env={"env_vars": _worker_env(threads)},
-                **_resource_options(resources)).remote(funcs, reward_set.weights, args.reward_kwargs,
-                                                        reward_set.on_failure, args.reward_offload, threads)
-
-        self.handles = [self.session.create_or_find(f"{self.session.run}-reward-{i}", make)
-                        for i in range(args.reward_workers)]
-
-    def start(self) -> None:
-        """Wait until every reward actor is ready, then score through them."""
-        if self._local is not None:
-            return
-        from .rewards import RayRewardSet
-
-        self.launch()
-        args = self.trainer.args
-        reward_set = self.trainer.rollouts.rewards
-        names = [f"reward worker {i}" for i in range(len(self.handles))]
-        described = self.session.wait([h.describe.remote() for h in self.handles], args.rollout_startup_timeout_s,
-                                      "at start", names)
-        for info in described:
-            if info["names"] != list(reward_set.names):
-                raise RolloutWorkerError(f"A reward worker built rewards {info['names']}, the trainer "
-                                         f"{list(reward_set.names)}.")
-        self._local = reward_set
-        self.trainer.rollouts.rewards = RayRewardSet(reward_set, self.handles, args.rollout_timeout_s)
-
-    def _reward_specs(self, reward_set: Any) -> list:
-        """The reward functions as the workers rebuild them: registry names or ``module:function`` paths; a callable
-        defined where a worker cannot import it is refused before any actor starts."""
-        from ....rewards import list_rewards
-
-        registered = set(list_rewards())
-        specs = []
-        for name, fn in zip(reward_set.names, reward_set.funcs):
-            if name in registered:
-                specs.append(name)
-                continue
-            module = getattr(fn, "__module__", None)
-            qualname = getattr(fn, "__qualname__", "")
-            if module in (None, "__main__") or "<locals>" in qualname:
-                raise ValueError(f"reward_backend='ray' rebuilds each reward on its workers, but reward {name!r} is a "
-                                 f"callable defined in {module or 'an unknown module'}; register it "
-                                 "(@register_reward) or pass it as 'package.module:function'.")
-            specs.append(f"{module}:{qualname}")
-        return specs
-
-    def close(self) -> None:
-        import ray
-
-        if self._local is not None:
-            self.trainer.rollouts.rewards.close(wait=False)
-            self.trainer.rollouts.rewards = self._local
-            self._local = None
-        if self.session.is_main:
-            for handle in self.handles:
-                try:
-                    ray.kill(handle)
-                except Exception:  # already gone
-                    pass
-        self.handles = []
-        if self._owns_session:
-            self.session.close()
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the dataloader read ahead
-# ----------------------------------------------------------------------------------------------------------
-class _ReadAhead:
-    """Wraps the Trainer's epoch iterator: yields its batches unchanged, in order, while keeping ``depth`` batches read
-    ahead; each batch that starts a generation (micro-step ``position`` a multiple of ``period``) is shown to
-    ``note(generation, rows)`` as soon as it is read."""
-
-    def __init__(self, source: Iterator, position: int, depth: int, period: int, note):
-        self.source, self.position, self.depth, self.period, self.note = source, position, depth, period, note
-        self.buffer: deque = deque()
-        self.exhausted = False
-
-    def __iter__(self) -> _ReadAhead:
-        return self
-
-    def _fill(self, count: int) -> None:
-        while len(self.buffer) < count and not self.exhausted:
-            try:
-                batch = next(self.source)
-            except StopIteration:
-                self.exhausted = True
-                break
-            if self.position % self.period == 0:
-                self.note(self.position // self.period, batch)
-            self.position += 1
-            self.buffer.append(batch)
-
-    def __next__(self):
-        self._fill(1)
-        if not self.buffer:
-            raise StopIteration
-        batch = self.buffer.popleft()
-        self._fill(self.depth)
-        return batch
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -385,7 +145,7 @@ class RayRolloutBackend(RolloutBackend):
         self._states: dict[int, dict[str, torch.Tensor]] = {}  # process 0: the states of versions still needed
         self._requests: dict[int, _Pending] = {}
         self._inputs: dict[int, list[dict]] = {}
-        self._read_ahead: _ReadAhead | None = None
+        self._read_ahead: ReadAhead | None = None
         self._incarnations: dict[str, int] = {}
         self._resume: dict | None = None
         self._closed = False
@@ -442,7 +202,7 @@ class RayRolloutBackend(RolloutBackend):
         def make(name: str):
             return ray.remote(RolloutWorker).options(
                 name=name, namespace=NAMESPACE, max_restarts=args.max_worker_restarts, max_task_retries=0,
-                runtime_env={"env_vars": _worker_env(threads)}, **_resource_options(resources),
+                runtime_env={"env_vars": worker_env(threads)}, **resource_options(resources),
             ).remote(WorkerSpec(name=name, **spec_common), [self.coordinator])
 
         self.worker_names = [f"{session.run}-rollout-{i}" for i in range(args.rollout_workers)]
@@ -521,10 +281,10 @@ class RayRolloutBackend(RolloutBackend):
 
     # ---- the dataloader --------------------------------------------------------------------------------
     def read_ahead(self, iterator: Iterator, position: int) -> Iterator:
-        if self.depth == 0 or isinstance(iterator, _ReadAhead):
+        if self.depth == 0 or isinstance(iterator, ReadAhead):
             return iterator
         if self._read_ahead is None or self._read_ahead.source is not iterator:
-            self._read_ahead = _ReadAhead(iterator, position, self.depth, self.period, self._note_inputs)
+            self._read_ahead = ReadAhead(iterator, position, self.depth, self.period, self._note_inputs)
         return self._read_ahead
 
     def _note_inputs(self, gen_index: int, rows: list[dict]) -> None:
@@ -643,7 +403,7 @@ class RayRolloutBackend(RolloutBackend):
                     worker=name)
             if pending.error is None:
                 return self._assemble(pending)
-            if not _actor_died(pending.error):
+            if not actor_died(pending.error):
                 raise RolloutWorkerError(f"Rollout worker {name} failed sampling generation {gen_index}: "
                                          f"{type(pending.error).__name__}: {pending.error}", worker=name) \
                     from pending.error
@@ -804,7 +564,7 @@ class RayRolloutBackend(RolloutBackend):
             try:
                 answers.append(ray.get(one))
             except Exception as err:
-                if not _actor_died(err):
+                if not actor_died(err):
                     raise RolloutWorkerError(f"{name} failed the weight sync of version {version}: "
                                              f"{type(err).__name__}: {err}", worker=name) from err
                 logger.warning("Rollout worker %s died during the weight sync of version %d; waiting for its restart.",

@@ -62,6 +62,12 @@ class RayConnection:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
+def ray_is_connected() -> bool:
+    """Whether this process is connected to a Ray cluster (Ray imported only if it already was)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
 def write_token_file(folder: str | os.PathLike) -> str:
     """A fresh random token (256 bits, hex) in ``folder/auth_token``, created with mode 0600 (readable by its owner
     only) before any byte is written."""

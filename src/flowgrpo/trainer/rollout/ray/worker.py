@@ -181,7 +181,8 @@ class RolloutWorker:
         self.policy = Policy(model, args, spec.peft_config, spec.pipeline_kwargs,
                              keep_reference_copy=spec.keep_reference_copy)
         self.accelerator = SingleProcessAccelerator(device, spec.mixed_precision)
-        self.policy.model.to(device)
+        if not args.quantization:  # a bitsandbytes transformer is placed when it loads and refuses .to()
+            self.policy.model.to(device)
         self.policy.attach(self.accelerator, lambda: self.policy.model, lambda: self.policy.model)
         self.policy.place_on_device()
         parameters = sum(p.numel() for m in self.policy.adapter.transformers() for p in m.parameters())
@@ -208,8 +209,9 @@ class RolloutWorker:
     # ---- what the trainer asks -------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "pid": os.getpid(), "incarnation": self.incarnation, "version": self.version,
-                "digest": self.digest, "loads": self.loads, "device": str(self.accelerator.device), "torch_threads": torch.get_num_threads(),
-                "startup_s": self.startup_s, "node": _node_address(), "niceness": self.niceness}
+                "digest": self.digest, "loads": self.loads, "device": str(self.accelerator.device),
+                "torch_threads": torch.get_num_threads(), "startup_s": self.startup_s, "node": _node_address(),
+                "niceness": self.niceness}
 
     def fingerprint(self) -> dict[str, Any]:
         return rollout_fingerprint(self.engine)
