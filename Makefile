@@ -23,7 +23,7 @@ PIP := $(PY) -m pip
 TORCH ?= auto
 CPU_TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX_URL ?=
-EXTRAS ?= dev,ocr,bnb,deepspeed
+EXTRAS ?= dev,ocr,bnb,deepspeed,ray
 PYTEST_ARGS ?=
 # Parallel test workers (pytest-xdist): one per core, at most 8. Tests that share an expensive artefact (the toy
 # world) run in one worker (xdist_group), the rest spread over the others.

@@ -53,6 +53,9 @@ EXTRAS = {
     "audio": ["scipy>=1.11"],
     # The `videoalign` reward's MP4 round trip (H.264 encoding and decoding with FFmpeg's libx264, bundled).
     "video": ["av>=14.0.0"],
+    # rollout_backend / reward_backend "ray": rollout and reward workers on a Ray cluster (token authentication needs
+    # Ray >= 2.52; tested with 2.60).
+    "ray": ["ray>=2.52.0"],
     "dev": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "ruff>=0.17.5", "tensorboard>=2.21.0", "wandb>=0.31.0",
             "scipy>=1.11", "av>=14.0.0"],
 }

@@ -303,3 +303,28 @@ def test_real_valued_masks_keep_mask_values_under_fake_tensors():
         repeats = torch.where(mask, 4, 1)
         assert int(torch.repeat_interleave(mask, repeats).sum()) == 16
         states[:, mask] = torch.zeros(2, 4, 8)
+
+
+def test_ray_backend_plans_worker_and_trainer_memory_apart_with_and_without_overlap(tmp_path):
+    flags = ["--rollout_backend", "ray", "--rollout_workers", "1", "--max_staleness", "1",
+             "--rollout_worker_resources", '{"num_gpus": 1, "num_cpus": 4}', "--per_device_train_batch_size", "8",
+             "--resolution", "256"]
+    local = _plan("--per_device_train_batch_size", "8", "--resolution", "256")
+    result = _plan(*flags)
+    backend = result["rollout_backend"]
+    assert backend["worker_resources"] == {"num_gpus": 1, "num_cpus": 4} and backend["workers"] == 1
+    # the worker holds no gradients, optimizer states or training activations: at most the local rollout phase
+    assert set(backend["worker_breakdown_gb"]) == {"weights", "copies", "rollout", "overhead"}
+    assert backend["worker_peak_gb"] <= local["phases"]["rollout"] + 1e-3
+    assert backend["trainer_peak_gb"] >= local["peak_memory_gb"]
+    rollout, training, sync = backend["rollout_s"], backend["training_s"], backend["sync_s"]
+    assert backend["step_time_sequential_s"] == pytest.approx(rollout + training + sync, rel=2e-3)
+    assert backend["step_time_overlapped_s"] == pytest.approx(max(rollout, training) + sync, rel=2e-3)
+    assert backend["step_time_overlapped_s"] < backend["step_time_sequential_s"]
+    # two training processes share one worker: its rollout of a generation takes two shares' time
+    two = plan_recipe(TINY, flags, with_suggestions=False, num_processes=2,
+                      config_file=str(REPO / "accelerate_configs" / "multi_gpu.yaml"))
+    assert two["rollout_backend"]["rollout_s"] == pytest.approx(2 * rollout, rel=1e-2)
+    out = tmp_path / "plan.json"
+    assert main([TINY, *flags, "--json", str(out), "--no_suggestions"]) == 0
+    assert tuple(json.loads(out.read_text())) == (*JSON_KEYS, "rollout_backend")

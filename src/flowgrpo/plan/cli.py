@@ -83,6 +83,12 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str 
         "calibration": {"source": CALIBRATION_SOURCE, "error": CALIBRATION_ERROR}, "notes": plan.notes,
         "deepspeed_check": plan.deepspeed_check,
     }
+    if training_args.rollout_backend == "ray":  # the trainer and a rollout worker on their own GPUs
+        from .disaggregated import plan_rollout_backend
+
+        backend = plan_rollout_backend(plan, training_args, script_args.trainer)
+        result["rollout_backend"] = backend
+        result["fits"] = backend["trainer_fits"] and backend["worker_fits"]
     if check_sharding and parallel.kind == "fsdp":
         from .fsdp_fake import fsdp2_states
 
@@ -120,6 +126,22 @@ def format_table(result: dict[str, Any]) -> str:
         ratios = ", ".join(f"{k} {v:.4f}" for k, v in check["rank0_over_planned"].items())
         lines.append(f"  FSDP2 on a fake process group ({check['world_size']} ranks, {check['wrapped_modules']} wrapped "
                      f"modules), rank 0 over planned: {ratios}")
+    backend = result.get("rollout_backend")
+    if backend:
+        lines.append("")
+        lines.append(f"  rollout_backend ray: {backend['workers']} worker(s) {backend['worker_resources']}, max_staleness "
+                     f"{backend['max_staleness']}, weight_sync_steps {backend['weight_sync_steps']}")
+        lines.append(f"  {'per worker GPU':<20}{'GB':>10}")
+        for key, value in backend["worker_breakdown_gb"].items():
+            lines.append(f"  {key:<20}{value:>10.2f}")
+        lines.append(f"  {'worker peak':<20}{backend['worker_peak_gb']:>10.2f}   "
+                     f"{'fits' if backend['worker_fits'] else 'DOES NOT FIT'}")
+        lines.append(f"  {'trainer peak':<20}{backend['trainer_peak_gb']:>10.2f}   "
+                     f"{'fits' if backend['trainer_fits'] else 'DOES NOT FIT'} (+{backend['trainer_extra_records_gb']:.2f} "
+                     "GB of records arriving ahead)")
+        lines.append(f"  step time: rollout {backend['rollout_s']:.2f} s, training {backend['training_s']:.2f} s, sync "
+                     f"{backend['sync_s']:.3f} s -> {backend['step_time_sequential_s']:.2f} s without overlap "
+                     f"(max_staleness 0), {backend['step_time_overlapped_s']:.2f} s with overlap (max_staleness >= 1)")
     if result["suggestions"]:
         lines.append("")
         lines.append("  suggestions (each re-planned):")
@@ -146,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_table(result), flush=True)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({k: result[k] for k in JSON_KEYS}, indent=1) + "\n")
+        keys = JSON_KEYS + (("rollout_backend",) if "rollout_backend" in result else ())
+        Path(args.json_out).write_text(json.dumps({k: result[k] for k in keys}, indent=1) + "\n")
     return 0
 
 

@@ -90,6 +90,8 @@ class Plan:
     method: str
     notes: list[str] = field(default_factory=list)
     deepspeed_check: dict[str, float] | None = None
+    #: the measured step the plan was composed from (the Ray backend's worker plan reuses it)
+    measure: StepMeasure | None = None
 
     @property
     def peak_gb(self) -> float:
@@ -325,7 +327,9 @@ def check_wrap_classes(spec: ModelSpec, parallel: Parallelism) -> None:
 
 def make_plan(inputs: PlanInputs) -> Plan:
     measure, smallest, blocks = measure_full_depth(inputs.spec, inputs.settings)
-    return compose(inputs, measure, smallest, blocks)
+    plan = compose(inputs, measure, smallest, blocks)
+    plan.measure = measure
+    return plan
 
 
 def suggestions(plan: Plan) -> list[dict[str, Any]]:

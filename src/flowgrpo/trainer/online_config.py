@@ -274,6 +274,85 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                           "'keep' applies no policy (torch's and onnxruntime's own settings everywhere). See flowgrpo.cpu_threads and docs/benchmarks.md."},
     )
 
+    # ---- rollout backend -----------------------------------------------------------------------------
+    rollout_backend: str = field(
+        default="local",
+        metadata={"help": "Where rollouts are sampled: 'local' (in the training processes, one phase after the other) "
+                          "or 'ray' (on `RolloutWorker` actors of a Ray cluster, each holding the pipeline and the "
+                          "policy's weights; docs/distributed.md). Needs `pip install flowgrpo[ray]`."},
+    )
+    rollout_workers: int = field(
+        default=1, metadata={"help": "Ray rollout actors (rollout_backend: ray). One request is one process's share "
+                                     "of one generation; requests are spread over the workers."},
+    )
+    rollout_worker_resources: dict | str | None = field(
+        default=None,
+        metadata={"help": "Ray resources of each rollout worker, e.g. {num_gpus: 1, num_cpus: 4} (JSON on the command "
+                          "line). Keys: num_cpus, num_gpus, memory, resources, accelerator_type. Default: one CPU, and "
+                          "one GPU when the trainer runs on CUDA. On a CPU worker, num_cpus is also its torch threads "
+                          "unless cpu_threads is an integer."},
+    )
+    max_staleness: int = field(
+        default=0,
+        metadata={"help": "How many optimizer steps old the weights that sampled a trained group may be "
+                          "(rollout_backend: ray). 0: on-policy, generation k is sampled with the weights after "
+                          "optimizer step k - 1 (equal to the local backend for the same seed). N >= 1: rollouts run "
+                          "ahead of training by up to N steps (1: one-step-off, generation k + 1 is sampled while k "
+                          "trains); the clipped ratio of the behaviour log-probs keeps the update safe. Never "
+                          "exceeded: a group older than the bound is sampled again."},
+    )
+    weight_sync_steps: int = field(
+        default=1,
+        metadata={"help": "Optimizer steps between two weight syncs to the rollout workers (the LoRA tensors, or the "
+                          "whole transformer for full fine-tuning, plus the old-policy copy when the algorithm keeps "
+                          "one). Must be <= max_staleness + 1."},
+    )
+    reward_backend: str = field(
+        default="local",
+        metadata={"help": "Where rewards are scored: 'local' (the training processes' reward threads, each "
+                          "micro-batch as it arrives) or 'ray' (reward_workers `RewardWorker` actors, e.g. reward "
+                          "models on their own GPUs; rewards must then be registry names or importable paths)."},
+    )
+    reward_workers: int = field(default=1, metadata={"help": "Ray reward actors (reward_backend: ray)."})
+    reward_worker_resources: dict | str | None = field(
+        default=None,
+        metadata={"help": "Ray resources of each reward worker (same keys as rollout_worker_resources). Default: one "
+                          "CPU."},
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={"help": "The Ray cluster to join (e.g. 10.0.0.1:6379). Default: the RAY_ADDRESS environment "
+                          "variable, else a local cluster started by the trainer with token authentication (a fresh "
+                          "token per run, in a file only its owner can read), no dashboard and no Jobs API. Joining a "
+                          "cluster without token authentication warns."},
+    )
+    rollout_timeout_s: float = field(
+        default=1800.0,
+        metadata={"help": "The longest wait for a rollout worker: one process's share of a generation, a weight "
+                          "sync's answer, a restarted worker coming back. Past it the run stops with a checkpoint of "
+                          "the last completed step and an error naming the worker (resume with "
+                          "--resume_from_checkpoint last)."},
+    )
+    rollout_startup_timeout_s: float = field(
+        default=3600.0,
+        metadata={"help": "The longest wait for the rollout and reward workers to start (each loads the pipeline)."},
+    )
+    max_worker_restarts: int = field(
+        default=3,
+        metadata={"help": "Restarts Ray grants each rollout worker that dies (max_restarts). A restarted worker "
+                          "reloads the current weights and its lost requests are sampled again with their own seeds; "
+                          "counted in rollout/worker_restarts."},
+    )
+    truncated_importance_cap: float | None = field(
+        default=None,
+        metadata={"help": "Flow-GRPO family with rollout_backend: ray. Unset: the clipped ratio is taken against the "
+                          "worker's behaviour log-probs. C >= 1: the trainer recomputes each recorded transition's "
+                          "log-prob with its weights when the generation arrives (the proximal policy of the clipped "
+                          "ratio) and weights each sample's advantage by min(exp(sum_j logp_prox - logp_behaviour), "
+                          "C). Cost: one no-grad forward per recorded step and sample, about a third of the training "
+                          "step's forward and backward (docs/distributed.md)."},
+    )
+
     # ---- TrainingArguments defaults that differ for this trainer -------------------------------------
     learning_rate: float = field(default=3e-4, metadata={"help": "AdamW learning rate (Flow-GRPO LoRA: 3e-4)."})
     weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay (Flow-GRPO: 1e-4)."})
@@ -319,6 +398,7 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         self.cpu_threads = str(parse_cpu_threads(self.cpu_threads))
         self._derive_generation_batch()
         self._check_memory_options()
+        self._check_rollout_backend()
         if self.remove_unused_columns:
             raise ValueError(f"remove_unused_columns=True would drop the prompt column; {self._trainer_name} needs "
                              "remove_unused_columns=False.")
@@ -453,6 +533,11 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         if self.vae_decode_batch_size is not None and self.vae_decode_batch_size < 1:
             raise ValueError(f"vae_decode_batch_size={self.vae_decode_batch_size} must be >= 1 images per VAE decode, "
                              "or None to decode each micro-batch at once.")
+
+    def _check_rollout_backend(self) -> None:
+        from .rollout_settings import check_rollout_backend_settings
+
+        check_rollout_backend_settings(self)
 
     @property
     def evaluation_guidance_scales(self) -> list[float]:

@@ -60,6 +60,8 @@ from .outputs.lora_export import EXPERT_LORA_WEIGHTS_NAMES
 from .outputs.sample_logging import log_sample_images
 from .policy.loading import check_family_settings, import_own_components, read_pipeline_index
 from .policy.policy import Policy
+from .rollout.backend import RolloutWorkerError, model_source
+from .rollout.backend_choice import build_rollout_backend
 from .rollout.engine import RolloutEngine
 from .rollout.sound import audio_reward_names, check_audio_rewards
 from .rollout.strategies import RolloutStrategy
@@ -197,6 +199,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
         if audio_rewards and index and "_class_name" in index:
             check_audio_rewards(family_adapter_class(index["_class_name"]), audio_rewards)
         import_own_components(index)
+        rollout_source = model_source(model, pipeline_kwargs, args)  # what rollout workers load (before the LoRA)
 
         # ---- the policy: loaded before transformers.Trainer, which needs the model ----------------------------
         self.policy = Policy(model, args, peft_config, pipeline_kwargs, generation_settings=settings,
@@ -266,6 +269,9 @@ class OnlineRLTrainer(FlowBaseTrainer):
                                       on_reward_error=self._raise_if_reward_failed)
         self.evaluator = Evaluator(args, self.policy, self.rollouts, self.reward_set, self.gold_reward_set,
                                    self.accelerator, ode_solver=self._eval_ode_solver(), audio_rewards=audio_rewards)
+        #: where rollouts are sampled: the training processes (local) or Ray workers (rollout/backend.py)
+        self.rollout_backend = build_rollout_backend(self, rollout_source)
+        self.rollout_backend.launch()  # Ray workers load the pipeline while the trainer goes on
 
     # ---- read-only views of the parts ------------------------------------------------------------------
     @property
@@ -366,12 +372,31 @@ class OnlineRLTrainer(FlowBaseTrainer):
         (its rewards are scored while the first training forward runs, unless dynamic sampling scored them)."""
         gen_index = self._generation_index()
         self.health.on_generation_start(gen_index)
-        generation = self.rollouts.generate(inputs, gen_index, self.state.global_step)
+        generation = self.rollout_backend.generate(inputs, gen_index, self.state.global_step)
         refilled = self.health.on_generation(generation, self.rollouts, self.train_dataset, gen_index)
         if refilled is not None:
             return refilled.records
         self.rollouts.defer(generation)
         return generation.records
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        # the Ray backend reads the coming generations' rows ahead, to sample them while this one trains
+        epoch_iterator = self.rollout_backend.read_ahead(epoch_iterator, self._micro_step)
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
+        """`transformers.Trainer.train` with the rollout backend started before and closed after; a rollout worker
+        lost for good stops the run with a checkpoint of the last completed step (`RolloutWorkerError`)."""
+        self.rollout_backend.start()
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        except RolloutWorkerError as err:
+            where = self._checkpoint_after_reward_failure(trial)
+            err.args = (f"{err.args[0]} The last completed step ({self.state.global_step}) {where}; rerun the same "
+                        "command with --resume_from_checkpoint last once the workers can run.",)
+            raise
+        finally:
+            self.rollout_backend.close()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         args = self.args
@@ -394,6 +419,8 @@ class OnlineRLTrainer(FlowBaseTrainer):
         1 / (parts x accumulation steps); returns the scaled loss's value (detached)."""
         batch = self._prepare_batch(record)
         parts = self._loss_parts(batch)
+        # a first pass over samples of older weights (rollout_backend: ray, max_staleness >= 1) is not on-policy
+        on_policy = first_pass and self.rollout_backend.staleness == 0
         scale = 1.0 / (parts * self.current_gradient_accumulation_steps)
         total = torch.zeros((), device=self.accelerator.device)
         m = self.metrics.train
@@ -403,7 +430,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
             with self._sync_on_last(model, part, parts):
                 self.rollouts.scoring_wait_s = 0.0
                 tic = clock()
-                out = self._batch_loss(model, batch, part, first_pass)
+                out = self._batch_loss(model, batch, part, on_policy)
                 tac = clock()
                 self.accelerator.backward(out.loss * scale, **backward_kwargs)
                 toc = clock()
@@ -413,13 +440,16 @@ class OnlineRLTrainer(FlowBaseTrainer):
             total += out.loss.detach() * scale
             for key, value in out.metrics.items():
                 m[key].append(value)
+            if first_pass and self.rollout_backend.logs_rollout_metrics and "ratio_mean" in out.metrics:
+                m["rollout/first_pass_ratio"].append(out.metrics["ratio_mean"])
         return total
 
     def _advantages(self, batch: dict) -> torch.Tensor:
         """The micro-batch's advantages: the rewards of the rollout's last micro-batches are scored while the first
         training forward runs, so the first call waits for them (and gathers them from every process)."""
         self.rollouts.resolve_scoring()
-        return batch["advantages"]
+        weights = batch.get("importance_weights")  # truncated_importance_cap (rollout/ray/importance.py)
+        return batch["advantages"] if weights is None else batch["advantages"] * weights
 
     def _backward_kwargs(self) -> dict:
         """Extra ``accelerator.backward`` arguments: the losses are already divided by the accumulation steps, so
@@ -504,12 +534,14 @@ class OnlineRLTrainer(FlowBaseTrainer):
         self.policy.save(output_dir, state_dict=state_dict, in_checkpoint=self._in_checkpoint)
         if self._in_checkpoint:
             self.health.save(output_dir)
+            self.rollout_backend.save(output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         self.policy.check_resumable(resume_from_checkpoint, self._name)
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         self.policy.load(resume_from_checkpoint)
         self.health.load(resume_from_checkpoint)
+        self.rollout_backend.load(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
         """Trainer's restore of the best checkpoint's weights, and its EMA (the final save then exports them)."""

@@ -240,10 +240,12 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------------------------
     # one generation: rollouts, decoding, rewards in flight
     # ------------------------------------------------------------------------------------------------
-    def generate(self, inputs: list[dict], gen_index: int, step: int) -> Generation:
+    def generate(self, inputs: list[dict], gen_index: int, step: int,
+                 on_micro_batch: Callable[[int, dict, Any], None] | None = None) -> Generation:
         """Roll out this process's share of generation ``gen_index`` (rows with ``prompt`` and the group index), in
         micro-batches; each is decoded and handed to the rewards in the background. ``step``: the optimizer steps done
-        (the strategy's plan may follow it, e.g. MixGRPO's window)."""
+        (the strategy's plan may follow it, e.g. MixGRPO's window). ``on_micro_batch(index, record, job)``, when
+        given, sees each micro-batch as soon as it is sampled (a rollout worker streams them from there)."""
         args = self.args
         prompts = [row["prompt"] for row in inputs]
         group_ids = torch.tensor([row[INDEX_COLUMN] for row in inputs], dtype=torch.long)
@@ -282,6 +284,8 @@ class RolloutEngine:
                         jobs.append(done_future(self._decode_and_submit(final, prompts[sl], chunk_columns)))
                     record["embeds"] = embeds
                     records.append(record)
+                    if on_micro_batch is not None:
+                        on_micro_batch(len(records) - 1, record, jobs[-1])
         finally:
             self._reference_tail = 0
         progress.close()
