@@ -109,3 +109,30 @@ def test_the_settings_parse_from_recipes_and_flags():
     assert type(args).__name__ == "DiffusionDPOConfig"
     assert (args.dpo_num_noise_draws, args.dpo_timestep_distribution, args.beta_dpo) == (39, "uniform", 500.0)
     assert args.training_guidance_scale == 2.0
+
+
+@pytest.mark.parametrize("recipe", ["awm_geneval.yaml", "awm_ocr.yaml", "toy_awm.yaml"])
+def test_awm_recipes_run_the_official_settings(recipe):
+    _, _, args = parse_recipe([f"recipes/{recipe}", "--use_cpu", "true"])
+    assert (args.rollout_solver, args.sa_solver_tau, args.sa_solver_noise_range) == ("sa_solver", 0.4, [0.3, 0.9])
+    assert (args.sa_solver_predictor_order, args.sa_solver_corrector_order) == (2, 2)
+    assert (args.num_inference_steps, args.guidance_scale, args.training_guidance_scale) == (14, 1.0, 1.0)
+    assert (args.num_generations, args.sampler, args.eval_raw_weights) == (24, "euler", True)
+    assert args.use_ema and args.ema_warmup and args.ema_decay == 0.99 and args.lr_scheduler_type.value == "constant"
+    if recipe != "toy_awm.yaml":  # one optimizer step of 1728 images = 72 prompts x 24 on 8 GPUs
+        assert 8 * args.per_device_train_batch_size * args.gradient_accumulation_steps == 1728 == 72 * 24
+        assert args.eval_num_inference_steps == 40
+    text = open(f"recipes/{recipe}").read()
+    assert "864" not in text and "deterministic DPM-Solver" not in text
+
+
+@pytest.mark.parametrize("recipe, mode", [("dpo_online_ocr.yaml", "online"), ("dpo_offline_sd35m.yaml", "offline"),
+                                          ("toy_dpo.yaml", "offline")])
+def test_dpo_recipes_run_the_flow_matching_references_settings(recipe, mode):
+    _, _, args = parse_recipe([f"recipes/{recipe}", "--use_cpu", "true"])
+    assert (args.dpo_mode, args.beta_dpo, args.dpo_timestep_distribution) == (mode, 100.0, "logit_normal")
+    assert args.training_guidance_scale == 1.0 and 1e-4 <= args.learning_rate <= 3e-4
+    if mode == "online" or recipe == "toy_dpo.yaml":  # groups of 4, more prompts: more pairs from the same rollouts
+        assert args.num_generations == 4 and args.dpo_num_noise_draws == 4 and args.learning_rate == 3e-4
+    text = open(f"recipes/{recipe}").read()
+    assert "5000.0" not in text and "2500" not in text
