@@ -9,6 +9,7 @@ references by hand in their own tests; these check that the trainers use them as
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import pytest
@@ -84,6 +85,18 @@ def test_awm_sa_solver_rollout_calls_the_model_at_awms_own_levels(tiny_sd3_path,
     assert not torch.equal(rollout(trainer, PROMPTS[:4], seed=4)[0], final)
     trainer.args.sa_solver_tau = 0.0
     assert not torch.equal(rollout(trainer, PROMPTS[:4], seed=3)[0], final)
+
+
+def test_awm_sa_solver_rollout_on_flux_trains_a_step(tiny_flux_path, tmp_path):
+    """FLUX's packed latents, dynamic shift and guidance embedding: the SA-Solver rollout and a training step run."""
+    trainer = make_trainer(tiny_flux_path, tmp_path, kind="awm", num_inference_steps=4, train_timesteps=2,
+                           guidance_scale=1.0, reward=redness_reward)
+    with transformer_calls(trainer) as calls:
+        trainer.train()
+    assert len(calls) == 4 + 1  # 4 SA-Solver model calls, one policy pass (beta 0: no reference)
+    levels = sa_solver_sigmas(trainer.rollouts.scheduler.sigmas)[:-1]
+    assert [t for _, t in calls[:4]] == pytest.approx(levels.tolist(), rel=1e-6)  # FLUX's transformer: sigma itself
+    assert math.isfinite(next(h for h in trainer.state.log_history if "policy_loss" in h)["policy_loss"])
 
 
 def test_awm_deterministic_rollout_sampler_is_the_engines_solver(tiny_sd3_path, tmp_path):
