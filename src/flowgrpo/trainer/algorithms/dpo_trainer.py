@@ -45,7 +45,7 @@ from .dpo_loss import dpo_loss
 from .dpo_timesteps import sample_dpo_sigmas, scheduler_training_shift
 from .flow_matching import flow_matching_error, noised_sample, sigma_timesteps
 
-__all__ = ["DiffusionDPOTrainer"]
+__all__ = ["DPORollout", "DiffusionDPOTrainer"]
 
 
 def _load_column(rows: list[dict], column: str) -> list:
