@@ -32,7 +32,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "flow_grpo_guards": ("recipes/toy.yaml", ["--filter_zero_std_groups", "true", "--regularizer", "gardo",
                                               "--gardo_auxiliary_rewards", "toy_shape", "--beta", "0.01"]),
     "diffusion_nft": ("recipes/toy_nft_fast.yaml", []),
-    "awm": ("recipes/toy_awm.yaml", []),
+    "awm": ("recipes/toy_awm.yaml", ["--per_device_train_batch_size", "24"]),  # one group of the recipe's 24
     "diffusion_dpo_online": ("recipes/toy_dpo.yaml", ["--dpo_mode", "online"]),
     # small LoRAs whose step-1 checkpoints are kept as test data: written by the code of the record, they must
     # resume with the code of today (RESUMED_RUNS)

@@ -51,10 +51,21 @@ def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp
                         "ode_solver", "ode_compression_ratio", "ratio_normalization", "beta", "kl_estimator",
                         "reward_aggregation", "same_noise_per_group"}
     for settings, what in variants:
-        if settings.trainer in ("awm", "diffusion_dpo"):  # the other trainers at their published-style settings
+        if settings.trainer == "awm":  # the official settings: CFG-free SA-Solver rollouts, 14 steps, groups of 24
             args = toy_trainer_classes(settings.trainer)[0](output_dir=str(tmp_path), report_to=[], use_cpu=True,
                                                            **settings.config_kwargs())
-            assert what and args.generation_batch_size == 32 and args.guidance_scale == reference.guidance_scale
+            assert what and args.generation_batch_size == 48 and args.num_generations == 24
+            assert (args.guidance_scale, args.training_guidance_scale, args.num_inference_steps) == (1.0, 1.0, 14)
+            assert (args.rollout_solver, args.sa_solver_tau, args.sampler) == ("sa_solver", 0.4, "euler")
+            assert args.use_ema and args.ema_warmup and args.ema_decay == 0.99 and args.eval_raw_weights
+            continue
+        if settings.trainer == "diffusion_dpo":  # the flow-matching references' draws; rollouts at the world's CFG
+            args = toy_trainer_classes(settings.trainer)[0](output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                                           **settings.config_kwargs())
+            assert what and args.generation_batch_size == 32 and args.num_generations == 4
+            assert (args.guidance_scale, args.training_guidance_scale) == (reference.guidance_scale, 1.0)
+            assert (args.dpo_mode, args.dpo_timestep_distribution) == ("online", "logit_normal")
+            assert args.dpo_num_noise_draws > 1 and args.beta_dpo < 5000
             continue
         if settings.name == "dancegrpo":  # DanceGRPO's own sampler, clip range and schedule
             args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
@@ -116,6 +127,18 @@ def test_toy_variant_recipes_run_the_leaderboard_variants(recipe):
     assert type(args) is toy_trainer_classes(settings.trainer)[0]
     text = (REPO / "recipes" / recipe).read_text()
     assert f"python src/train.py recipes/{recipe}" in text and "# Hardware:" in text
+
+
+def test_toy_dpo_recipe_online_runs_the_dpo_variant():
+    """recipes/toy_dpo.yaml is offline by default; with --dpo_mode online it is the leaderboard's diffusion-dpo row."""
+    _, model, args = parse_recipe([str(REPO / "recipes" / "toy_dpo.yaml"), "--dpo_mode", "online"])
+    settings = {s.name: s for s, _ in leaderboard_variants(args.max_steps)}["diffusion-dpo"]
+    expected = settings.config_kwargs()
+    expected.pop("reward_weights")  # the recipe adds a weight-0 shape monitor
+    for key, value in expected.items():
+        actual = getattr(args, key)
+        assert getattr(actual, "value", actual) == value, (key, actual, value)
+    assert model.lora_r == settings.lora_r and args.generation_batch_size == 32
 
 
 def test_mixgrpo_recipes_carry_the_published_settings():

@@ -75,19 +75,31 @@ TOY_DANCEGRPO_SETTINGS: dict = dict(
     sde_type="dance", noise_level=0.3, sde_window_size=0, sde_window_range=None, same_noise_per_group=True,
     epsilon=1e-4, lr_scheduler_type="constant", extra_config={"timestep_fraction": 0.6},
 )
-#: AWM's row (``recipes/toy_awm.yaml``): the paper's settings (config/dgx_awm.py) on the toy world's sampling.
+#: AWM's row (``recipes/toy_awm.yaml``): the official settings (config/dgx_awm.py) where the toy budget allows:
+#: CFG-free rollouts of 14 steps by the stochastic SA-Solver, the conditional velocity trained, groups of 24 (2 prompts
+#: a step: the official 72 would not fit), an EMA of 0.99 with warm-up evaluated (with the raw weights in the
+#: trainer's own evaluation), Euler for the trainer's evaluation.
 TOY_AWM_SETTINGS: dict = dict(
     trainer="awm", learning_rate=3e-4, lr_scheduler_type="constant", beta=0.001, scale_rewards="batch",
-    extra_config={"sampler": "dpmpp_2m", "train_timesteps": 6, "time_type": "discrete_wo_init",
+    guidance_scale=1.0, num_inference_steps=14, num_generations=24, prompts_per_step=2,
+    extra_config={"rollout_sampler": "sa_solver", "sa_solver_tau": 0.4, "sa_solver_noise_range": [0.3, 0.9],
+                  "sa_solver_predictor_order": 2, "sa_solver_corrector_order": 2, "train_guidance_scale": 1.0,
+                  "sampler": "euler", "train_timesteps": 6, "time_type": "discrete_wo_init",
                   "timestep_fraction": 0.9, "time_shift": 3.0, "weighting": "ghuber", "ghuber_power": 0.25,
                   "loss_type": "exp_first", "clip_range": 1.0, "adv_clip_max": 5.0, "advantage_max": 1.0,
                   "kl_weight": "Uniform", "ema_beta": 1.0, "kl_ema_weight": "Uniform", "kl_ema_decay": 0.3,
-                  "kl_ema_decay_type": "linear", "off_policy": False},
+                  "kl_ema_decay_type": "linear", "off_policy": False, "use_ema": True, "ema_decay": 0.99,
+                  "ema_warmup": True, "eval_raw_weights": True, "eval_guidance_scales": [1.0, 3.0]},
 )
-#: Diffusion-DPO's row, online: each group's best and worst rollout (Euler, the toy sampling) are a pair.
+#: Diffusion-DPO's row, online (``recipes/toy_dpo.yaml --dpo_mode online``): each group's best and worst rollout
+#: (Euler, the toy sampling at CFG 3) are a pair, groups of 4 (8 pairs a step); the flow-matching references' loss:
+#: beta_dpo 100, 4 (t, eps) draws per pair per step, logit-normal levels through the scheduler's shift, the
+#: conditional velocity trained; lr 3e-4.
 TOY_DPO_SETTINGS: dict = dict(
-    trainer="diffusion_dpo", learning_rate=1e-4, lr_scheduler_type="constant", beta=0.0,
-    extra_config={"dpo_mode": "online", "beta_dpo": 5000.0, "time_shift": 1.0, "sampler": "euler"},
+    trainer="diffusion_dpo", learning_rate=3e-4, lr_scheduler_type="constant", beta=0.0, num_generations=4,
+    prompts_per_step=8,
+    extra_config={"dpo_mode": "online", "dpo_rollout_policy": "policy", "beta_dpo": 100.0, "dpo_num_noise_draws": 4,
+                  "dpo_timestep_distribution": "logit_normal", "train_guidance_scale": 1.0, "sampler": "euler"},
 )
 #: The guidance of every row's held-out evaluation: the toy world's (the recipe's) CFG 3.
 EVAL_GUIDANCE_SCALE = 3.0
@@ -128,10 +140,12 @@ def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tup
          "DanceGRPO: its SDE (eta 0.3) on every step but the last, shared group noise, 60% of the steps trained, "
          "clip 1e-4, constant learning rate"),
         (dict(name="awm", **_copy(TOY_AWM_SETTINGS)),
-         "AWM (recipes/toy_awm.yaml): the advantage-weighted flow-matching likelihood at 6 noise levels per image, "
-         "ghuber weighting, exp_first, clip 1, KL to the reference and to an EMA adapter"),
+         "AWM (recipes/toy_awm.yaml): CFG-free SA-Solver rollouts of 14 steps in groups of 24, the advantage-weighted "
+         "flow-matching likelihood at 6 noise levels per image, ghuber weighting, exp_first, clip 1, KL to the "
+         "reference and to an EMA adapter, EMA 0.99 evaluated"),
         (dict(name="diffusion-dpo", **_copy(TOY_DPO_SETTINGS)),
-         "Diffusion-DPO online: each group's best and worst rollout as a preference pair, beta_dpo 5000"),
+         "Diffusion-DPO online (recipes/toy_dpo.yaml --dpo_mode online): each group of 4's best and worst rollout as a "
+         "preference pair, beta_dpo 100, 4 logit-normal (t, eps) draws per pair, the conditional velocity trained"),
         (dict(name=NFT_VARIANT, **_copy(TOY_NFT_SETTINGS)),
          "DiffusionNFT as published (recipes/toy_nft.yaml): CFG-free rollouts by the old policy with 10 DPM-Solver++ "
          "2M steps, 9 of 10 noise levels trained per image, batch std, constant learning rate"),

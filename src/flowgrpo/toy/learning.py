@@ -12,13 +12,15 @@ The run uses the trainer named by ``settings.trainer`` (``"flow_grpo"``: :class:
 `TOY_TRAINERS` maps names to a config and a trainer class) on the world's ``prompts_train.txt``; accuracy is
 measured by :func:`~flowgrpo.toy.build.evaluate_pipeline` on ``prompts_eval.txt`` (deterministic ODE sampling
 with the world's Euler scheduler, fixed seeds), before training, every ``eval_every`` steps and at the end, of the
-weights the trainer itself evaluates (with ``use_ema``, the EMA of the weights, swapped in for the evaluation).
+weights the trainer itself evaluates (with ``use_ema``, the EMA of the weights, swapped in for the evaluation; with
+``eval_raw_weights`` as well, AWM's, the raw weights too, under each evaluation's ``"raw"``).
 Training wall-clock excludes these evaluations: it sums the duration of the optimizer steps (sampling, scoring
 and the policy update).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -218,15 +220,22 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
                               train_dataset=Dataset.from_dict({"prompt": train_prompts}), peft_config=peft_config)
     pipeline = trainer.pipeline
 
+    also_raw = trainer.policy.ema is not None and bool(getattr(args, "eval_raw_weights", False))
+
     def evaluate(return_images: bool = False) -> dict[str, Any]:
-        # as the trainer's own evaluation: with use_ema, the EMA of the weights is what is evaluated
-        ema = trainer.policy.ema_weights()
+        # as the trainer's own evaluation: with use_ema, the EMA of the weights is what is evaluated, and with
+        # eval_raw_weights (AWM) the raw weights too, under "raw"
+        def measure(use_ema: bool, images: bool) -> dict[str, Any]:
+            with trainer.policy.ema_weights() if use_ema else contextlib.nullcontext():
+                return evaluate_pipeline(pipeline, eval_prompts, images_per_prompt=eval_images_per_prompt,
+                                         num_inference_steps=eval_steps, guidance_scale=eval_guidance,
+                                         max_sequence_length=settings.max_sequence_length, seed=eval_seed,
+                                         return_images=images, rewards=rewards)
+
         was_training = pipeline.transformer.training
-        with ema:
-            result = evaluate_pipeline(pipeline, eval_prompts, images_per_prompt=eval_images_per_prompt,
-                                       num_inference_steps=eval_steps, guidance_scale=eval_guidance,
-                                       max_sequence_length=settings.max_sequence_length, seed=eval_seed,
-                                       return_images=return_images, rewards=rewards)
+        result = measure(True, return_images)
+        if also_raw:
+            result["raw"] = measure(False, False)
         pipeline.transformer.train(was_training)
         return result
 
@@ -281,6 +290,8 @@ def _world_resolution(world_dir: Path) -> int:
 def _fmt(acc: dict[str, Any]) -> str:
     parts = [f"{k} {acc[k]:.1%}" for k in ("color", "shape", "count", "position", "all") if k in acc]
     parts += [f"{k} {v:.3f}" for k, v in acc.items() if k.startswith("reward/")]
+    if "raw" in acc:
+        parts.append("raw weights: " + _fmt(acc["raw"]))
     return ", ".join(parts)
 
 

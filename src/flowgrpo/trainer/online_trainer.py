@@ -25,8 +25,8 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
 
 What an algorithm (a subclass) provides: ``_config_class``, ``_name`` / ``_tag_names`` / ``_paper`` (model card),
 ``_rollout_strategy``, ``_batch_loss`` (and ``_loss_parts`` / ``_prepare_batch`` when it trains a micro-batch in
-several parts), ``_card_setup_lines``; optional: ``_eval_ode_solver``, ``_needs_reference``, ``_uses_old_policy``,
-``_check_datasets``, ``_on_optimizer_step_end``, ``_generate``.
+several parts), ``_card_setup_lines``; optional: ``_eval_ode_solver``, ``_eval_raw_weights``, ``_needs_reference``,
+``_uses_old_policy``, ``_check_datasets``, ``_on_optimizer_step_end``, ``_generate``.
 """
 
 from __future__ import annotations
@@ -268,7 +268,8 @@ class OnlineRLTrainer(FlowBaseTrainer):
                                       console=self.console, on_scores=self.health.on_scores,
                                       on_reward_error=self._raise_if_reward_failed)
         self.evaluator = Evaluator(args, self.policy, self.rollouts, self.reward_set, self.gold_reward_set,
-                                   self.accelerator, ode_solver=self._eval_ode_solver(), audio_rewards=audio_rewards)
+                                   self.accelerator, ode_solver=self._eval_ode_solver(), audio_rewards=audio_rewards,
+                                   raw_weights=self._eval_raw_weights())
         #: where rollouts are sampled: the training processes (local) or Ray workers (rollout/backend.py)
         self.rollout_backend = build_rollout_backend(self, rollout_source)
         self.rollout_backend.launch()  # Ray workers load the pipeline while the trainer goes on
@@ -325,6 +326,10 @@ class OnlineRLTrainer(FlowBaseTrainer):
     def _eval_ode_solver(self) -> str:
         """The deterministic solver of evaluation samples."""
         return "euler"
+
+    def _eval_raw_weights(self) -> bool:
+        """Whether evaluation also scores the raw weights when there is an EMA (AWM), under ``<prefix>_raw``."""
+        return False
 
     def _check_datasets(self, index: dict | None, args: OnlineRLConfig, datasets: tuple) -> None:
         """The algorithm's own checks of its datasets, before anything is loaded (``index``: model_index.json)."""

@@ -12,8 +12,9 @@ velocity KL to the reference (``beta``, ``kl_weight``) and the EMA adapter (``em
 level in [0.3, 0.9], predictor and corrector of order 2), the conditional velocity trained, 6 trained levels by
 ``discrete_wo_init`` in the first 90% of the steps, ``ghuber`` weighting with power 0.25, ``exp_first``, clip range 1,
 advantages scaled to 1, beta 0.001 (``Uniform``), EMA-adapter KL 1 (``Uniform``, decay min(0.3, 0.001 k)),
-on-policy, global std, lr 3e-4. The paper's 14 rollout and 40 evaluation
-steps are SD3.5-M's (``recipes/awm_geneval.yaml``); unset, the steps are the model's own.
+on-policy, global std, lr 3e-4, evaluation with Euler of the raw weights and, with ``use_ema``, of their EMA
+(``eval_raw_weights``). The paper's 14 rollout and 40 evaluation steps are SD3.5-M's (``recipes/awm_geneval.yaml``);
+unset, the steps are the model's own.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ class AWMConfig(TrainGuidanceArguments, OnlineRLConfig):
 
     # ---- rollouts ------------------------------------------------------------------------------------
     sampler: str = field(
-        default="dpmpp_2m",
+        default="euler",
         metadata={"help": "Deterministic solver of evaluation, and of the rollouts when rollout_sampler is null: "
-                          "'dpmpp_2m' or 'euler' (AWM's official evaluation: Euler, 40 steps)."},
+                          "'euler' (AWM's official evaluation: Euler, 40 steps) or 'dpmpp_2m'."},
     )
     rollout_sampler: str | None = field(
         default="sa_solver",
@@ -166,6 +167,15 @@ class AWMConfig(TrainGuidanceArguments, OnlineRLConfig):
                           "mode); false samples with the current policy (AWM's default)."},
     )
 
+    # ---- evaluation ------------------------------------------------------------------------------------
+    eval_raw_weights: bool = field(
+        default=True,
+        metadata={"help": "With use_ema, evaluate the raw weights too, as the official code evaluates both: the EMA's "
+                          "metrics keep the eval_ keys, the raw weights' are logged as eval_raw_ (eval_raw_reward, "
+                          "eval_raw_rewards/<name>/mean, ...). No effect without use_ema (the raw weights are the "
+                          "ones evaluated)."},
+    )
+
     _trainer_name = "AWMTrainer"
     _cfg_free_rollouts = "AWMConfig: CFG-free rollouts"
 
@@ -208,6 +218,8 @@ class AWMConfig(TrainGuidanceArguments, OnlineRLConfig):
             raise ValueError(f"kl_ema_decay={self.kl_ema_decay} must be in [0, 1) (AWM: 0.3).")
         if not isinstance(self.off_policy, bool):
             raise ValueError(f"off_policy={self.off_policy!r} must be true or false.")
+        if not isinstance(self.eval_raw_weights, bool):
+            raise ValueError(f"eval_raw_weights={self.eval_raw_weights!r} must be true or false.")
 
     def _check_sa_solver(self) -> None:
         tau = self.sa_solver_tau

@@ -3,17 +3,25 @@
 One optimizer step (with the default ``steps_per_generation = gradient_accumulation_steps``):
 
 1. *Rollout.* As in Flow-GRPO (`OnlineRLTrainer`: groups of G images per prompt, decoded and scored in the
-   background, advantages), sampled with the deterministic ``sampler`` by the current policy, or by the EMA adapter
-   with ``off_policy``. Each record keeps the clean latent x0, the ``train_timesteps`` noise levels t of the
-   micro-batch (``time_type``) and fresh noise eps for each (level, sample); and, when the micro-batch is trained
-   after an optimizer step of the same generation or by an off-policy run, the sampling policy's log-probs.
+   background, advantages), sampled by the current policy, or by the EMA adapter with ``off_policy``, at
+   ``guidance_scale`` with ``rollout_solver``: the official stochastic SA-Solver (``rollout_sampler: sa_solver``,
+   `sa_solver_rollout`: noise of stochasticity ``sa_solver_tau`` on the steps that end inside
+   ``sa_solver_noise_range``, the model called at timestep sigma x 1000 of AWM's own levels) or a deterministic
+   solver. Each record keeps the clean latent x0, the ``train_timesteps`` noise levels t of the micro-batch
+   (``time_type``, drawn from the scheduler's unmodified levels, as the official code draws them from its
+   ``timesteps``) and fresh noise eps for each (level, sample); and, when the micro-batch is trained after an
+   optimizer step of the same generation or by an off-policy run, the sampling policy's log-probs.
 2. *Training.* One batched forward of the policy on the T x B points x = (1 - t) x0 + t eps gives the weighted
    flow-matching surrogate log-probs; the clipped ratio against the sampling policy's (``loss_type``), plus
    ``beta`` x the velocity KL to the reference and ``ema_beta`` x the one to the EMA adapter (`awm_loss.py`: the
-   math); one backward per micro-batch.
+   math); one backward per micro-batch. Every velocity of the loss (policy, reference, EMA adapter, the sampling
+   policy's log-probs) is taken at ``train_guidance_scale`` (default 1: the conditional velocity alone, as the
+   official ``train.cfg = False``), whatever the rollouts' guidance: the loss reads only x0.
 3. *EMA adapter.* After each optimizer step k: theta_ema <- d theta_ema + (1 - d) theta, d = min(``kl_ema_decay``,
    0.001 k) (``linear``) or ``kl_ema_decay``; kept as a second LoRA adapter (or a frozen copy for full fine-tuning),
    saved in every checkpoint and left out of exports (`OnlineRLTrainer`'s old policy).
+4. *Evaluation* (deterministic ``sampler``) of the EMA of the weights when ``use_ema`` (``eval_*``) and, with
+   ``eval_raw_weights``, of the raw weights too (``eval_raw_*``), as the official code evaluates both.
 
 Logged besides the shared reward and timing keys: ``policy_loss``, ``ratio_mean``, ``clip_frac``,
 ``awm/flow_matching_error``, ``kl`` and ``awm/ema_kl`` (beta > 0), ``awm/ema_decay`` (with an EMA adapter).
@@ -21,17 +29,20 @@ Logged besides the shared reward and timing keys: ``policy_loss``, ``ratio_mean`
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from ...models import PromptEmbeds
 from ...models.defaults import generation_card_lines
+from ...schedulers.sa_solver import sa_solver_sample, sa_solver_sigmas
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..rollout.strategies import FinalSampleRollout
 from .awm_config import AWMConfig
 from .awm_loss import awm_log_prob, awm_loss, ema_adapter_decay, sample_train_timesteps
 from .flow_matching import noised_sample, sigma_timesteps
 
-__all__ = ["AWMTrainer", "AWMRollout"]
+__all__ = ["AWMTrainer", "AWMRollout", "sa_solver_rollout"]
 
 
 def training_points(record: dict, embeds: PromptEmbeds, train_timesteps: int, num_train_timesteps: int
@@ -46,20 +57,67 @@ def training_points(record: dict, embeds: PromptEmbeds, train_timesteps: int, nu
     return x0_rows, x_t, timesteps, embeds.index_select(rows)
 
 
+def sa_solver_rollout(engine, model: torch.nn.Module, embeds: PromptEmbeds, generator: torch.Generator, progress,
+                      args: AWMConfig) -> tuple[torch.Tensor, dict]:
+    """One micro-batch sampled with AWM's official SA-Solver (`flowgrpo.schedulers.sa_solver`) by ``model`` at
+    ``guidance_scale``; returns the final latents and ``{"x0", "sigmas", "timesteps"}`` as the engine's
+    ``final_sample`` does.
+
+    The scheduler is set to ``num_inference_steps`` as the family's pipeline sets it; SA-Solver runs on AWM's own
+    levels (`sa_solver_sigmas`: the first 1 - 1e-3, the second-to-last half the third-to-last) and calls the model
+    at timestep sigma x ``num_train_timesteps`` (the official ``t * 1000``), N model calls in all; the initial noise
+    and the noise of its steps come from ``generator``. The recorded ``sigmas`` are the scheduler's unmodified levels
+    (the trained levels are drawn from them, as the official code draws them from the unmodified ``timesteps``). With
+    ``base_model_tail_steps`` the last model calls use the reference's velocity.
+    """
+    height, width = args.image_size
+    device = engine.accelerator.device
+    batch = len(embeds)
+    scheduler = engine.scheduler
+    steps = args.num_inference_steps
+    engine.adapter.set_timesteps(scheduler, steps, height, width, device)
+    levels = sa_solver_sigmas(scheduler.sigmas.detach().cpu())
+    latents = engine.adapter.prepare_latents(batch, height, width, generator, device, torch.float32)
+    scale = scheduler.config.num_train_timesteps
+    calls = [0]
+
+    def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
+        tail = args.base_model_tail_steps and calls[0] >= steps - args.base_model_tail_steps
+        calls[0] += 1
+        timestep = torch.full((batch,), sigma * scale, device=device, dtype=torch.float32)
+        with engine.policy.reference_model(model) if tail else nullcontext(model) as sampler:
+            v = engine.policy.velocity(sampler, x, timestep, embeds, args.guidance_scale, height, width)
+        if progress is not None:
+            progress.update(1)
+        return v
+
+    out = sa_solver_sample(velocity, latents, levels, tau=args.sa_solver_tau, noise_range=args.sa_solver_noise_range,
+                           predictor_order=args.sa_solver_predictor_order,
+                           corrector_order=args.sa_solver_corrector_order, generator=generator)
+    final = engine.adapter.final_latents(out.sample, embeds)
+    sigmas = scheduler.sigmas[:-1].to(device=device, dtype=torch.float32)
+    timesteps = scheduler.timesteps.to(device)
+    return final, {"x0": final, "sigmas": sigmas.expand(batch, -1), "timesteps": timesteps.expand(batch, -1)}
+
+
 class AWMRollout(FinalSampleRollout):
-    """AWM's rollout: a deterministic trajectory keeping x0 (by the EMA adapter with ``off_policy``), the micro-batch's
-    ``train_timesteps`` noise levels t (``time_type``) and fresh noise eps for each (level, sample), and the sampling
-    policy's surrogate log-probs when it is not the policy trained at the micro-batch's first forward
+    """AWM's rollout with ``rollout_solver`` (SA-Solver, stochastic, or a deterministic solver) by the policy, or by
+    the EMA adapter with ``off_policy``, keeping x0, the micro-batch's ``train_timesteps`` noise levels t
+    (``time_type``) and fresh noise eps for each (level, sample), and the sampling policy's surrogate log-probs at
+    ``train_guidance_scale`` when it is not the policy trained at the micro-batch's first forward
     (``old_log_probs_at_rollout``)."""
 
     def __init__(self, args: AWMConfig, old_log_probs_at_rollout: bool):
-        super().__init__(args, args.sampler, by_old_policy=args.off_policy)
+        super().__init__(args, args.rollout_solver, by_old_policy=args.off_policy)
         self.old_log_probs_at_rollout = old_log_probs_at_rollout
 
     def rollout(self, engine, model, embeds, plan, generator, progress, group_ids, gen_index):
         args = self.args
         with self.sampling_model(engine, model) as policy:
-            final, record = engine.final_sample(policy, embeds, generator, progress, self.solver)
+            if self.solver == "sa_solver":
+                final, record = sa_solver_rollout(engine, policy, embeds, generator, progress, args)
+            else:
+                final, record = engine.final_sample(policy, embeds, generator, progress, self.solver)
             batch = final.shape[0]
             record["t"] = sample_train_timesteps(args.time_type, args.train_timesteps, batch, record["sigmas"][0],
                                                  args.timestep_fraction, args.time_shift, generator).to(final.device)
@@ -69,7 +127,8 @@ class AWMRollout(FinalSampleRollout):
                 height, width = args.image_size
                 x0_rows, x_t, timesteps, rows_embeds = training_points(
                     record, embeds, args.train_timesteps, engine.scheduler.config.num_train_timesteps)
-                v = engine.policy.velocity(policy, x_t, timesteps, rows_embeds, args.guidance_scale, height, width)
+                v = engine.policy.velocity(policy, x_t, timesteps, rows_embeds, args.training_guidance_scale,
+                                           height, width)
                 log_prob = awm_log_prob(v, record["noise"], x0_rows, record["t"], args.weighting, args.ghuber_power)
                 record["old_log_probs"] = log_prob.reshape(args.train_timesteps, batch)
         return final, record
@@ -98,6 +157,9 @@ class AWMTrainer(OnlineRLTrainer):
     def _eval_ode_solver(self) -> str:
         return self.args.sampler
 
+    def _eval_raw_weights(self) -> bool:
+        return self.args.eval_raw_weights
+
     def _rollout_strategy(self, args: AWMConfig) -> AWMRollout:
         """The sampling policy's log-probs are computed at the rollout when it is not the policy being trained at the
         micro-batch's first forward: off-policy, or micro-batches trained after an optimizer step of their
@@ -115,16 +177,18 @@ class AWMTrainer(OnlineRLTrainer):
         policy = self.policy
         x0_rows, x_t, timesteps, rows_embeds = training_points(
             batch, batch["embeds"], args.train_timesteps, self.rollouts.scheduler.config.num_train_timesteps)
+        scale = args.training_guidance_scale  # the trained velocities' CFG, not the rollouts'
         with self.accelerator.autocast():
-            v = policy.velocity(model, x_t, timesteps, rows_embeds, args.guidance_scale, height, width)
+            v = policy.velocity(model, x_t, timesteps, rows_embeds, scale, height, width)
         advantages = self._advantages(batch)  # the last rewards were scored while this forward ran
         v_ref = v_ema = None
         if args.beta > 0:
             with self.accelerator.autocast():
-                v_ref = policy.reference_velocity(model, x_t, timesteps, rows_embeds, height, width)
+                v_ref = policy.reference_velocity(model, x_t, timesteps, rows_embeds, height, width,
+                                                  guidance_scale=scale)
             if args.ema_beta > 0:
                 with torch.no_grad(), self.accelerator.autocast(), policy.old_policy.forward_model(model) as ema:
-                    v_ema = policy.velocity(ema, x_t, timesteps, rows_embeds, args.guidance_scale, height, width)
+                    v_ema = policy.velocity(ema, x_t, timesteps, rows_embeds, scale, height, width)
         out = awm_loss(v, batch["noise"], x0_rows, batch["t"], advantages, batch.get("old_log_probs"),
                        train_timesteps=args.train_timesteps, weighting=args.weighting, ghuber_power=args.ghuber_power,
                        loss_type=args.loss_type, clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
@@ -149,14 +213,22 @@ class AWMTrainer(OnlineRLTrainer):
         self._update_old_policy(decay)
         self.metrics.train["awm/ema_decay"].append(decay)
 
+    def _rollout_sampler_words(self) -> str:
+        args = self.args
+        if args.rollout_solver != "sa_solver":
+            return args.rollout_solver
+        lo, hi = args.sa_solver_noise_range
+        return (f"SA-Solver (tau {args.sa_solver_tau:g} on [{lo:g}, {hi:g}], predictor {args.sa_solver_predictor_order}"
+                f", corrector {args.sa_solver_corrector_order})")
+
     def _card_setup_lines(self) -> list[str]:
         args = self.args
         return [
             f"- algorithm: {self._name} ({args.train_timesteps} noise levels per image by {args.time_type}, "
             f"weighting {args.weighting}, {args.loss_type}, clip range {args.clip_range:g}; rollouts with "
-            f"{args.sampler}{', off-policy (EMA adapter)' if args.off_policy else ''})",
+            f"{self._rollout_sampler_words()}{', off-policy (EMA adapter)' if args.off_policy else ''})",
             f"- group size {args.num_generations}, {args.num_inference_steps} sampling steps, guidance "
-            f"{args.guidance_scale}, {args.height}x{args.width}"
+            f"{args.guidance_scale} (trained velocities: {args.training_guidance_scale:g}), {args.height}x{args.width}"
             + (f", {args.num_frames} frames" if args.num_frames > 1 else ""),
             *generation_card_lines(self),
             f"- KL: beta {args.beta} ({args.kl_weight}), EMA adapter {args.ema_beta} ({args.kl_ema_weight}, decay "

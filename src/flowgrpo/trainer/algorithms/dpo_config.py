@@ -2,9 +2,14 @@
 
 The settings every online-RL trainer shares are those of `OnlineRLConfig`; this class adds Diffusion-DPO's own
 (Wallace et al., "Diffusion Model Alignment Using Direct Preference Optimization", in its flow-matching form): where
-the preference pairs come from (``dpo_mode``: a preference dataset, or each group's best and worst rollout),
-``beta_dpo``, the noise levels of the loss (``time_shift``) and the deterministic ``sampler`` of the online rollouts
-and of evaluation.
+the preference pairs come from (``dpo_mode``: a preference dataset, or each group's best and worst rollout, sampled by
+the policy or by the reference: ``dpo_rollout_policy``), ``beta_dpo``, the (t, eps) draws of the loss
+(``dpo_num_noise_draws``, ``dpo_timestep_distribution``, ``time_shift``), the CFG scale of the trained velocities
+(``train_guidance_scale``) and the deterministic ``sampler`` of the online rollouts and of evaluation. Defaults follow
+the flow-matching references on SD3.5-M (flow_grpo's ``config/dpo.py`` and ``scripts/train_sd3_dpo.py``): beta_dpo
+100, logit-normal levels through the scheduler's shift, the loss on the conditional velocity; flow_grpo's 39 draws
+per pair per update and its reference refresh every 40 steps (OnlineDPO: ``sync_ref_model``,
+``ref_model_sync_steps: 40``, ``ref_model_mixup_alpha: 1.0``) are settings to give.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ from .dpo_timesteps import DPO_TIMESTEP_DISTRIBUTIONS
 from .train_guidance import TrainGuidanceArguments
 
 DPO_MODES = ("offline", "online")
+#: who samples the online rollouts: the trained policy, or the reference (flow_grpo's DPO)
+DPO_ROLLOUT_POLICIES = ("policy", "reference")
 DPO_SAMPLERS = ("dpmpp_2m", "euler")
 #: the image columns of an offline preference dataset
 CHOSEN_COLUMN, REJECTED_COLUMN = "chosen", "rejected"
 
-__all__ = ["CHOSEN_COLUMN", "DPO_MODES", "DPO_SAMPLERS", "REJECTED_COLUMN", "DiffusionDPOConfig"]
+__all__ = ["CHOSEN_COLUMN", "DPO_MODES", "DPO_ROLLOUT_POLICIES", "DPO_SAMPLERS", "REJECTED_COLUMN",
+           "DiffusionDPOConfig"]
 
 
 @document_config
@@ -30,6 +38,7 @@ class DiffusionDPOConfig(TrainGuidanceArguments, OnlineRLConfig):
     r"""Configuration for [`DiffusionDPOTrainer`]: the shared settings of [`OnlineRLConfig`] plus the preference pairs
     and the DPO loss (the math: ``algorithms/dpo_loss.py``)."""
 
+    # ---- the preference pairs ------------------------------------------------------------------------
     dpo_mode: str = field(
         default="online",
         metadata={"help": "'offline': pairs from the train dataset's 'prompt', 'chosen' and 'rejected' columns (image "
@@ -38,6 +47,15 @@ class DiffusionDPOConfig(TrainGuidanceArguments, OnlineRLConfig):
                           "rollouts gives one pair, its best and its worst image by the rewards (groups whose "
                           "images all score the same give none)."},
     )
+    dpo_rollout_policy: str = field(
+        default="policy",
+        metadata={"help": "Who samples the online rollouts: 'policy' (the trained weights: on-policy pairs) or "
+                          "'reference' (the frozen base, or with sync_ref_model the copy refreshed every "
+                          "ref_model_sync_steps: flow_grpo's DPO samples with its reference adapter, refreshed every "
+                          "40 steps in its OnlineDPO)."},
+    )
+
+    # ---- the loss ------------------------------------------------------------------------------------
     beta_dpo: float = field(
         default=100.0,
         metadata={"help": "Diffusion-DPO's beta: L = -log sigmoid(-beta_dpo / 2 ((e_w - e_w_ref) - (e_l - e_l_ref))) "
@@ -65,6 +83,8 @@ class DiffusionDPOConfig(TrainGuidanceArguments, OnlineRLConfig):
                           "'logit_normal' levels go through the scheduler's shift instead, as the references draw "
                           "them."},
     )
+
+    # ---- online rollouts and evaluation ----------------------------------------------------------------
     sampler: str = field(
         default="dpmpp_2m",
         metadata={"help": "Deterministic solver of the online rollouts and of evaluation: 'dpmpp_2m' or 'euler'."},
@@ -75,6 +95,8 @@ class DiffusionDPOConfig(TrainGuidanceArguments, OnlineRLConfig):
                           "the trained and reference velocities use train_guidance_scale. Unset: CFG-free (the "
                           "family's no-guidance value; a guidance embedding keeps the model's value)."},
     )
+
+    # ---- optimisation --------------------------------------------------------------------------------
     learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate of the LoRA."})
 
     _trainer_name = "DiffusionDPOTrainer"
@@ -82,6 +104,7 @@ class DiffusionDPOConfig(TrainGuidanceArguments, OnlineRLConfig):
 
     def _check_algorithm(self) -> None:
         check_choice("dpo_mode", self.dpo_mode, DPO_MODES)
+        check_choice("dpo_rollout_policy", self.dpo_rollout_policy, DPO_ROLLOUT_POLICIES)
         check_choice("sampler", self.sampler, DPO_SAMPLERS)
         check_choice("dpo_timestep_distribution", self.dpo_timestep_distribution, DPO_TIMESTEP_DISTRIBUTIONS)
         self._check_train_guidance()

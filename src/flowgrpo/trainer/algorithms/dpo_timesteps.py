@@ -12,7 +12,8 @@ Each (t, eps) draw gives a pair one noise level t, shared by its preferred and r
   in float32, as ``FlowMatchEulerDiscreteScheduler`` builds ``sigmas`` at construction (its level ``i`` is the
   shifted ``(N - i) / N``); the transformer's timestep is ``N t``. Since the logit-normal is symmetric, r is
   logit-normal too, rounded up to a multiple of 1 / N, so t is a shifted logit-normal (median ``s / (1 + s)``, 0.75
-  at s = 3). A scheduler with dynamic shifting (FLUX) has ``shift = 1`` in its configuration: unshifted levels.
+  at s = 3). A scheduler with dynamic shifting (FLUX) builds its training levels unshifted: s = 1
+  (`scheduler_training_shift`).
 * ``"uniform"``: ``u ~ U(0, 1)``, ``t = s u / (1 + (s - 1) u)`` with ``s`` the configuration's ``time_shift``.
 
 Both draw from the given generator only, ``count`` values in one call, so a seeded draw is reproducible.
@@ -21,11 +22,12 @@ Both draw from the given generator only, ``count`` values in one call, so a seed
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-__all__ = ["DPO_TIMESTEP_DISTRIBUTIONS", "logit_normal_sigmas", "sample_dpo_sigmas", "training_sigmas",
-           "uniform_sigmas"]
+__all__ = ["DPO_TIMESTEP_DISTRIBUTIONS", "logit_normal_sigmas", "sample_dpo_sigmas", "scheduler_training_shift",
+           "training_sigmas", "uniform_sigmas"]
 
 DPO_TIMESTEP_DISTRIBUTIONS = ("logit_normal", "uniform")
 
@@ -35,6 +37,14 @@ def _check(count: int, shift: float) -> None:
         raise ValueError(f"count={count!r} must be an integer >= 0 (noise levels to draw).")
     if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift) or shift <= 0:
         raise ValueError(f"shift={shift!r} must be a finite number > 0 (SD3.5-M's scheduler: 3.0; 1.0: no shift).")
+
+
+def scheduler_training_shift(config: Any) -> float:
+    """The shift of a flow-matching scheduler's training levels, from its configuration: ``shift``, or 1 with
+    dynamic shifting (FLUX), whose ``FlowMatchEulerDiscreteScheduler`` builds its training ``sigmas`` unshifted."""
+    if config.get("use_dynamic_shifting", False):
+        return 1.0
+    return float(config.get("shift", 1.0))
 
 
 def training_sigmas(shift: float, num_train_timesteps: int = 1000) -> torch.Tensor:

@@ -5,16 +5,24 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
 1. *Pairs.* ``dpo_mode="offline"``: the generation batch is rows of the train dataset, each a prompt with its
    ``chosen`` and ``rejected`` images (paths, PIL images or ``datasets.Image`` values, read by the source-image loader
    of ``data/condition_images.py``), encoded by the VAE to clean latents; no rollout, no reward. ``dpo_mode="online"``:
-   groups of G rollouts per prompt as in Flow-GRPO, sampled with the deterministic ``sampler`` and scored in the
-   background (`OnlineRLTrainer`); each group gives one pair, its best and its worst image by the advantages (the
-   reward order within a group), none when all its images score the same.
-2. *Loss.* Each pair shares one noise level t (``time_shift``) and one noise eps; one batched forward of the policy
-   and one of the reference (the frozen base: LoRA disabled, or a frozen copy for full fine-tuning) on the pair's two
-   points give the flow-matching errors, and `dpo_loss` the loss (the math is there); one backward per micro-batch.
+   groups of G rollouts per prompt as in Flow-GRPO, sampled at ``guidance_scale`` with the deterministic ``sampler``
+   by the policy (or, with ``dpo_rollout_policy: reference``, by the reference, as flow_grpo's DPO samples) and
+   scored in the background (`OnlineRLTrainer`); each group gives one pair, its best and its worst image by the
+   advantages (the reward order within a group), none when all its images score the same.
+2. *Loss.* ``dpo_num_noise_draws`` = K draws per pair, each one noise level t (``dpo_timestep_distribution``:
+   logit-normal through the scheduler's shift, as the references, or uniform with ``time_shift``;
+   `dpo_timesteps.py`) and one noise eps shared by the pair's two samples. Each draw is one part of the micro-batch
+   (`_loss_parts`): one batched forward of the policy and one of the reference (the frozen base: LoRA disabled, or a
+   frozen copy for full fine-tuning, or the refreshed copy with ``sync_ref_model``) on the pairs' 2P points, both at
+   ``train_guidance_scale`` (default 1: the conditional velocity, as flow_grpo trains while it samples at CFG 4.5),
+   give the flow-matching errors and `dpo_loss` the loss (the math is there); one backward per draw, each scaled by
+   1 / K, so the gradient is that of the mean over the K P terms (accumulated, as flow_grpo accumulates its 39).
 
-Logged besides the shared keys: ``dpo/accuracy`` (pairs preferred the right way relative to the reference),
-``dpo/inside`` (the mean preference logit), ``dpo/error_w``, ``dpo/error_l`` (the policy's flow-matching errors),
-``dpo/pairs`` (pairs in the micro-batch).
+Logged besides the shared keys (means over the draws): ``dpo/accuracy`` (pairs preferred the right way relative to
+the reference), ``dpo/inside`` (the mean preference logit), ``dpo/abs_inside`` (its mean magnitude),
+``dpo/gradient_weight`` (the mean sigmoid(-inside), each pair's gradient weight; 1/2 at the start, near 0 or 1 when
+saturated), ``dpo/error_w``, ``dpo/error_l`` (the policy's flow-matching errors), ``dpo/pairs`` (pairs in the
+micro-batch).
 """
 
 from __future__ import annotations
@@ -34,9 +42,10 @@ from ..rollout.strategies import FinalSampleRollout
 from ..seeds import seed_for
 from .dpo_config import CHOSEN_COLUMN, REJECTED_COLUMN, DiffusionDPOConfig
 from .dpo_loss import dpo_loss
+from .dpo_timesteps import sample_dpo_sigmas, scheduler_training_shift
 from .flow_matching import flow_matching_error, noised_sample, sigma_timesteps
 
-__all__ = ["DiffusionDPOTrainer"]
+__all__ = ["DPORollout", "DiffusionDPOTrainer"]
 
 
 def _load_column(rows: list[dict], column: str) -> list:
@@ -64,6 +73,19 @@ def best_and_worst(group_ids: torch.Tensor, advantages: torch.Tensor) -> tuple[l
         best.append(rows[int(values.argmax())])
         worst.append(rows[int(values.argmin())])
     return best, worst
+
+
+class DPORollout(FinalSampleRollout):
+    """Online Diffusion-DPO's rollout: a deterministic trajectory keeping x0 and each row's group (the pairs are
+    picked within groups), sampled by the policy or, with ``dpo_rollout_policy: reference``, by the reference (the
+    frozen base, or the copy ``sync_ref_model`` refreshes: flow_grpo's DPO and OnlineDPO)."""
+
+    def __init__(self, args: DiffusionDPOConfig):
+        super().__init__(args, args.sampler, record_group_ids=True)
+        self.by_reference = args.dpo_rollout_policy == "reference"
+
+    def sampling_model(self, engine: Any, model: torch.nn.Module):
+        return engine.policy.reference_model(model) if self.by_reference else super().sampling_model(engine, model)
 
 
 class DiffusionDPOTrainer(OnlineRLTrainer):
@@ -114,9 +136,9 @@ class DiffusionDPOTrainer(OnlineRLTrainer):
     def _eval_ode_solver(self) -> str:
         return self.args.sampler
 
-    def _rollout_strategy(self, args: DiffusionDPOConfig) -> FinalSampleRollout:
-        """Online: a deterministic rollout keeping x0 and each row's group (the pairs are picked within groups)."""
-        return FinalSampleRollout(args, args.sampler, record_group_ids=True)
+    def _rollout_strategy(self, args: DiffusionDPOConfig) -> DPORollout:
+        """Online: a deterministic rollout keeping x0 and each row's group, by the policy or the reference."""
+        return DPORollout(args)
 
     def _get_train_sampler(self, train_dataset=None):
         if self.args.dpo_mode == "online":
@@ -159,8 +181,8 @@ class DiffusionDPOTrainer(OnlineRLTrainer):
     # ------------------------------------------------------------------------------------------------
     def _prepare_batch(self, record: dict) -> dict:
         """The pairs (offline: the record's; online: each group's best and worst rollout, once the rewards are in)
-        and one noise level and one noise per pair, shared by its two samples: functions of the seed, the
-        micro-step and the process (exact on resume)."""
+        and K = ``dpo_num_noise_draws`` draws of one noise level and one noise per pair, shared by its two samples:
+        functions of the seed, the micro-step and the process (exact on resume)."""
         args = self.args
         device = self.accelerator.device
         embeds: PromptEmbeds = record["embeds"]
@@ -174,33 +196,48 @@ class DiffusionDPOTrainer(OnlineRLTrainer):
                 best, worst, weight = [0], [0], 0.0
             x_w, x_l = record["x0"][best], record["x0"][worst]
             pair_embeds = embeds.index_select(torch.tensor(best + worst, dtype=torch.long))
-        pairs = x_w.shape[0]
+        pairs, draws = x_w.shape[0], args.dpo_num_noise_draws
         gen = torch.Generator().manual_seed(seed_for(args.seed, 4099, self._micro_step, self.accelerator.process_index))
-        u = torch.rand(pairs, generator=gen, dtype=torch.float32)
-        t = (args.time_shift * u / (1 + (args.time_shift - 1) * u)).to(device)
-        noise = torch.randn(x_w.shape, generator=gen, dtype=torch.float32).to(device)
-        return ChainMap({"x0_pairs": torch.cat([x_w, x_l]).float(), "eps": torch.cat([noise, noise]),
-                         "levels": torch.cat([t, t]), "pair_embeds": pair_embeds, "pairs": pairs,
+        t = self._draw_levels(draws * pairs, gen).reshape(draws, pairs).to(device)
+        noise = torch.randn((draws, *x_w.shape), generator=gen, dtype=torch.float32).to(device)
+        return ChainMap({"x0_pairs": torch.cat([x_w, x_l]).float(), "eps": torch.cat([noise, noise], dim=1),
+                         "levels": torch.cat([t, t], dim=1), "pair_embeds": pair_embeds, "pairs": pairs,
                          "weight": weight}, record)
+
+    def _draw_levels(self, count: int, generator: torch.Generator) -> torch.Tensor:
+        """``count`` noise levels by ``dpo_timestep_distribution``: logit-normal through the scheduler's own shift
+        (SD3.5-M: 3; dynamic shifting: none), or uniform shifted by ``time_shift``."""
+        args = self.args
+        config = self.rollouts.scheduler.config
+        logit_normal = args.dpo_timestep_distribution == "logit_normal"
+        shift = scheduler_training_shift(config) if logit_normal else args.time_shift
+        return sample_dpo_sigmas(args.dpo_timestep_distribution, count, shift, generator,
+                                 config.num_train_timesteps)
+
+    def _loss_parts(self, batch: dict) -> int:
+        """One backward per (t, eps) draw: ``dpo_num_noise_draws``."""
+        return self.args.dpo_num_noise_draws
 
     def _batch_loss(self, model, batch: dict, part: int, first_pass: bool) -> LossPart:
         args = self.args
         height, width = args.image_size
         policy = self.policy
         pairs, weight = batch["pairs"], batch["weight"]
-        x0, eps, levels, pair_embeds = batch["x0_pairs"], batch["eps"], batch["levels"], batch["pair_embeds"]
+        x0, pair_embeds = batch["x0_pairs"], batch["pair_embeds"]
+        eps, levels = batch["eps"][part], batch["levels"][part]  # draw number ``part``
         x_t = noised_sample(x0, eps, levels)
         timesteps = sigma_timesteps(levels, self.rollouts.scheduler.config.num_train_timesteps)
+        scale = args.training_guidance_scale  # the trained velocities' CFG, not the rollouts'
         with self.accelerator.autocast():
-            v = policy.velocity(model, x_t, timesteps, pair_embeds, args.guidance_scale, height, width)
-            v_ref = policy.reference_velocity(model, x_t, timesteps, pair_embeds, height, width)
+            v = policy.velocity(model, x_t, timesteps, pair_embeds, scale, height, width)
+            v_ref = policy.reference_velocity(model, x_t, timesteps, pair_embeds, height, width, guidance_scale=scale)
         errors = flow_matching_error(v, eps, x0)
         ref_errors = flow_matching_error(v_ref, eps, x0)
         out = dpo_loss(errors[:pairs], errors[pairs:], ref_errors[:pairs], ref_errors[pairs:], args.beta_dpo)
         metrics: dict[str, Any] = {"dpo/pairs": float(pairs if weight > 0 else 0)}
         if weight > 0:
-            metrics.update({"dpo/accuracy": float(out.accuracy), "dpo/inside": float(out.inside.detach().mean()),
-                            "dpo/error_w": float(errors[:pairs].detach().mean()),
+            metrics.update(out.metrics())
+            metrics.update({"dpo/error_w": float(errors[:pairs].detach().mean()),
                             "dpo/error_l": float(errors[pairs:].detach().mean())})
         return LossPart(out.loss * weight, metrics)
 
@@ -208,10 +245,15 @@ class DiffusionDPOTrainer(OnlineRLTrainer):
         args = self.args
         source = ("offline preference pairs (prompt, chosen, rejected)" if args.dpo_mode == "offline" else
                   f"online pairs: the best and worst of each group of {args.num_generations} rollouts "
-                  f"({args.sampler}, {args.num_inference_steps} steps)")
+                  f"({args.sampler}, {args.num_inference_steps} steps, by the {args.dpo_rollout_policy})")
+        levels = ("logit-normal through the scheduler's shift" if args.dpo_timestep_distribution == "logit_normal"
+                  else f"uniform, shift {args.time_shift:g}")
+        refresh = (f", reference refreshed every {args.ref_model_sync_steps} steps (alpha "
+                   f"{args.ref_model_mixup_alpha:g})" if args.sync_ref_model else "")
         return [
-            f"- algorithm: {self._name} ({source}), beta_dpo {args.beta_dpo:g}, noise-level shift "
-            f"{args.time_shift:g}",
-            f"- guidance {args.guidance_scale}, {args.height}x{args.width}, learning rate {args.learning_rate}",
+            f"- algorithm: {self._name} ({source}), beta_dpo {args.beta_dpo:g}, {args.dpo_num_noise_draws} (t, eps) "
+            f"draws per pair per step, noise levels {levels}{refresh}",
+            f"- guidance {args.guidance_scale} (trained velocities: {args.training_guidance_scale:g}), "
+            f"{args.height}x{args.width}, learning rate {args.learning_rate}",
             *generation_card_lines(self),
         ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +42,12 @@ class Evaluator:
         accelerator: process index and gathers.
         ode_solver: the deterministic solver of evaluation samples (Euler for Flow-GRPO, the ``sampler`` of the others).
         audio_rewards: the names of the (training or gold) rewards that score sound.
+        raw_weights: with an EMA, evaluate the raw weights too, under ``<prefix>_raw`` (AWM's official evaluation).
     """
 
     def __init__(self, args: Any, policy: Any, rollouts: Any, rewards: RewardSet, gold_rewards: RewardSet | None,
-                 accelerator: Any, ode_solver: str = "euler", audio_rewards: list[str] | None = None):
+                 accelerator: Any, ode_solver: str = "euler", audio_rewards: list[str] | None = None,
+                 raw_weights: bool = False):
         self.args = args
         self.policy = policy
         self.rollouts = rollouts
@@ -53,6 +56,7 @@ class Evaluator:
         self.accelerator = accelerator
         self.ode_solver = ode_solver
         self.audio_rewards = list(audio_rewards or [])
+        self.raw_weights = raw_weights
         self.baseline = EvaluationBaseline()
         #: the last evaluation at the first guidance scale: ``{"metrics", "contact_sheet", "samples"}`` (main process)
         self.last_eval: dict | None = None
@@ -76,27 +80,32 @@ class Evaluator:
         the metrics use every image, the sheet each prompt's first. At another guidance scale s the same keys are
         prefixed ``<prefix>_cfg<s>`` (``eval_cfg3_reward``), and the sheet is ``eval_step_<N>_cfg<s>.png``. Gold
         rewards (never trained on) are logged under the same keys, their weighted sum as ``<prefix>_gold_reward``,
-        and shown on the sheet.
+        and shown on the sheet. With an EMA the EMA's weights are evaluated; with ``raw_weights`` the raw weights
+        are evaluated too, at every scale, under ``<prefix>_raw`` (``eval_raw_reward``, ``eval_raw_cfg3_reward``;
+        sheets ``eval_step_<N>_raw.png``).
         """
         metrics: dict[str, float] = {}
-        for k, scale in enumerate(self.args.evaluation_guidance_scales):
-            suffix = "" if k == 0 else f"_cfg{scale:g}"
-            metrics.update(self._evaluate_at(dataset, scale, metric_key_prefix + suffix, suffix, step,
-                                             primary=k == 0))
+        weights = [(True, "")] + ([(False, "_raw")] if self.raw_weights and self.policy.ema is not None else [])
+        for use_ema, raw in weights:
+            for k, scale in enumerate(self.args.evaluation_guidance_scales):
+                suffix = raw + ("" if k == 0 else f"_cfg{scale:g}")
+                metrics.update(self._evaluate_at(dataset, scale, metric_key_prefix + suffix, suffix, step,
+                                                 primary=k == 0 and use_ema, use_ema=use_ema))
         if self.last_eval is not None and self.is_main_process:
             self.last_eval["metrics"] = dict(metrics)  # the model card lists every scale's scores
         return metrics
 
     def _evaluate_at(self, dataset, guidance_scale: float, metric_key_prefix: str, sheet_suffix: str, step: int,
-                     primary: bool) -> dict[str, float]:
-        """One evaluation of ``dataset`` at ``guidance_scale``: its metrics, named with ``metric_key_prefix``."""
+                     primary: bool, use_ema: bool = True) -> dict[str, float]:
+        """One evaluation of ``dataset`` at ``guidance_scale`` (of the EMA's weights when there is one and
+        ``use_ema``, else of the raw weights): its metrics, named with ``metric_key_prefix``."""
         args = self.args
         height, width = args.image_size
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         per_prompt = args.eval_images_per_prompt
         indices = list(range(len(dataset) * per_prompt))[rank::world]
         records = []
-        with self.policy.ema_weights(), self.policy.generation_context() as model:
+        with self.policy.ema_weights() if use_ema else nullcontext(), self.policy.generation_context() as model:
             for start in range(0, len(indices), args.per_device_eval_batch_size):
                 idx = indices[start:start + args.per_device_eval_batch_size]
                 rows = [dataset[i // per_prompt] for i in idx]
