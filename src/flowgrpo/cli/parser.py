@@ -78,7 +78,7 @@ def build_parser(trainer: str = DEFAULT_TRAINER):
 
     config = config_class(trainer)
     what = {"flow_grpo": "Flow-GRPO", "diffusion_nft": "DiffusionNFT", "awm": "AWM",
-            "diffusion_dpo": "Diffusion-DPO"}.get(trainer, trainer)
+            "diffusion_dpo": "Diffusion-DPO", "dgpo": "DGPO", "crd": "CRD"}.get(trainer, trainer)
     return HfArgumentParser((ScriptArguments, ModelArguments, config), allow_abbrev=False,
                             description=f"{what} training of a flow-matching text-to-image pipeline from a YAML "
                                         "recipe; --key value flags override the recipe. The recipe key trainer "
