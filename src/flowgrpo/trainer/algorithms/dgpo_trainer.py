@@ -101,9 +101,9 @@ class DGPOTrainer(OnlineRLTrainer):
         "title": "Reinforcing Diffusion Models by Direct Group Preference Optimization",
         "id": "2510.08425",
         "citation": (
-            "@article{luo2025dgpo,\n  title={Reinforcing Diffusion Models by Direct Group Preference Optimization},\n"
-            "  author={Luo, Yihong and Hu, Tianyang and Tang, Jing},\n  journal={arXiv preprint arXiv:2510.08425},\n"
-            "  year={2025}\n}"
+            "@inproceedings{luo2026dgpo,\n  title={Reinforcing Diffusion Models by Direct Group Preference "
+            "Optimization},\n  author={Luo, Yihong and Hu, Tianyang and Tang, Jing},\n  booktitle={The Fourteenth "
+            "International Conference on Learning Representations},\n  year={2026}\n}"
         ),
     }
     _config_class = DGPOConfig
