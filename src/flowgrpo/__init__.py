@@ -4,6 +4,8 @@
     from flowgrpo import DiffusionNFTConfig, DiffusionNFTTrainer
     from flowgrpo import AWMConfig, AWMTrainer
     from flowgrpo import DiffusionDPOConfig, DiffusionDPOTrainer
+    from flowgrpo import DGPOConfig, DGPOTrainer
+    from flowgrpo import CRDConfig, CRDTrainer
 
 Every trainer of the registry (``flowgrpo.trainer.registry.TRAINERS``) is exported with its configuration.
 """
@@ -22,6 +24,10 @@ if TYPE_CHECKING:  # pragma: no cover  (the names __all__ lists, from the regist
     from .trainer import (  # noqa: F401
         AWMConfig,
         AWMTrainer,
+        CRDConfig,
+        CRDTrainer,
+        DGPOConfig,
+        DGPOTrainer,
         DiffusionDPOConfig,
         DiffusionDPOTrainer,
         DiffusionNFTConfig,

@@ -44,7 +44,7 @@ def test_the_import_graph_sees_circles_and_layering(tmp_path):
     assert graph.private_imports() == [("flowgrpo.rewards.b", "flowgrpo.rewards.a", "_y")]
 
 
-@pytest.mark.parametrize("name", ["flow_grpo", "diffusion_nft", "awm", "diffusion_dpo"])
+@pytest.mark.parametrize("name", ["flow_grpo", "diffusion_nft", "awm", "diffusion_dpo", "dgpo", "crd"])
 def test_every_trainer_is_one_line_of_inheritance_down_to_transformers_trainer(name):
     from transformers import Trainer
 

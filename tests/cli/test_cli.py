@@ -328,3 +328,20 @@ def test_launch_script_drops_only_the_notices_of_unused_features():
     assert passes("bitsandbytes.backends.cpu.ops", "another warning")
     assert not passes("DeepSpeed", "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable "
                       "to detect it.")
+
+
+def test_replacing_the_rewards_drops_the_recipes_weights_for_them():
+    """A recipe's reward_weights belong to its reward_funcs: a command line that swaps in a different number of rewards
+    without weights trains them unweighted; weights given with them, or rewards of the same number, are kept."""
+    recipe = str(REPO / "recipes" / "toy_nft_fast.yaml")
+    for argv in (["--reward_funcs", "toy_color"], ["--reward_funcs=toy_color"]):
+        script, _, args = parse_recipe([recipe, *argv])
+        assert script.reward_funcs == ["toy_color"] and args.reward_weights is None
+    script, _, args = parse_recipe([recipe], overrides={"reward_funcs": ["toy_color"]})
+    assert args.reward_weights is None
+    _, _, args = parse_recipe([recipe, "--reward_funcs", "toy_color", "toy_shape", "toy_count"])
+    assert args.reward_weights == [1.0, 0.5, 0.0]
+    _, _, args = parse_recipe([recipe, "--reward_funcs", "toy_color", "--reward_weights", "2"])
+    assert args.reward_weights == [2.0]
+    with pytest.raises(RecipeError, match="reward_weights has 2 value"):
+        parse_recipe([recipe, "--reward_funcs", "toy_color", "--reward_weights", "1", "2"])

@@ -1,12 +1,15 @@
 """Two optimizer steps of every newer model family on two CPU ranks, for tests/models/test_model_families.py.
 
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml tests/distributed/families_ddp_worker.py \
-        --pipelines JSON --output_dir DIR
+        --pipelines JSON --output_dir DIR [--trainers '["dgpo", "crd"]']
 
 One launch (one start-up) for all families: each rank builds a ``FlowGRPOTrainer`` on each tiny pipeline in turn and
 trains two optimizer steps under DDP; after every step it records the logged metrics, a digest of its trainable
 weights (equal on both ranks when gradients are synchronised) and a digest of its own samples (different: each
-rank samples its own noise). Rank ``r`` writes ``DIR/rank<r>.json``.
+rank samples its own noise). Each trainer named in ``--trainers`` then trains one step of its own on the same
+pipeline (one trained noise level, one group of four images split over the two ranks, so that its cross-process sums
+and gathers join samples of one group; a LoRA initialised away from zero, so that the policy differs from the base
+from the start), recorded under ``<case>/<trainer>``. Rank ``r`` writes ``DIR/rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -29,10 +32,18 @@ def _digest(tensors) -> str:
     return digest.hexdigest()
 
 
+#: each further trainer's settings for a cheap step: one trained noise level, the rollout's guidance in the KL
+OWN_SETTINGS = {
+    "dgpo": dict(dgpo_num_timesteps=1, dgpo_trunc_steps=1, beta=0.01, beta_dpo=10.0),
+    "crd": dict(crd_num_timesteps=1, beta=0.01, kl_guidance_scale=1.0),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pipelines", required=True, help="JSON {case name: tiny pipeline folder}")
     parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--trainers", default="[]", help="JSON list of further trainer names (the registry's)")
     cli = parser.parse_args()
 
     from datasets import Dataset
@@ -41,6 +52,7 @@ def main() -> None:
     from transformers import TrainerCallback
 
     from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
+    from flowgrpo.trainer.registry import config_class, trainer_class
 
     paths = json.loads(cli.pipelines)
     out = Path(cli.output_dir)
@@ -66,7 +78,7 @@ def main() -> None:
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = logs or {}
-            if "ratio_mean" not in logs:
+            if "reward" not in logs or "loss" not in logs:
                 return
             images, _, rewards = self.trainer.rollouts.last_samples
             frames = [f for sample in images for f in (sample if isinstance(sample, list) else [sample])]
@@ -92,6 +104,17 @@ def main() -> None:
         trainer.add_callback(Recorder(trainer, records[case.name]))
         trainer.train()
         trainer.reward_set.close()
+        for kind in json.loads(cli.trainers):
+            own = OWN_SETTINGS[kind]
+            args = config_class(kind)(output_dir=str(out / case.name / kind), **config_kwargs(
+                case, max_steps=1, per_device_train_batch_size=2, num_generations=4, use_cpu=True, **own))
+            trainer = trainer_class(kind)(model=paths[case.name], reward_funcs=brightness_reward, args=args,
+                                          train_dataset=Dataset.from_dict(dataset_rows(case)),
+                                          peft_config=LoraConfig(r=2, lora_alpha=4, init_lora_weights=False))
+            records[f"{case.name}/{kind}"] = []
+            trainer.add_callback(Recorder(trainer, records[f"{case.name}/{kind}"]))
+            trainer.train()
+            trainer.reward_set.close()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": world, "cases": records,
                                                       "pid": os.getpid()}))

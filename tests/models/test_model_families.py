@@ -6,7 +6,8 @@ What must hold for each: the trainer's ODE sampling through the family adapter r
 first pass over a rollout is on-policy (ratio exactly 1, KL 0); resuming from a checkpoint gives exactly the
 uninterrupted run; the exported LoRA loads with the family's own ``load_lora_weights`` (both experts of Wan 2.2) and
 changes the output; two optimizer steps on two ranks under ``accelerate_configs/cpu_ddp.yaml`` (one launch for all
-families: ``families_ddp_worker.py``). SD3 and FLUX are covered by test_trainer.py and test_distributed.py.
+families: ``families_ddp_worker.py``), of Flow-GRPO and of the trainers of ``FURTHER_TRAINERS`` (DGPO, CRD). SD3 and
+FLUX are covered by test_trainer.py and test_distributed.py.
 """
 
 from __future__ import annotations
@@ -536,13 +537,19 @@ def test_wan_experts_split_a_batch_at_the_boundary_and_per_token_timesteps(tiny_
 # --- two ranks ------------------------------------------------------------------------------------------------------
 
 
+#: the trainers the two-rank launch also runs on every family (after Flow-GRPO), with the keys their logs must hold
+FURTHER_TRAINERS = {"dgpo": ("loss", "policy_loss", "dgpo/dsm", "dgpo/group_weight", "kl", "clip_frac"),
+                    "crd": ("loss", "policy_loss", "crd/implicit_reward", "kl")}
+
+
 @pytest.mark.slow
 def test_two_ranks_train_every_family(tiny_pipeline_path, tmp_path):
     paths = {c.name: str(tiny_pipeline_path(c.family, c.variant)) for c in CASES}
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_ddp.yaml",
-           "tests/distributed/families_ddp_worker.py", "--pipelines", json.dumps(paths), "--output_dir", str(tmp_path)]
+           "tests/distributed/families_ddp_worker.py", "--pipelines", json.dumps(paths), "--output_dir", str(tmp_path),
+           "--trainers", json.dumps(list(FURTHER_TRAINERS))]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -563,6 +570,18 @@ def test_two_ranks_train_every_family(tiny_pipeline_path, tmp_path):
             assert x["num_frames"] == [case.num_frames] * 2
         assert a[1]["logs"]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
         assert a[1]["logs"]["reward"] == pytest.approx(np.mean(a[1]["rewards"] + b[1]["rewards"]), abs=1e-5)
+        for kind, keys in FURTHER_TRAINERS.items():  # each family under DGPO and CRD too, on both ranks
+            a, b = r0["cases"][f"{case.name}/{kind}"], r1["cases"][f"{case.name}/{kind}"]
+            assert [x["step"] for x in a] == [x["step"] for x in b] == [0, 1], (case.name, kind)
+            assert a[1]["weights"] == b[1]["weights"], (case.name, kind)  # gradients synchronised
+            # one trained noise level: Wan 2.2's experts each train only on their own levels
+            assert any(a[0]["weights"][part] != a[1]["weights"][part] for part in a[0]["weights"]), (case.name, kind)
+            assert all(np.isfinite(x["logs"][key]) for x in (a[1], b[1]) for key in keys), (case.name, kind)
+        # DGPO's group score is summed over the ranks: the same on both (one group of four split over them), and not
+        # 0 (the LoRA starts away from the base)
+        a, b = r0["cases"][f"{case.name}/dgpo"], r1["cases"][f"{case.name}/dgpo"]
+        assert a[1]["logs"]["dgpo/group_score"] == pytest.approx(b[1]["logs"]["dgpo/group_score"], rel=1e-5)
+        assert a[1]["logs"]["dgpo/group_score"] != 0.0, case.name
 
 
 def test_flux2_klein_distilled_takes_one_pass_whatever_the_guidance_scale(tiny_pipeline_path):

@@ -8,6 +8,10 @@ from peft import LoraConfig
 from flowgrpo import (
     AWMConfig,
     AWMTrainer,
+    CRDConfig,
+    CRDTrainer,
+    DGPOConfig,
+    DGPOTrainer,
     DiffusionDPOConfig,
     DiffusionDPOTrainer,
     FlowGRPOConfig,
@@ -46,6 +50,13 @@ TRAINER_KINDS = {
             ("reward", "policy_loss", "ratio_mean", "kl", "grad_norm")),
     "diffusion_dpo": (DiffusionDPOConfig, DiffusionDPOTrainer, dict(dpo_mode="online", beta_dpo=50.0),
                       ("reward", "loss", "dpo/inside", "grad_norm")),
+    # DGPO: rollouts switch to the EMA reference after step 1; CRD: the sampling copy lags from step 1
+    "dgpo": (DGPOConfig, DGPOTrainer, dict(dgpo_num_timesteps=2, dgpo_trunc_steps=2, dgpo_switch_ema_ref=1,
+                                           beta=0.01, beta_dpo=10.0, dgpo_clip=0.05),
+             ("reward", "policy_loss", "dgpo/dsm", "kl", "grad_norm")),
+    "crd": (CRDConfig, CRDTrainer, dict(crd_num_timesteps=2, sampling_policy_decay_start=1, beta=0.01,
+                                        kl_guidance_scale=2.0),
+            ("reward", "policy_loss", "crd/implicit_reward", "kl", "grad_norm")),
 }
 
 

@@ -221,6 +221,10 @@ def test_resume_matches_uninterrupted(tiny_sd3_path, tmp_path, kind):
     if straight.policy.old_policy is not None:  # AWM's EMA adapter
         for (_, o), (_, r) in zip(straight.policy.old_policy.pairs, resumed.policy.old_policy.pairs):
             torch.testing.assert_close(o, r)
+    for name, kept in straight.policy.copies.items():  # CRD's sampling copy
+        assert (ckpt / name).is_dir()
+        for (_, o), (_, r) in zip(kept.pairs, resumed.policy.copies[name].pairs):
+            torch.testing.assert_close(o, r)
 
 
 @pytest.mark.parametrize("kind", list(TRAINER_KINDS))
@@ -236,10 +240,11 @@ def test_lora_export_loads_in_stock_pipeline(tiny_sd3_path, tmp_path, kind):
 
     with safe_open(os.path.join(out, "pytorch_lora_weights.safetensors"), "pt") as f:
         keys = list(f.keys())
-        assert keys and all(k.startswith("transformer.") and ".old." not in k for k in keys)
+        assert keys and all(k.startswith("transformer.") and ".old." not in k and ".sampling." not in k for k in keys)
         assert any(f.get_tensor(k).abs().sum() > 0 for k in keys if "lora_B" in k)
         assert "lora_adapter_metadata" in (f.metadata() or {})
-    assert not os.path.exists(os.path.join(out, "old"))  # exports hold the trained adapter only
+    for copy_name in ("old", *trainer.policy.copies):  # exports hold the trained adapter only
+        assert not os.path.exists(os.path.join(out, copy_name))
     pipe = DiffusionPipeline.from_pretrained(str(tiny_sd3_path))
     kwargs = dict(prompt="a red circle", num_inference_steps=3, height=64, width=64, output_type="np",
                   max_sequence_length=16)

@@ -78,7 +78,7 @@ def build_parser(trainer: str = DEFAULT_TRAINER):
 
     config = config_class(trainer)
     what = {"flow_grpo": "Flow-GRPO", "diffusion_nft": "DiffusionNFT", "awm": "AWM",
-            "diffusion_dpo": "Diffusion-DPO"}.get(trainer, trainer)
+            "diffusion_dpo": "Diffusion-DPO", "dgpo": "DGPO", "crd": "CRD"}.get(trainer, trainer)
     return HfArgumentParser((ScriptArguments, ModelArguments, config), allow_abbrev=False,
                             description=f"{what} training of a flow-matching text-to-image pipeline from a YAML "
                                         "recipe; --key value flags override the recipe. The recipe key trainer "
@@ -287,6 +287,26 @@ def check_reward_names(reward_funcs: Sequence[str]) -> None:
                               f"{', '.join(sorted(known))}; or give a 'package.module:function' path.")
 
 
+def _weights_follow_replaced_rewards(actions: dict[str, argparse.Action], overrides: Mapping[str, Any] | None,
+                                     cli: Sequence[str]) -> None:
+    """A recipe's ``reward_weights`` belong to the recipe's ``reward_funcs``: when the overrides or the command line
+    replace the rewards by a different number of them and give no weights, the recipe's weights are dropped (every
+    reward weighs 1) instead of refused."""
+    def given(name: str) -> bool:
+        return name in (overrides or {}) or any(a == f"--{name}" or a.startswith(f"--{name}=") for a in cli)
+
+    funcs, weights = actions.get("reward_funcs"), actions.get("reward_weights")
+    if funcs is None or weights is None or weights.default is None or not given("reward_funcs") or \
+            given("reward_weights"):
+        return
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe.add_argument("--reward_funcs", nargs="+", default=None)
+    new = probe.parse_known_args(list(cli))[0].reward_funcs or (overrides or {}).get("reward_funcs")
+    new = [new] if isinstance(new, str) else list(new or [])
+    if len(new) != len(weights.default):
+        weights.default = None
+
+
 def parse_recipe(recipe_or_argv: str | os.PathLike | Sequence[str] | None = None,
                  overrides: Mapping[str, Any] | None = None):
     """Parse a recipe and command-line flags into ``(script_args, model_args, training_args)``.
@@ -329,6 +349,7 @@ def parse_recipe(recipe_or_argv: str | os.PathLike | Sequence[str] | None = None
     if overrides:
         _apply_defaults(actions, dict(overrides), "overrides", trainer)
     _default_to_cpu_ranks(actions, config, overrides)
+    _weights_follow_replaced_rewards(actions, overrides, cli)
 
     # Unknown flags first: building the dataclasses runs TrainingArguments.__post_init__ (device set-up).
     _, remaining = parser.parse_known_args(args=cli)

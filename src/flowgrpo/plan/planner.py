@@ -20,8 +20,9 @@ activations            measured: the transient peak of one trained step's forwar
                        gradient checkpointing run as the trainer runs it), the parameters' gradients set aside as they
                        appear (they are the gradients term, sharded as the configuration shards them).
                        Rollout: one sampling step's peak; decode: one slice's.
-copies                 EMA (float32 copy of the trained parameters), DiffusionNFT's old policy (LoRA: a second adapter;
-                       full FT: a frozen copy), the KL reference of full fine-tuning (a frozen copy, not sharded: it
+copies                 EMA (float32 copy of the trained parameters), DiffusionNFT's old policy, DGPO's EMA reference,
+                       CRD's old and sampling copies (LoRA: one more adapter each; full FT: a frozen copy each), the KL
+                       reference of full fine-tuning (a frozen copy, not sharded: it
                        lives outside FSDP), and the stored rollout trajectories of a generation batch.
 reward_model           the GPU reward models' weights (REWARD_MODEL_PARAMS); rewards scored on the CPU or a server: 0.
 overhead               CUDA context 0.75 GB, NCCL buffers 0.5 GB when N > 1, and 10% of the dynamic terms
@@ -98,12 +99,21 @@ class Plan:
         return max(self.phases.values())
 
 
+#: trainers whose trained noise levels per micro-batch are one configuration field
+TRAINED_STEP_FIELDS = {"dgpo": "dgpo_num_timesteps", "crd": "crd_num_timesteps"}
+#: copies of the trained weights each trainer keeps beside the EMA (the old policy and named copies): DiffusionNFT's
+#: old policy, DGPO's EMA reference, CRD's old and sampling copies
+POLICY_COPIES = {"diffusion_nft": 1, "dgpo": 1, "crd": 2}
+
+
 def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> StepSettings:
     args = training_args
     height, width = args.image_size
     steps = int(args.num_inference_steps)
     if trainer == "diffusion_nft":
         trained = max(1, int(math.floor(steps * float(getattr(args, "timestep_fraction", 1.0)))))
+    elif trainer in TRAINED_STEP_FIELDS:  # the trained noise levels per micro-batch, each its own backward pass
+        trained = int(getattr(args, TRAINED_STEP_FIELDS[trainer]))
     else:
         window = int(getattr(args, "sde_window_size", 0) or 0)
         trained = window if window > 0 else max(1, steps - 1)
@@ -194,8 +204,8 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
     copies = 0.0
     if inputs.use_ema:
         copies += trainable * 4 / shard
-    if s.trainer == "diffusion_nft":
-        copies += trainable * 4 / shard if s.use_lora else params["total"] * b / shard
+    per_copy = trainable * 4 / shard if s.use_lora else params["total"] * b / shard
+    copies += POLICY_COPIES.get(s.trainer, 0) * per_copy
     if s.beta > 0 and not s.use_lora and s.trainer == "flow_grpo":
         copies += params["total"] * b  # the frozen reference copy lives outside FSDP / ZeRO: whole on every GPU
         if n > 1 and par.kind in ("fsdp", "zero2", "zero3"):

@@ -62,7 +62,7 @@ class StepSettings:
     lora_targets: tuple[str, ...]
     checkpointing: bool
     beta: float
-    trainer: str                     # "flow_grpo" | "diffusion_nft"
+    trainer: str                     # "flow_grpo", or a forward-process trainer ("diffusion_nft", "dgpo", "crd", ...)
     noise_level: float
     sde_type: str
     decode_batch: int
@@ -398,7 +398,7 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
                     with torch.no_grad():
                         v_ref = _reference_velocity(model, velocity, latents, timesteps[0], settings)
                     loss = loss + settings.beta * ((v - v_ref) ** 2).mean()
-            else:  # DiffusionNFT: old-policy forward (no gradient), trained forward, reference forward
+            else:  # DiffusionNFT (DGPO, CRD alike): old-policy forward (no gradient), trained forward, reference forward
                 sigma = sigmas[0]
                 x_t = (1 - sigma) * x_next + sigma * latents
                 with torch.no_grad():

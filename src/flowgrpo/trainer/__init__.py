@@ -13,6 +13,10 @@ __all__ = sorted(_LAZY)
 if TYPE_CHECKING:  # pragma: no cover  (the names __all__ lists, from the registry)
     from .algorithms.awm_config import AWMConfig  # noqa: F401
     from .algorithms.awm_trainer import AWMTrainer  # noqa: F401
+    from .algorithms.crd_config import CRDConfig  # noqa: F401
+    from .algorithms.crd_trainer import CRDTrainer  # noqa: F401
+    from .algorithms.dgpo_config import DGPOConfig  # noqa: F401
+    from .algorithms.dgpo_trainer import DGPOTrainer  # noqa: F401
     from .algorithms.dpo_config import DiffusionDPOConfig  # noqa: F401
     from .algorithms.dpo_trainer import DiffusionDPOTrainer  # noqa: F401
     from .algorithms.flow_grpo_config import FlowGRPOConfig  # noqa: F401

@@ -26,7 +26,7 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
 What an algorithm (a subclass) provides: ``_config_class``, ``_name`` / ``_tag_names`` / ``_paper`` (model card),
 ``_rollout_strategy``, ``_batch_loss`` (and ``_loss_parts`` / ``_prepare_batch`` when it trains a micro-batch in
 several parts), ``_card_setup_lines``; optional: ``_eval_ode_solver``, ``_eval_raw_weights``, ``_needs_reference``,
-``_uses_old_policy``, ``_check_datasets``, ``_on_optimizer_step_end``, ``_generate``.
+``_uses_old_policy``, ``_check_datasets``, ``_on_optimizer_step_end``, ``_generate``, ``_policy_copies``.
 """
 
 from __future__ import annotations
@@ -263,6 +263,8 @@ class OnlineRLTrainer(FlowBaseTrainer):
                                           (self.train_dataset, self.eval_dataset), self.accelerator.autocast)
         if self._uses_old_policy(args):
             self.policy.build_old_policy()
+        for name in self._policy_copies(args):
+            self.policy.build_copy(name)
         self.rollouts = RolloutEngine(args, self.policy, self._rollout_strategy(args), self.reward_set,
                                       self.accelerator, self.metrics, prompt_cache=prompt_cache,
                                       console=self.console, on_scores=self.health.on_scores,
@@ -344,6 +346,12 @@ class OnlineRLTrainer(FlowBaseTrainer):
         frozen copy for full fine-tuning), updated by `_update_old_policy`, saved in every checkpoint and left out of
         exports."""
         return False
+
+    def _policy_copies(self, args: OnlineRLConfig) -> tuple[str, ...]:
+        """Names of further copies of the policy the trainer keeps beside the old one (``policy.copies``; CRD's
+        sampling copy), each updated by the algorithm with ``policy.update_copy``, saved in every checkpoint and left
+        out of exports."""
+        return ()
 
     def _prepare_batch(self, record: dict) -> dict:
         """What `_batch_loss` reads of a recorded micro-batch (default: the record). A subclass drawing per-batch

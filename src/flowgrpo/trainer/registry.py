@@ -1,4 +1,4 @@
-"""The trainers a recipe can name (``trainer: flow_grpo | diffusion_nft | awm | diffusion_dpo``), each with its
+"""The trainers a recipe can name (``trainer: flow_grpo | diffusion_nft | awm | diffusion_dpo | dgpo | crd``), each with its
 configuration class: the one table that the command line, the toy world and the package's lazy exports read.
 
 Configurations import cheaply (for ``--help`` and recipe checks); trainer classes load on first use. Adding an
@@ -41,6 +41,8 @@ TRAINERS: dict[str, TrainerSpec] = {spec.name: spec for spec in (
     TrainerSpec("awm", f"{_ALGORITHMS}.awm_config:AWMConfig", f"{_ALGORITHMS}.awm_trainer:AWMTrainer"),
     TrainerSpec("diffusion_dpo", f"{_ALGORITHMS}.dpo_config:DiffusionDPOConfig",
                 f"{_ALGORITHMS}.dpo_trainer:DiffusionDPOTrainer"),
+    TrainerSpec("dgpo", f"{_ALGORITHMS}.dgpo_config:DGPOConfig", f"{_ALGORITHMS}.dgpo_trainer:DGPOTrainer"),
+    TrainerSpec("crd", f"{_ALGORITHMS}.crd_config:CRDConfig", f"{_ALGORITHMS}.crd_trainer:CRDTrainer"),
 )}
 DEFAULT_TRAINER = "flow_grpo"
 

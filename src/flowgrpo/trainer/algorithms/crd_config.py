@@ -139,6 +139,9 @@ class CRDConfig(OnlineRLConfig):
 
     def _check_algorithm(self) -> None:
         check_choice("sampler", self.sampler, CRD_SAMPLERS)
+        if self.regularizer is not None:
+            raise ValueError(f"regularizer={self.regularizer!r} gates a per-sample KL penalty, which CRDTrainer does "
+                             "not take; unset it (CRD's own KL is beta at kl_guidance_scale, weighted by reward).")
         check_choice("loss_type", self.loss_type, CRD_LOSS_TYPES)
         check_choice("crd_centering", self.crd_centering, CENTERINGS)
         if not _is_int(self.crd_num_timesteps) or self.crd_num_timesteps < 1:

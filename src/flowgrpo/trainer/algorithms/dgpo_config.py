@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
+from .train_guidance import TrainGuidanceArguments
 
 DGPO_SAMPLERS = ("dpmpp_2m", "euler")
 
@@ -31,7 +32,7 @@ def _is_int(value) -> bool:
 
 @document_config
 @dataclass
-class DGPOConfig(OnlineRLConfig):
+class DGPOConfig(TrainGuidanceArguments, OnlineRLConfig):
     r"""Configuration for [`DGPOTrainer`]: the shared settings of [`OnlineRLConfig`] plus DGPO's ODE rollouts,
     trained steps, group-level preference loss, DSM-ratio trust region, KL term and EMA reference (the math:
     ``flowgrpo.trainer.algorithms.dgpo_loss``)."""
@@ -50,8 +51,8 @@ class DGPOConfig(OnlineRLConfig):
     )
     guidance_scale: float = field(
         default=4.5,
-        metadata={"help": "CFG scale of the rollouts (DGPO: 4.5). The trained velocity is always the conditional "
-                          "one (CFG-free), as in the official code; the KL reference may be guided, see "
+        metadata={"help": "CFG scale of the rollouts (DGPO: 4.5). The trained velocity is the conditional one "
+                          "(train_guidance_scale 1.0), as in the official code; the KL reference may be guided, see "
                           "kl_guidance_scale."},
     )
 
@@ -109,7 +110,8 @@ class DGPOConfig(OnlineRLConfig):
     kl_guidance_scale: float = field(
         default=1.0,
         metadata={"help": "CFG scale of the base's velocity in the KL term and in the DGPO reference: > 1 guides it "
-                          "with the negative prompt (the official kl_cfg; default 1.0, the conditional velocity)."},
+                          "with the negative prompt (the official kl_cfg); at 1.0 or below the base is called at "
+                          "train_guidance_scale, as the trained velocity (default 1.0: the conditional velocity)."},
     )
 
     # ---- the EMA reference ---------------------------------------------------------------------------
@@ -139,7 +141,11 @@ class DGPOConfig(OnlineRLConfig):
     _trainer_name = "DGPOTrainer"
 
     def _check_algorithm(self) -> None:
+        self._check_train_guidance()
         check_choice("sampler", self.sampler, DGPO_SAMPLERS)
+        if self.regularizer is not None:
+            raise ValueError(f"regularizer={self.regularizer!r} gates a per-sample KL penalty, which DGPOTrainer does "
+                             "not take; unset it (DGPO's own KL is beta at kl_guidance_scale).")
         steps = self.num_inference_steps
         trunc = self.dgpo_trunc_steps
         if not _is_int(trunc) or trunc < 0 or (steps is not None and trunc > steps - 1):  # steps: once resolved

@@ -20,6 +20,9 @@ Two ways to hold it:
 * `FrozenCopyOldPolicy` (full fine-tuning): a frozen copy of the transformer, saved in each checkpoint as
   ``old_policy.safetensors``.
 
+The same two forms hold any further named copy a trainer keeps (CRD's sampling copy, `build_old_policy` with another
+``name``): the adapter ``<name>``, or the frozen copy saved as ``<name>_policy.safetensors``.
+
 Both update in float32 arithmetic and in place, so that sharded (DTensor) LoRA tensors stay sharded. The pairs of
 trained and old tensors are looked up by name when they are used, not kept: FSDP2 replaces a module's parameters by
 sharded ones when it wraps the model, after the old policy was built.
@@ -38,7 +41,7 @@ OLD_POLICY_ADAPTER = "old"
 OLD_POLICY_WEIGHTS_NAME = "old_policy.safetensors"
 
 __all__ = ["OLD_POLICY_ADAPTER", "OLD_POLICY_WEIGHTS_NAME", "AdapterOldPolicy", "FrozenCopyOldPolicy", "OldPolicy",
-           "build_old_policy", "old_adapter_left_out", "old_policy_decay"]
+           "build_old_policy", "copy_weights_name", "old_adapter_left_out", "old_policy_decay"]
 
 
 def old_policy_decay(step: int, start: int, rate: float, maximum: float) -> float:
@@ -134,10 +137,17 @@ class AdapterOldPolicy(OldPolicy):
                 p.requires_grad_(flag)
 
 
-class FrozenCopyOldPolicy(OldPolicy):
-    """The old policy as a frozen copy of the fully fine-tuned transformer."""
+def copy_weights_name(name: str) -> str:
+    """The checkpoint file of a frozen copy named ``name`` (``"old"``: ``old_policy.safetensors``)."""
+    return f"{name}_policy.safetensors"
 
-    def __init__(self, module: torch.nn.Module):
+
+class FrozenCopyOldPolicy(OldPolicy):
+    """The old policy (or another named copy) as a frozen copy of the fully fine-tuned transformer, saved in each
+    checkpoint as ``weights_name``."""
+
+    def __init__(self, module: torch.nn.Module, weights_name: str = OLD_POLICY_WEIGHTS_NAME):
+        self.weights_name = weights_name
         self.trained = module
         self.module = copy.deepcopy(module).requires_grad_(False).eval()
         self.names = [k for k, p in module.named_parameters() if p.requires_grad]
@@ -161,33 +171,37 @@ class FrozenCopyOldPolicy(OldPolicy):
         from safetensors.torch import save_file
 
         state = {k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()}
-        save_file(state, os.path.join(folder, OLD_POLICY_WEIGHTS_NAME))
+        save_file(state, os.path.join(folder, self.weights_name))
 
     def load(self, folder: str | os.PathLike) -> None:
         from safetensors.torch import load_file
 
-        path = os.path.join(folder, OLD_POLICY_WEIGHTS_NAME)
+        path = os.path.join(folder, self.weights_name)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{folder} has no {OLD_POLICY_WEIGHTS_NAME}: it was not written by a "
+            raise FileNotFoundError(f"{folder} has no {self.weights_name}: it was not written by a "
                                     "run that fine-tunes the whole transformer with an old policy, so its old policy "
                                     "cannot be restored.")
         self.module.load_state_dict(load_file(path, device="cpu"))
 
 
-def build_old_policy(model: torch.nn.Module, is_peft: bool) -> OldPolicy:
-    """A second adapter of a LoRA-trained model, or a frozen copy of a fully fine-tuned one."""
-    return AdapterOldPolicy(model) if is_peft else FrozenCopyOldPolicy(model)
+def build_old_policy(model: torch.nn.Module, is_peft: bool, name: str = OLD_POLICY_ADAPTER) -> OldPolicy:
+    """A second adapter (named ``name``) of a LoRA-trained model, or a frozen copy of a fully fine-tuned one (saved
+    as ``<name>_policy.safetensors``)."""
+    if is_peft:
+        return AdapterOldPolicy(model, name=name)
+    return FrozenCopyOldPolicy(model, weights_name=copy_weights_name(name))
 
 
 @contextmanager
-def old_adapter_left_out(peft_model: torch.nn.Module | None) -> Iterator[None]:
+def old_adapter_left_out(peft_model: torch.nn.Module | None,
+                         names: tuple[str, ...] = (OLD_POLICY_ADAPTER,)) -> Iterator[None]:
     """Exports write the trained adapter only: peft's own save writes every adapter of ``peft_config``, so the old one
-    is taken out of it for the duration of that save (and only that: the diffusers export relies on it being there to
-    leave its tensors out). ``None`` (full fine-tuning): nothing to do."""
+    (and any other copy named in ``names``) is taken out of it for the duration of that save (and only that: the
+    diffusers export relies on it being there to leave its tensors out). ``None`` (full fine-tuning): nothing to
+    do."""
     configs = getattr(peft_model, "peft_config", None) or {}
-    held = configs.pop(OLD_POLICY_ADAPTER, None)
+    held = {name: configs.pop(name) for name in names if name in configs}
     try:
         yield
     finally:
-        if held is not None:
-            configs[OLD_POLICY_ADAPTER] = held
+        configs.update(held)

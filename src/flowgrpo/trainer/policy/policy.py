@@ -9,16 +9,18 @@
 * **The reference policy** (`reference.py`): the base with the LoRA switched off, a ``ref`` adapter (refreshed by
   ``sync_ref_model`` and GARDO), or a frozen copy of a fully fine-tuned transformer.
 * **The old policy** (`old_policy.py`): a second LoRA adapter or a frozen copy, moved toward the trained weights after
-  each optimizer step (DiffusionNFT's sampler, AWM's EMA adapter).
+  each optimizer step (DiffusionNFT's sampler, AWM's EMA adapter, DGPO's EMA reference, CRD's old copy).
+* **Named copies** (``copies``, `build_copy`): more copies of the same two forms, each with its own name and schedule
+  (CRD's sampling copy: the adapter ``sampling``, or ``sampling_policy.safetensors`` for full fine-tuning).
 * **The EMA** of the trained weights (`ema.py`), swapped in for evaluation and export.
 * **Saving and loading** all of them: an export (a checkpoint or the output folder) holds the diffusers LoRA
   (``pytorch_lora_weights.safetensors``, the EMA's weights when there is an EMA) or the full transformer, and the EMA
-  state; a checkpoint also holds the old policy and the reference adapter.
+  state; a checkpoint also holds the old policy, the named copies and the reference adapter.
 
 It is built in two steps: the constructor loads (``transformers.Trainer`` needs the model to exist), and `attach`
 gives it the accelerator and a way to reach the trainer's current model (``Trainer`` wraps and unwraps it) once
 ``Trainer.__init__`` has run. The parts built after that (`place_on_device`, `build_ema`, `build_reference`,
-`encode_negative_prompt`, `build_old_policy`) are called by the trainer in that order.
+`encode_negative_prompt`, `build_old_policy`, `build_copy`) are called by the trainer in that order.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ class Policy:
         self.ema: EMAWeights | None = None
         self.reference: ReferencePolicy | None = None
         self.old_policy: OldPolicy | None = None
+        #: named copies of the policy beside the old one (name -> copy), built by `build_copy`
+        self.copies: dict[str, OldPolicy] = {}
         #: the negative prompt's embedding (None when it depends on each source image, or before it is encoded)
         self.negative_embeds: PromptEmbeds | None = None
         self._model_fn: Callable[[], torch.nn.Module] = lambda: self.model
@@ -168,6 +172,16 @@ class Policy:
     def build_old_policy(self) -> None:
         """A second copy of the policy (DiffusionNFT's old policy, AWM's EMA adapter), saved in every checkpoint."""
         self.old_policy = build_old_policy(self.model, self.is_peft)
+
+    def build_copy(self, name: str) -> OldPolicy:
+        """One more copy of the policy, ``copies[name]``: an adapter ``name`` (LoRA) or a frozen copy saved as
+        ``<name>_policy.safetensors``; it starts equal to the policy, moves by `update_copy`, is saved in every
+        checkpoint, restored on resume and left out of exports."""
+        taken = {"default", OLD_POLICY_ADAPTER, REFERENCE_ADAPTER, *self.copies}
+        if name in taken or not name.isidentifier():
+            raise ValueError(f"copy name {name!r} is taken or not an identifier; the names in use are {sorted(taken)}.")
+        self.copies[name] = build_old_policy(self.model, self.is_peft, name=name)
+        return self.copies[name]
 
     # ------------------------------------------------------------------------------------------------
     # the trained model
@@ -240,14 +254,21 @@ class Policy:
     def update_old_policy(self, decay: float) -> None:
         """theta_old <- decay theta_old + (1 - decay) theta. Under DeepSpeed ZeRO-3 the trained and old tensors are
         gathered while they are updated (every process computes the same values; process 0's are kept)."""
+        self._update(self.old_policy, decay)
+
+    def update_copy(self, name: str, decay: float) -> None:
+        """theta_name <- decay theta_name + (1 - decay) theta for the copy ``copies[name]`` (as `update_old_policy`)."""
+        self._update(self.copies[name], decay)
+
+    def _update(self, kept: OldPolicy, decay: float) -> None:
         gather = nullcontext()
         if self._zero3:
             import deepspeed
 
-            tensors = [p for pair in self.old_policy.pairs for p in pair if hasattr(p, "ds_id")]
+            tensors = [p for pair in kept.pairs for p in pair if hasattr(p, "ds_id")]
             gather = deepspeed.zero.GatheredParameters(tensors, modifier_rank=0)
         with gather:
-            self.old_policy.update(decay)
+            kept.update(decay)
 
     # ------------------------------------------------------------------------------------------------
     # saving and loading
@@ -255,10 +276,12 @@ class Policy:
     @contextmanager
     def trainer_save_context(self, in_checkpoint: bool) -> Iterator[None]:
         """Around ``Trainer``'s own save of the trained model (peft's adapter files, or the transformer's weights):
-        exports leave the old-policy adapter out, and every save leaves out the reference adapter (saved by
-        `ReferencePolicy.save`)."""
-        export = self.old_policy is not None and self.is_peft and not in_checkpoint
-        with old_adapter_left_out(self.unwrapped) if export else nullcontext(), self._reference_adapter_left_out():
+        exports leave the old-policy adapter and the named copies out, and every save leaves out the reference adapter
+        (saved by `ReferencePolicy.save`)."""
+        names = ((OLD_POLICY_ADAPTER,) if self.old_policy is not None else ()) + tuple(self.copies)
+        export = bool(names) and self.is_peft and not in_checkpoint
+        with old_adapter_left_out(self.unwrapped, names) if export else nullcontext(), \
+                self._reference_adapter_left_out():
             yield
 
     @contextmanager
@@ -274,7 +297,8 @@ class Policy:
 
     def save(self, output_dir: str, state_dict: dict | None = None, in_checkpoint: bool = False) -> None:
         """The diffusers export (the EMA's weights when there is an EMA, unless ``state_dict``, a gathered full state
-        dict, is given) and the EMA state; in a checkpoint also the old policy and the reference adapter."""
+        dict, is given) and the EMA state; in a checkpoint also the old policy, the named copies and the reference
+        adapter."""
         ema = self.ema_weights() if state_dict is None else nullcontext()
         with ema:
             if self.is_peft:
@@ -294,22 +318,29 @@ class Policy:
         if in_checkpoint:
             if self.old_policy is not None:
                 self.old_policy.save(output_dir)
+            for named in self.copies.values():
+                named.save(output_dir)
             if self.reference is not None and self.reference.kind == "adapter":
                 self.reference.save(output_dir)
 
     def check_resumable(self, folder: str, trainer_name: str) -> None:
-        """A checkpoint without the old-policy adapter cannot continue a run that keeps one."""
-        if self.old_policy is not None and self.is_peft and not os.path.isdir(os.path.join(folder, OLD_POLICY_ADAPTER)):
-            raise ValueError(f"{folder} holds no old-policy adapter ({OLD_POLICY_ADAPTER}/): it was not written by "
-                             f"{trainer_name} with the same settings, so the run cannot continue exactly. Resume from "
-                             f"a {trainer_name} checkpoint, or start a new run.")
+        """A checkpoint without the old-policy adapter (or a named copy's) cannot continue a run that keeps one."""
+        names = ((OLD_POLICY_ADAPTER,) if self.old_policy is not None else ()) + tuple(self.copies)
+        for name in names if self.is_peft else ():
+            if not os.path.isdir(os.path.join(folder, name)):
+                what = "old-policy adapter" if name == OLD_POLICY_ADAPTER else f"adapter of the policy copy {name!r}"
+                raise ValueError(f"{folder} holds no {what} ({name}/): it was not written by {trainer_name} with the "
+                                 f"same settings, so the run cannot continue exactly. Resume from a {trainer_name} "
+                                 "checkpoint, or start a new run.")
 
     def load(self, folder: str) -> None:
-        """What `save` wrote besides the trained weights (``Trainer`` loads those): the EMA, the old policy, the
-        reference adapter."""
+        """What `save` wrote besides the trained weights (``Trainer`` loads those and every adapter): the EMA, the old
+        policy, the named copies, the reference adapter."""
         self.load_ema(folder)
         if self.old_policy is not None:
             self.old_policy.load(folder)
+        for named in self.copies.values():
+            named.load(folder)
         if self.reference is not None and self.reference.kind == "adapter":
             self.reference.load(folder)
 
