@@ -51,6 +51,21 @@ def test_bad_backend_settings_are_refused_with_the_value_and_the_fix(kwargs, mes
     assert message in str(raised.value)
 
 
+@pytest.mark.parametrize("config_name, group, message", [
+    ("DGPOConfig", 16, "switch to the EMA reference"),
+    ("CRDConfig", 24, "named sampling copy"),
+])
+def test_trainers_whose_rollouts_workers_cannot_reproduce_refuse_ray(config_name, group, message):
+    import flowgrpo
+
+    config_class = getattr(flowgrpo, config_name)
+    config_class(output_dir="/tmp/unused", report_to=[], per_device_train_batch_size=group)  # local: accepted
+    with pytest.raises(ValueError) as raised:
+        config_class(output_dir="/tmp/unused", report_to=[], per_device_train_batch_size=group, rollout_backend="ray")
+    assert f"rollout_backend='ray' with {config_name}: its rollouts" in str(raised.value)
+    assert message in str(raised.value) and "Use rollout_backend: local." in str(raised.value)
+
+
 def test_backend_settings_parse_json_resources():
     args = config(rollout_backend="ray", rollout_worker_resources='{"num_gpus": 1, "num_cpus": 4}', max_staleness=1,
                   weight_sync_steps=2)
