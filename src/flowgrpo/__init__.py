@@ -4,6 +4,7 @@
     from flowgrpo import DiffusionNFTConfig, DiffusionNFTTrainer
     from flowgrpo import AWMConfig, AWMTrainer
     from flowgrpo import DiffusionDPOConfig, DiffusionDPOTrainer
+    from flowgrpo import DiffusionOPDConfig, DiffusionOPDTrainer
 
 Every trainer of the registry (``flowgrpo.trainer.registry.TRAINERS``) is exported with its configuration.
 """
@@ -26,6 +27,8 @@ if TYPE_CHECKING:  # pragma: no cover  (the names __all__ lists, from the regist
         DiffusionDPOTrainer,
         DiffusionNFTConfig,
         DiffusionNFTTrainer,
+        DiffusionOPDConfig,
+        DiffusionOPDTrainer,
         FlowGRPOConfig,
         FlowGRPOTrainer,
     )

@@ -1,5 +1,6 @@
-"""The trainers a recipe can name (``trainer: flow_grpo | diffusion_nft | awm | diffusion_dpo``), each with its
-configuration class: the one table that the command line, the toy world and the package's lazy exports read.
+"""The trainers a recipe can name (``trainer: flow_grpo | diffusion_nft | awm | diffusion_dpo | diffusion_opd``),
+each with its configuration class: the one table that the command line, the toy world and the package's lazy exports
+read.
 
 Configurations import cheaply (for ``--help`` and recipe checks); trainer classes load on first use. Adding an
 algorithm is one `TrainerSpec` here (docs/architecture.md, "How to add an algorithm").
@@ -41,6 +42,8 @@ TRAINERS: dict[str, TrainerSpec] = {spec.name: spec for spec in (
     TrainerSpec("awm", f"{_ALGORITHMS}.awm_config:AWMConfig", f"{_ALGORITHMS}.awm_trainer:AWMTrainer"),
     TrainerSpec("diffusion_dpo", f"{_ALGORITHMS}.dpo_config:DiffusionDPOConfig",
                 f"{_ALGORITHMS}.dpo_trainer:DiffusionDPOTrainer"),
+    TrainerSpec("diffusion_opd", f"{_ALGORITHMS}.opd_config:DiffusionOPDConfig",
+                f"{_ALGORITHMS}.opd_trainer:DiffusionOPDTrainer"),
 )}
 DEFAULT_TRAINER = "flow_grpo"
 
