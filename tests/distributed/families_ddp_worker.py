@@ -7,6 +7,11 @@ One launch (one start-up) for all families: each rank builds a ``FlowGRPOTrainer
 trains two optimizer steps under DDP; after every step it records the logged metrics, a digest of its trainable
 weights (equal on both ranks when gradients are synchronised) and a digest of its own samples (different: each
 rank samples its own noise). Rank ``r`` writes ``DIR/rank<r>.json``.
+
+With ``--new_methods PIPELINE --teacher_lora DIR`` the same launch then trains, on that pipeline, the newer methods
+(recorded as cases ``new:dppo_branch`` and ``new:opd``): Flow-GRPO with Flow-DPPO's trust region and BranchGRPO
+trees of 4 leaves split over the two ranks (each rank samples and trains its own half of every tree), and
+on-policy distillation from the teacher LoRA.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pipelines", required=True, help="JSON {case name: tiny pipeline folder}")
     parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--new_methods", default=None, help="a tiny pipeline to train the newer methods on")
+    parser.add_argument("--teacher_lora", default=None, help="the teacher LoRA of --new_methods' distillation")
     cli = parser.parse_args()
 
     from datasets import Dataset
@@ -40,7 +47,7 @@ def main() -> None:
     from support.family_cases import CASES, brightness_reward, config_kwargs, dataset_rows
     from transformers import TrainerCallback
 
-    from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
+    from flowgrpo import DiffusionOPDConfig, DiffusionOPDTrainer, FlowGRPOConfig, FlowGRPOTrainer
 
     paths = json.loads(cli.pipelines)
     out = Path(cli.output_dir)
@@ -66,7 +73,7 @@ def main() -> None:
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = logs or {}
-            if "ratio_mean" not in logs:
+            if "ratio_mean" not in logs and "opd_kl" not in logs:
                 return
             images, _, rewards = self.trainer.rollouts.last_samples
             frames = [f for sample in images for f in (sample if isinstance(sample, list) else [sample])]
@@ -92,6 +99,29 @@ def main() -> None:
         trainer.add_callback(Recorder(trainer, records[case.name]))
         trainer.train()
         trainer.reward_set.close()
+    if cli.new_methods:
+        from support.family_cases import PROMPTS
+
+        common = dict(report_to=[], resolution=32, num_inference_steps=3, eval_num_inference_steps=3,
+                      guidance_scale=1.0, learning_rate=1e-2, beta=0.0, max_sequence_length=16, logging_steps=1,
+                      save_strategy="no", disable_tqdm=True, seed=0, log_images_steps=0, dtype="float32",
+                      use_cpu=True, noise_level=1.0, per_device_train_batch_size=2, max_steps=2)
+        runs = {
+            "new:dppo_branch": (FlowGRPOConfig, FlowGRPOTrainer, dict(
+                num_generations=4, branch_steps=[0, 1], policy_loss="dppo", num_iterations=2)),
+            "new:opd": (DiffusionOPDConfig, DiffusionOPDTrainer, dict(num_generations=2,
+                                                                      teacher_lora=cli.teacher_lora)),
+        }
+        for name, (config_class, trainer_class, own) in runs.items():
+            args = config_class(output_dir=str(out / name.replace(":", "_")), **common, **own)
+            trainer = trainer_class(model=cli.new_methods, reward_funcs=brightness_reward, args=args,
+                                    train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                                    peft_config=LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian"))
+            rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
+            records[name] = []
+            trainer.add_callback(Recorder(trainer, records[name]))
+            trainer.train()
+            trainer.reward_set.close()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": world, "cases": records,
                                                       "pid": os.getpid()}))
