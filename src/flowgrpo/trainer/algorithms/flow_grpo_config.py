@@ -329,11 +329,6 @@ class FlowGRPOConfig(OnlineRLConfig):
             if not self.branch_prune_depths:
                 raise ValueError("branch_pruning='depth' needs branch_prune_depths, the depths whose edges are left "
                                  "out, e.g. [15, 16, 17, 18] for 20 steps.")
-        if self.branch_pruning == "width" and self.num_inference_steps is not None and \
-                max(self.branch_steps) >= self.num_inference_steps - 1:
-            raise ValueError(f"branch_pruning='width' prunes the edges after the last split step, but the last split "
-                             f"step {max(self.branch_steps)} is the final sampling step; split earlier or use "
-                             "branch_pruning: none.")
 
     @property
     def uses_branching(self) -> bool:
