@@ -58,23 +58,26 @@ class Teacher:
         raise NotImplementedError
 
 
-def _lora_file(source: str, weight_name: str) -> tuple[str, dict]:
-    """Where ``pipeline_cls.lora_state_dict`` reads a LoRA: a folder (``weight_name`` in it), a file, or a Hub id."""
+def _lora_file(source: str, weight_name: str, required: bool) -> tuple[str, dict]:
+    """Where ``pipeline_cls.lora_state_dict`` reads a LoRA: a file, a folder or a Hub id holding ``weight_name`` (when
+    not ``required``, a folder or repository without it is searched by diffusers for its one LoRA file)."""
     if os.path.isfile(source):
         return os.path.dirname(source) or ".", {"weight_name": os.path.basename(source)}
-    if os.path.isdir(source):
-        if not os.path.isfile(os.path.join(source, weight_name)):
+    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, weight_name)):
+        if required:
             raise FileNotFoundError(f"The teacher LoRA folder {source!r} has no {weight_name}; give the folder a "
                                     "trainer exported (or its .safetensors file).")
-        return source, {"weight_name": weight_name}
-    return source, {"weight_name": weight_name}  # a Hub id
+        return source, {}
+    return source, {"weight_name": weight_name} if required or os.path.isdir(source) else {}
 
 
-def read_teacher_lora(pipeline_cls: Any, source: str, weight_name: str = LORA_WEIGHTS_NAME
+def read_teacher_lora(pipeline_cls: Any, source: str, weight_name: str = LORA_WEIGHTS_NAME, required: bool = False
                       ) -> tuple[dict[str, torch.Tensor], dict]:
     """The LoRA tensors of the transformer, keyed like the bare transformer's modules
-    (``transformer_blocks.0.attn.to_q.lora_A.weight``), and the ``LoraConfig`` keyword arguments that rebuild it."""
-    location, kwargs = _lora_file(source, weight_name)
+    (``transformer_blocks.0.attn.to_q.lora_A.weight``), and the ``LoraConfig`` keyword arguments that rebuild it.
+    ``required``: ``weight_name`` must be there (a second expert's file); else a folder or Hub repository without it
+    is read the way ``load_lora_weights`` reads it."""
+    location, kwargs = _lora_file(source, weight_name, required)
     state, metadata = pipeline_cls.lora_state_dict(location, return_lora_metadata=True, **kwargs)
     prefix = "transformer."
     layers = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
@@ -101,7 +104,7 @@ def _lora_parts(pipeline_cls: Any, source: str, experts: tuple[str, ...] | None)
         return read_teacher_lora(pipeline_cls, source)
     layers, config = {}, None
     for name in experts:
-        part, part_config = read_teacher_lora(pipeline_cls, source, EXPERT_LORA_WEIGHTS_NAMES[name])
+        part, part_config = read_teacher_lora(pipeline_cls, source, EXPERT_LORA_WEIGHTS_NAMES[name], required=True)
         layers.update({f"{name}.{k}": v for k, v in part.items()})
         if config is None:
             config = dict(part_config)
