@@ -197,3 +197,30 @@ def test_branch_settings_that_do_not_fit_a_tree_are_refused(tmp_path):
                        (dict(reward_aggregation="normalize_then_sum"), "reward_aggregation")):
         with pytest.raises(ValueError, match=match):
             make_args(tmp_path, **base, **bad)
+
+
+def test_engine_samples_stretches_from_given_latents_with_given_draws(tiny_sd3_path, tmp_path):
+    """Two stretches of steps, the second from where the first ended, sample what one whole call samples with the
+    same draws; each SDE step's next state is mean + std z with the caller's z."""
+    trainer = make_trainer(tiny_sd3_path, tmp_path, num_inference_steps=4)
+    engine = trainer.rollouts
+    embeds, rows = engine.encode_unique(PROMPTS[:2])
+    embeds = embeds.index_select(rows)
+    x = trainer.adapter.prepare_latents(2, 64, 64, torch.Generator().manual_seed(0), torch.device("cpu"),
+                                        torch.float32)
+    draws = {i: torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)}
+    kwargs = dict(record=True, record_means=True, step_noise=lambda i: draws[i])
+    with torch.no_grad(), trainer.policy.generation_context() as model:
+        whole, record = engine.sample(model, embeds, 4, 1.0, 0.7, (0, 3), None, initial_latents=x, **kwargs)
+        middle, first = engine.sample(model, embeds, 4, 1.0, 0.7, (0, 3), None, initial_latents=x, steps=(0, 2),
+                                      **kwargs)
+        end, second = engine.sample(model, embeds, 4, 1.0, 0.7, (0, 3), None, initial_latents=middle, steps=(2, 4),
+                                    **kwargs)
+    torch.testing.assert_close(end, whole)
+    for key in ("latents", "next_latents", "log_probs", "means"):
+        torch.testing.assert_close(torch.cat([first[key], second[key]], dim=1), record[key])
+    assert record["latents"].shape[1] == 3 and second["latents"].shape[1] == 1  # step 3 is deterministic
+    std = (record["next_latents"][:, 0] - record["means"][:, 0]) / draws[0]
+    assert float(std.std() / std.mean()) < 1e-4  # one std per sample: x' = mean + std z
+    with pytest.raises(ValueError, match="initial_latents"):
+        engine.sample(trainer.model, embeds, 4, 1.0, 0.7, (0, 3), None, record=False, steps=(1, 2))
