@@ -6,6 +6,7 @@
     from flowgrpo import DiffusionDPOConfig, DiffusionDPOTrainer
     from flowgrpo import DGPOConfig, DGPOTrainer
     from flowgrpo import CRDConfig, CRDTrainer
+    from flowgrpo import DiffusionOPDConfig, DiffusionOPDTrainer
 
 Every trainer of the registry (``flowgrpo.trainer.registry.TRAINERS``) is exported with its configuration.
 """
@@ -32,6 +33,8 @@ if TYPE_CHECKING:  # pragma: no cover  (the names __all__ lists, from the regist
         DiffusionDPOTrainer,
         DiffusionNFTConfig,
         DiffusionNFTTrainer,
+        DiffusionOPDConfig,
+        DiffusionOPDTrainer,
         FlowGRPOConfig,
         FlowGRPOTrainer,
     )

@@ -107,6 +107,11 @@ def test_bad_values_name_the_key(tmp_path):
         parse_recipe([TINY, "--reward_funcs", "ocrr", "--reward_weights", "1.0"])
     with pytest.raises(RecipeError, match="reward_weights has 1 value"):
         parse_recipe([TINY, "--reward_weights", "1.0"])
+    # rewards replaced on the command line without weights: the recipe's weights (for its own rewards) are dropped
+    script_args, _, args = parse_recipe([TINY, "--reward_funcs", "jpeg_compressibility"])
+    assert script_args.reward_funcs == ["jpeg_compressibility"] and args.reward_weights is None
+    with pytest.raises(RecipeError, match="reward_weights has 2 value"):  # weights given with them are checked
+        parse_recipe([TINY, "--reward_funcs", "ocr", "--reward_weights", "1.0", "2.0"])
     with pytest.raises(RecipeError, match="lora_init='kaiming'"):
         parse_recipe([TINY, "--lora_init", "kaiming"])
     with pytest.raises(RecipeError, match="build_tiny_pipeline_if_missing='sdxl'"):

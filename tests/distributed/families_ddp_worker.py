@@ -10,6 +10,11 @@ rank samples its own noise). Each trainer named in ``--trainers`` then trains on
 pipeline (one trained noise level, one group of four images split over the two ranks, so that its cross-process sums
 and gathers join samples of one group; a LoRA initialised away from zero, so that the policy differs from the base
 from the start), recorded under ``<case>/<trainer>``. Rank ``r`` writes ``DIR/rank<r>.json``.
+
+With ``--new_methods PIPELINE --teacher_lora DIR`` the same launch then trains, on that pipeline, the newer methods
+(recorded as cases ``new:dppo_branch`` and ``new:opd``): Flow-GRPO with Flow-DPPO's trust region and BranchGRPO
+trees of 4 leaves split over the two ranks (each rank samples and trains its own half of every tree), and
+on-policy distillation from the teacher LoRA.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ def main() -> None:
     parser.add_argument("--pipelines", required=True, help="JSON {case name: tiny pipeline folder}")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--trainers", default="[]", help="JSON list of further trainer names (the registry's)")
+    parser.add_argument("--new_methods", default=None, help="a tiny pipeline to train the newer methods on")
+    parser.add_argument("--teacher_lora", default=None, help="the teacher LoRA of --new_methods' distillation")
     cli = parser.parse_args()
 
     from datasets import Dataset
@@ -51,7 +58,7 @@ def main() -> None:
     from support.family_cases import CASES, brightness_reward, config_kwargs, dataset_rows
     from transformers import TrainerCallback
 
-    from flowgrpo import FlowGRPOConfig, FlowGRPOTrainer
+    from flowgrpo import DiffusionOPDConfig, DiffusionOPDTrainer, FlowGRPOConfig, FlowGRPOTrainer
     from flowgrpo.trainer.registry import config_class, trainer_class
 
     paths = json.loads(cli.pipelines)
@@ -78,7 +85,7 @@ def main() -> None:
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = logs or {}
-            if "reward" not in logs or "loss" not in logs:
+            if not ("reward" in logs and "loss" in logs) and "ratio_mean" not in logs and "opd_kl" not in logs:
                 return
             images, _, rewards = self.trainer.rollouts.last_samples
             frames = [f for sample in images for f in (sample if isinstance(sample, list) else [sample])]
@@ -113,6 +120,29 @@ def main() -> None:
                                           peft_config=LoraConfig(r=2, lora_alpha=4, init_lora_weights=False))
             records[f"{case.name}/{kind}"] = []
             trainer.add_callback(Recorder(trainer, records[f"{case.name}/{kind}"]))
+            trainer.train()
+            trainer.reward_set.close()
+    if cli.new_methods:
+        from support.family_cases import PROMPTS
+
+        common = dict(report_to=[], resolution=32, num_inference_steps=3, eval_num_inference_steps=3,
+                      guidance_scale=1.0, learning_rate=1e-2, beta=0.0, max_sequence_length=16, logging_steps=1,
+                      save_strategy="no", disable_tqdm=True, seed=0, log_images_steps=0, dtype="float32",
+                      use_cpu=True, noise_level=1.0, per_device_train_batch_size=2, max_steps=2)
+        runs = {
+            "new:dppo_branch": (FlowGRPOConfig, FlowGRPOTrainer, dict(
+                num_generations=4, branch_steps=[0, 1], policy_loss="dppo", num_iterations=2)),
+            "new:opd": (DiffusionOPDConfig, DiffusionOPDTrainer, dict(num_generations=2,
+                                                                      teacher_lora=cli.teacher_lora)),
+        }
+        for name, (config_cls, trainer_cls, own) in runs.items():
+            args = config_cls(output_dir=str(out / name.replace(":", "_")), **common, **own)
+            trainer = trainer_cls(model=cli.new_methods, reward_funcs=brightness_reward, args=args,
+                                  train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                                  peft_config=LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian"))
+            rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
+            records[name] = []
+            trainer.add_callback(Recorder(trainer, records[name]))
             trainer.train()
             trainer.reward_set.close()
     out.mkdir(parents=True, exist_ok=True)

@@ -543,13 +543,16 @@ FURTHER_TRAINERS = {"dgpo": ("loss", "policy_loss", "dgpo/dsm", "dgpo/group_weig
 
 
 @pytest.mark.slow
-def test_two_ranks_train_every_family(tiny_pipeline_path, tmp_path):
+def test_two_ranks_train_every_family(tiny_pipeline_path, tiny_sd3_path, tmp_path):
+    from support.trainer_cases import teacher_lora_folder
+
     paths = {c.name: str(tiny_pipeline_path(c.family, c.variant)) for c in CASES}
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_ddp.yaml",
            "tests/distributed/families_ddp_worker.py", "--pipelines", json.dumps(paths), "--output_dir", str(tmp_path),
-           "--trainers", json.dumps(list(FURTHER_TRAINERS))]
+           "--trainers", json.dumps(list(FURTHER_TRAINERS)),
+           "--new_methods", str(tiny_sd3_path), "--teacher_lora", str(teacher_lora_folder(tiny_sd3_path))]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -582,6 +585,21 @@ def test_two_ranks_train_every_family(tiny_pipeline_path, tmp_path):
         a, b = r0["cases"][f"{case.name}/dgpo"], r1["cases"][f"{case.name}/dgpo"]
         assert a[1]["logs"]["dgpo/group_score"] == pytest.approx(b[1]["logs"]["dgpo/group_score"], rel=1e-5)
         assert a[1]["logs"]["dgpo/group_score"] != 0.0, case.name
+    # The newer methods on the tiny SD3 pipeline, same launch: each tree of 4 leaves is split over the two ranks.
+    for name in ("new:dppo_branch", "new:opd"):
+        a, b = r0["cases"][name], r1["cases"][name]
+        assert [x["step"] for x in a] == [x["step"] for x in b] == [0, 1, 2], name
+        for x, y in zip(a, b):
+            assert x["weights"] == y["weights"], (name, x["step"])  # gradients synchronised
+        assert len({x["weights"]["all"] for x in a}) == 3, name  # both steps moved the weights
+        assert a[1]["samples"] != b[1]["samples"] and a[1]["logs"]["reward"] == b[1]["logs"]["reward"], name
+    tree_a, tree_b = r0["cases"]["new:dppo_branch"][1]["logs"], r1["cases"]["new:dppo_branch"][1]["logs"]
+    # 6 edges a tree (2 at the split step 0, 4 at step 1), each trained by the one rank that owns it
+    assert tree_a["branch/trained_edges"] + tree_b["branch/trained_edges"] == 6.0
+    assert tree_a["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    second = r0["cases"]["new:dppo_branch"][2]["logs"]
+    assert second["dppo/divergence_mean"] > 0  # the second pass over the same trees
+    assert r0["cases"]["new:opd"][1]["logs"]["opd_kl"] > 0
 
 
 def test_flux2_klein_distilled_takes_one_pass_whatever_the_guidance_scale(tiny_pipeline_path):

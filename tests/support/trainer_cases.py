@@ -1,6 +1,10 @@
 """The tiny trainers the trainer tests share: prompts, a cheap reward, a LoRA, test-sized configurations and
 `make_trainer` for each trainer kind."""
 
+import hashlib
+import tempfile
+from pathlib import Path
+
 import numpy as np
 from datasets import Dataset
 from peft import LoraConfig
@@ -14,6 +18,8 @@ from flowgrpo import (
     DGPOTrainer,
     DiffusionDPOConfig,
     DiffusionDPOTrainer,
+    DiffusionOPDConfig,
+    DiffusionOPDTrainer,
     FlowGRPOConfig,
     FlowGRPOTrainer,
 )
@@ -57,7 +63,47 @@ TRAINER_KINDS = {
     "crd": (CRDConfig, CRDTrainer, dict(crd_num_timesteps=2, sampling_policy_decay_start=1, beta=0.01,
                                         kl_guidance_scale=2.0),
             ("reward", "policy_loss", "crd/implicit_reward", "kl", "grad_norm")),
+    # the teacher: `teacher_lora_folder` of the pipeline, given by make_trainer
+    "diffusion_opd": (DiffusionOPDConfig, DiffusionOPDTrainer, dict(sde_window_size=2, noise_level=1.0),
+                      ("reward", "opd_kl", "grad_norm")),
+    # Flow-GRPO's two switches: two passes over each batch (the trust region acts on the second), and trees
+    "flow_dppo": (FlowGRPOConfig, FlowGRPOTrainer, dict(policy_loss="dppo", num_iterations=2, sde_window_size=2,
+                                                        sde_window_range=[0, 2]),
+                  ("ratio_mean", "policy_loss", "dppo/divergence_mean", "grad_norm")),
+    "branch_grpo": (FlowGRPOConfig, FlowGRPOTrainer, dict(branch_steps=[0, 1], noise_level=1.0),
+                    ("reward", "policy_loss", "ratio_mean", "branch/trained_edges", "grad_norm")),
 }
+
+
+def teacher_lora_folder(pipeline_path, seed: int = 1, rank: int = 4) -> Path:
+    """A teacher for on-policy distillation on the tiny pipeline at ``pipeline_path``: a LoRA of random, non-zero
+    weights (``seed``) exported in diffusers' format, built once per pipeline folder (under the system's temporary
+    folder; parallel test workers build it once)."""
+    import torch
+    from diffusers import DiffusionPipeline
+    from peft import get_peft_model
+
+    from flowgrpo.build_cache import build_folder_once
+    from flowgrpo.models import get_family_adapter
+    from flowgrpo.trainer.outputs.lora_export import LORA_WEIGHTS_NAME, save_diffusers_lora
+
+    key = hashlib.sha1(f"{Path(pipeline_path).resolve()}|{seed}|{rank}".encode()).hexdigest()[:16]
+    target = Path(tempfile.gettempdir()) / "flowgrpo-test-teachers" / key
+
+    def build(staging: Path) -> None:
+        pipeline = DiffusionPipeline.from_pretrained(str(pipeline_path))
+        adapter = get_family_adapter(pipeline)
+        torch.manual_seed(seed)
+        model = get_peft_model(adapter.trainable_module(), LoraConfig(
+            r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian",
+            target_modules=sorted(adapter.default_lora_target_modules)))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.05)
+        save_diffusers_lora(adapter.lora_writer(), staging, model)
+
+    return build_folder_once(target, build, marker=LORA_WEIGHTS_NAME, what="teacher LoRA")
 
 
 def make_args(tmp_path, config_class=FlowGRPOConfig, **kwargs):
@@ -75,6 +121,9 @@ def make_trainer(path, tmp_path, reward=brightness_reward, peft=True, dataset=No
     """A trainer of ``kind`` (`TRAINER_KINDS`) on the tiny pipeline at ``path`` with test-sized defaults (``kwargs``
     go to its configuration)."""
     config_class, trainer_class, _, _ = TRAINER_KINDS[kind]
+    if kind == "diffusion_opd" and not any(kwargs.get(k) for k in ("teacher_lora", "teacher_model_name_or_path",
+                                                                       "teachers")):
+        kwargs["teacher_lora"] = str(teacher_lora_folder(path))
     return trainer_class(
         model=str(path), reward_funcs=reward, args=make_args(tmp_path, config_class, **kwargs),
         train_dataset=dataset if dataset is not None else Dataset.from_dict({"prompt": PROMPTS}),

@@ -35,14 +35,15 @@ TOY_RECIPES = {
     "toy_kl_analytic.yaml": "kl-analytic", "toy_kl_k1.yaml": "kl-k1", "toy_kl_k3.yaml": "kl-k3",
     "toy_kl_velocity.yaml": "kl-velocity", "toy_normalize_then_sum.yaml": "normalize-then-sum",
     "toy_same_noise.yaml": "same-noise", "toy_nft.yaml": "diffusion-nft", "toy_dancegrpo.yaml": "dancegrpo",
-    "toy_awm.yaml": "awm", "toy_nft_fast.yaml": "diffusion-nft-fast",
+    "toy_awm.yaml": "awm", "toy_nft_fast.yaml": "diffusion-nft-fast", "toy_flowdppo.yaml": "flow-dppo",
+    "toy_branchgrpo.yaml": "branchgrpo",
 }
 
 
 def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp_path):
     variants = leaderboard_variants(120)
     names = [s.name for s, _ in variants]
-    assert len(set(names)) == len(names) == 16 and REFERENCE_VARIANT in names and names[-2] == NFT_VARIANT
+    assert len(set(names)) == len(names) == 18 and REFERENCE_VARIANT in names and names[-2] == NFT_VARIANT
     assert names[-1] == "diffusion-nft-fast"
     assert {"dancegrpo", "awm", "diffusion-dpo"} <= set(names)
     reference = next(s for s, _ in variants if s.name == REFERENCE_VARIANT)
@@ -71,6 +72,12 @@ def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp
             args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
             assert (args.sde_type, args.noise_level, args.timestep_fraction, args.epsilon) == ("dance", 0.3, 0.6, 1e-4)
             assert args.same_noise_per_group and args.sde_window_size == 0
+            continue
+        if settings.name in ("flow-dppo", "branchgrpo"):  # Flow-GRPO's own switches, the recipe's world and batch
+            args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
+            assert what and args.generation_batch_size == 32 and args.guidance_scale == reference.guidance_scale
+            assert (args.policy_loss, args.num_iterations) == ("dppo", 2) if settings.name == "flow-dppo" else \
+                (args.branch_steps, args.num_generations, args.sde_window_size) == ([0, 2, 4], 8, 0)
             continue
         if settings.name == NFT_VARIANT:  # the other trainer: its own fields, the recipe's world and batch
             assert settings.trainer == "diffusion_nft" and what
@@ -251,7 +258,7 @@ def test_leaderboard_command_line_fails_fast_on_unknown_variants(tmp_path, capsy
     assert "no-such-variant" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
     runs, descriptions = bench.leaderboard_runs(50, [0, 1, 2], None, None)
-    assert len(runs) == 48 and len(descriptions) == 16 and {r.seed for r in runs} == {0, 1, 2}
+    assert len(runs) == 54 and len(descriptions) == 18 and {r.seed for r in runs} == {0, 1, 2}
     assert all(r.max_steps == 50 for r in runs)
 
 

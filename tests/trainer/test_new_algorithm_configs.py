@@ -214,7 +214,9 @@ def test_branch_grpo_official_setting_and_the_command_line(tmp_path):
     (dict(branch_pruning="depth", branch_prune_depths=[0, 21]), r"branch_prune_depths \[0, 21\] must be depths in "
                                                                "1 .. num_inference_steps = 20"),
     (dict(branch_prune_slide_interval=-1), "branch_prune_slide_interval=-1"),
-    (dict(branch_steps=[0, 3, 6, 19], branch_pruning="width"), "the last split step 19 is the final sampling step"),
+    # the last step is the deterministic step to the clean sample: a split there is refused, with or without pruning
+    (dict(branch_steps=[0, 3, 6, 19], branch_pruning="width"), "splits at the last sampling step 19"),
+    (dict(branch_steps=[0, 3, 6, 19]), "splits at the last sampling step 19"),
     (dict(branch_steps=[], num_generations=16, branch_pruning="width"), "but branch_steps is empty"),
 ])
 def test_branch_grpo_refuses_bad_values(tmp_path, bad, match):

@@ -361,9 +361,29 @@ def parse_recipe(recipe_or_argv: str | os.PathLike | Sequence[str] | None = None
     except (TypeError, ValueError) as err:  # __post_init__ checks of the trainer's configuration
         raise RecipeError(f"Invalid training arguments: {err}") from err
     check_arguments(script_args, model_args)
+    _drop_replaced_rewards_weights(script_args, training_args, cli, overrides)
     check_reward_weights(script_args, training_args)
     _check_world(training_args)
     return script_args, model_args, training_args
+
+
+def _given(name: str, cli: Sequence[str], overrides: Mapping[str, Any] | None) -> bool:
+    flags = (f"--{name}", f"--{name.replace('_', '-')}")
+    return any(a in flags or a.startswith(tuple(f + "=" for f in flags)) for a in cli) or name in (overrides or {})
+
+
+def _drop_replaced_rewards_weights(script_args: ScriptArguments, training_args: Any, cli: Sequence[str],
+                                   overrides: Mapping[str, Any] | None) -> None:
+    """A recipe's ``reward_weights`` belong to its ``reward_funcs``: when the command line (or ``overrides``) replaces
+    the rewards by a different number of them without giving weights, the recipe's weights are dropped (the rewards
+    are then weighted equally), with a notice. Weights given with the new rewards are checked as always."""
+    weights = getattr(training_args, "reward_weights", None)
+    if weights is None or len(weights) == len(script_args.reward_funcs):
+        return
+    if _given("reward_funcs", cli, overrides) and not _given("reward_weights", cli, overrides):
+        print(f"flowgrpo: reward_funcs {list(script_args.reward_funcs)} replace the recipe's rewards; its "
+              f"reward_weights {list(weights)} are dropped (equal weights).", file=sys.stderr)
+        training_args.reward_weights = None
 
 
 #: transformers' own words when bf16 is asked for on a machine without a bf16 GPU (kept for training's refusal).

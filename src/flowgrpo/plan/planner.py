@@ -22,8 +22,11 @@ activations            measured: the transient peak of one trained step's forwar
                        Rollout: one sampling step's peak; decode: one slice's.
 copies                 EMA (float32 copy of the trained parameters), DiffusionNFT's old policy, DGPO's EMA reference,
                        CRD's old and sampling copies (LoRA: one more adapter each; full FT: a frozen copy each), the KL
-                       reference of full fine-tuning (a frozen copy, not sharded: it
-                       lives outside FSDP), and the stored rollout trajectories of a generation batch.
+                       reference of full fine-tuning (a frozen copy, not sharded: it lives outside FSDP), on-policy
+                       distillation's teachers (a LoRA: another adapter of the trained rank; another checkpoint or a
+                       merged copy: a transformer in the model dtype), and the stored rollout trajectories of a
+                       generation batch (x_j, x_{j+1}, and the transition means for GRPO-Guard, Flow-DPPO and
+                       BranchGRPO).
 reward_model           the GPU reward models' weights (REWARD_MODEL_PARAMS); rewards scored on the CPU or a server: 0.
 overhead               CUDA context 0.75 GB, NCCL buffers 0.5 GB when N > 1, and 10% of the dynamic terms
                        (activations and decode) for the caching allocator's fragmentation.
@@ -31,6 +34,10 @@ overhead               CUDA context 0.75 GB, NCCL buffers 0.5 GB when N > 1, and
 
 Phases: ``rollout`` = persistent terms + trajectories + the larger of a sampling step and a decode slice (gradients
 are freed by ``zero_grad``); ``training`` = persistent terms + gradients + activations + trajectories.
+
+FLOPs: the rollout's transformer passes per sample (BranchGRPO: a tree's rows summed over the steps, divided by its
+leaves, since the samples of a tree share their prefixes) and the trained transitions per sample (a tree's edges per
+leaf; on-policy distillation: each with a teacher forward without gradient).
 """
 
 from __future__ import annotations
@@ -110,6 +117,8 @@ def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> Ste
     args = training_args
     height, width = args.image_size
     steps = int(args.num_inference_steps)
+    rollout_passes = trained_passes = 0.0
+    stored = 2
     if trainer == "diffusion_nft":
         trained = max(1, int(math.floor(steps * float(getattr(args, "timestep_fraction", 1.0)))))
     elif trainer in TRAINED_STEP_FIELDS:  # the trained noise levels per micro-batch, each its own backward pass
@@ -117,6 +126,16 @@ def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> Ste
     else:
         window = int(getattr(args, "sde_window_size", 0) or 0)
         trained = window if window > 0 else max(1, steps - 1)
+    if getattr(args, "policy_loss", "clip") == "dppo" or getattr(args, "ratio_normalization", "none") == "grpo_guard":
+        stored = 3
+    if getattr(args, "branch_steps", None):
+        rollout_passes, trained_passes = tree_passes(steps, args.branch_steps, args.branch_factor)
+        stored = 3
+    teachers, teacher_kind = 0, ""
+    if trainer == "diffusion_opd":
+        specs = args.teacher_specs
+        teachers = len(specs)
+        teacher_kind = "lora" if specs[0].lora and model_args.use_peft else "model"
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
         str(args.dtype), torch.bfloat16)
     micro = int(args.per_device_train_batch_size)
@@ -129,7 +148,19 @@ def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> Ste
         checkpointing=bool(args.activation_checkpointing or args.gradient_checkpointing),
         beta=float(args.beta), trainer=trainer, noise_level=float(getattr(args, "noise_level", 0.7) or 0.0),
         sde_type=str(getattr(args, "sde_type", "sde") or "sde"),
-        decode_batch=min(micro, int(getattr(args, "vae_decode_batch_size", None) or micro)))
+        decode_batch=min(micro, int(getattr(args, "vae_decode_batch_size", None) or micro)),
+        rollout_passes=rollout_passes, trained_passes=trained_passes, stored_per_step=stored, teachers=teachers,
+        teacher_kind=teacher_kind)
+
+
+def tree_passes(num_inference_steps: int, branch_steps: list[int], branch_factor: int) -> tuple[float, float]:
+    """A BranchGRPO tree's transformer passes and trained edges per leaf: step s evaluates the nodes it creates
+    (a split repeats each parent once per child), and every step but the last (deterministic) is an edge."""
+    from ..trainer.algorithms.branch_grpo import branch_tree_plan
+
+    plan = branch_tree_plan(num_inference_steps, branch_steps, branch_factor)
+    rows = [plan.width(s + 1) for s in range(num_inference_steps)]
+    return sum(rows) / plan.num_leaves, sum(rows[:-1]) / plan.num_leaves
 
 
 def _opt_bytes_per_param(optimizer: str, param_bytes: int) -> float:
@@ -206,12 +237,17 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
         copies += trainable * 4 / shard
     per_copy = trainable * 4 / shard if s.use_lora else params["total"] * b / shard
     copies += POLICY_COPIES.get(s.trainer, 0) * per_copy
-    if s.beta > 0 and not s.use_lora and s.trainer == "flow_grpo":
+    if s.teacher_kind == "lora":  # each teacher a further adapter, as large as the trained one (its rank assumed)
+        copies += s.teachers * trainable * 4 / shard
+    elif s.teacher_kind == "model":  # another transformer (or a merged copy for full fine-tuning), frozen
+        copies += s.teachers * params["total"] * b / shard
+    if s.beta > 0 and not s.use_lora and s.trainer in ("flow_grpo", "diffusion_opd"):
         copies += params["total"] * b  # the frozen reference copy lives outside FSDP / ZeRO: whole on every GPU
         if n > 1 and par.kind in ("fsdp", "zero2", "zero3"):
             notes.append("full fine-tuning with beta > 0 keeps an unsharded reference copy of the transformer on "
                          "every GPU; beta: 0 removes it.")
-    trajectories = inputs.gradient_accumulation_steps * measure.latent_bytes * (2 * s.trained_steps + 1)
+    trajectories = inputs.gradient_accumulation_steps * measure.latent_bytes * (s.stored_per_step * s.trained_steps
+                                                                                + 1)
     copies += trajectories
     # ---- reward ------------------------------------------------------------------------------------------------
     reward = sum(REWARD_MODEL_PARAMS[r][0] * REWARD_MODEL_PARAMS[r][1] for r in set(inputs.rewards)
@@ -280,8 +316,10 @@ def _collective_bytes(par: Parallelism, params: dict[str, float], trainable: flo
         return 2 * ring * trainable * train_bytes
     # FSDP2 / ZeRO-3: every forward gathers the parameters; every backward gathers them again and reduce-scatters
     # the gradients
-    forwards = ga * (s.num_inference_steps * 1 + s.trained_steps * (2 + (1 if s.beta > 0 else 0)))
-    backwards = ga * s.trained_steps
+    trained = s.trained_passes or s.trained_steps
+    extra = (1 if s.beta > 0 else 0) + (1 if s.teacher_kind else 0)  # reference, teacher: forwards without gradient
+    forwards = ga * ((s.rollout_passes or s.num_inference_steps) + trained * (2 + extra))
+    backwards = ga * trained
     return ring * (forwards * params["total"] * b + backwards * (params["total"] * b + trainable * train_bytes))
 
 
@@ -391,5 +429,5 @@ def suggestions(plan: Plan) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["Plan", "PlanInputs", "REWARD_MODEL_PARAMS", "check_wrap_classes", "compose", "make_plan", "plan_inputs", "settings_from_args",
-           "suggestions"]
+__all__ = ["Plan", "PlanInputs", "REWARD_MODEL_PARAMS", "check_wrap_classes", "compose", "make_plan", "plan_inputs",
+           "settings_from_args", "suggestions", "tree_passes"]

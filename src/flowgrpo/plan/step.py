@@ -62,10 +62,16 @@ class StepSettings:
     lora_targets: tuple[str, ...]
     checkpointing: bool
     beta: float
-    trainer: str                     # "flow_grpo", or a forward-process trainer ("diffusion_nft", "dgpo", "crd", ...)
+    trainer: str                     # "flow_grpo" | "diffusion_opd", or a forward-process one ("diffusion_nft", "dgpo", ...)
     noise_level: float
     sde_type: str
     decode_batch: int
+    rollout_passes: float = 0.0      # transformer passes per sample over a rollout (0: num_inference_steps); a
+                                     # BranchGRPO tree's samples share their prefixes, so fewer
+    trained_passes: float = 0.0      # trained transitions per sample (0: trained_steps); a tree's edges per leaf
+    stored_per_step: int = 2         # latents kept per recorded step: x_j, x_{j+1} (3 with the transition means)
+    teachers: int = 0                # on-policy distillation: the teachers kept
+    teacher_kind: str = ""           # "lora" (a further adapter) | "model" (another transformer) | "" (none)
 
 
 @dataclass
@@ -369,7 +375,7 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
             x_next, old_log_prob = out.prev_sample, out.log_prob
             del v, out
         measure.rollout_bytes = live.peak
-        measure.rollout_flops = live.get_total_flops() * settings.num_inference_steps
+        measure.rollout_flops = live.get_total_flops() * (settings.rollout_passes or settings.num_inference_steps)
 
         # ---- decode: one slice of the micro-batch ------------------------------------------------------------------
         if decode:  # the VAE does not change with the transformer's depth: measured once
@@ -388,12 +394,21 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
         hooks = [p.register_post_accumulate_grad_hook(lambda param: live.exclude(param.grad))
                  for p in model.parameters() if p.requires_grad]
         with live, flops:
-            if settings.trainer == "flow_grpo":
+            if settings.trainer in ("flow_grpo", "diffusion_opd"):
                 v = velocity(model, latents, timesteps[0])
                 out = sde_step_from_sigmas(v, latents, sigmas[0], sigmas[1], prev_sample=x_next,
                                            noise_level=settings.noise_level, sde_type=settings.sde_type,
                                            sigma_max_fallback=sigmas[1])
-                loss = -torch.exp(out.log_prob - old_log_prob).mean()
+                if settings.trainer == "diffusion_opd":  # the teacher replays the state: a forward without gradient
+                    with torch.no_grad():
+                        v_teacher = velocity(model, latents, timesteps[0])
+                        teacher_mean = sde_step_from_sigmas(v_teacher, latents, sigmas[0], sigmas[1],
+                                                            noise_level=settings.noise_level,
+                                                            sde_type=settings.sde_type,
+                                                            sigma_max_fallback=sigmas[1]).prev_sample_mean
+                    loss = ((out.prev_sample_mean - teacher_mean) ** 2).mean()
+                else:
+                    loss = -torch.exp(out.log_prob - old_log_prob).mean()
                 if settings.beta > 0:
                     with torch.no_grad():
                         v_ref = _reference_velocity(model, velocity, latents, timesteps[0], settings)
@@ -414,7 +429,7 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
         for hook in hooks:
             hook.remove()
         measure.training_bytes = live.peak_excluding  # gradients are a term of their own (sharded by FSDP / ZeRO)
-        measure.training_flops = live.get_total_flops() * settings.trained_steps
+        measure.training_flops = live.get_total_flops() * (settings.trained_passes or settings.trained_steps)
     return measure
 
 

@@ -41,8 +41,9 @@ from typing import Any
 
 from .learning import RLSettings
 
-__all__ = ["EVAL_GUIDANCE_SCALE", "NFT_VARIANT", "REFERENCE_VARIANT", "TOY_AWM_SETTINGS", "TOY_DANCEGRPO_SETTINGS",
-           "TOY_DPO_SETTINGS", "TOY_NFT_FAST_SETTINGS", "TOY_NFT_SETTINGS", "VariantSummary", "bootstrap_interval",
+__all__ = ["EVAL_GUIDANCE_SCALE", "NFT_VARIANT", "REFERENCE_VARIANT", "TOY_AWM_SETTINGS", "TOY_BRANCHGRPO_SETTINGS",
+           "TOY_DANCEGRPO_SETTINGS", "TOY_DPO_SETTINGS", "TOY_FLOWDPPO_SETTINGS", "TOY_NFT_FAST_SETTINGS",
+           "TOY_NFT_SETTINGS", "VariantSummary", "bootstrap_interval",
            "leaderboard_variants", "paired_difference", "plot_leaderboard", "render_leaderboard", "summarize"]
 
 #: The row every other one is compared with: the recipe itself (Flow-GRPO-Fast with random windows).
@@ -101,6 +102,15 @@ TOY_DPO_SETTINGS: dict = dict(
     extra_config={"dpo_mode": "online", "dpo_rollout_policy": "policy", "beta_dpo": 100.0, "dpo_num_noise_draws": 4,
                   "dpo_timestep_distribution": "logit_normal", "train_guidance_scale": 1.0, "sampler": "euler"},
 )
+#: Flow-DPPO's row (``recipes/toy_flowdppo.yaml``): the recipe with the ratio clip replaced by Flow-DPPO's trust
+#: region (tau 1e-5) and two passes over each batch, UniRL's.
+TOY_FLOWDPPO_SETTINGS: dict = dict(num_iterations=2, extra_config={"policy_loss": "dppo", "dppo_tau": 1e-5})
+#: BranchGRPO's row (``recipes/toy_branchgrpo.yaml``): trees of 8 leaves split at steps 0, 2 and 4 of 8, SDE on every
+#: step but the last, split children at the step's own noise (the toy SDE is already wide at the first steps).
+TOY_BRANCHGRPO_SETTINGS: dict = dict(
+    sde_window_size=0, sde_window_range=None,
+    extra_config={"branch_steps": [0, 2, 4], "branch_factor": 2, "branch_noise_scale": 1.0},
+)
 #: The guidance of every row's held-out evaluation: the toy world's (the recipe's) CFG 3.
 EVAL_GUIDANCE_SCALE = 3.0
 
@@ -139,6 +149,12 @@ def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tup
         (dict(name="dancegrpo", **_copy(TOY_DANCEGRPO_SETTINGS)),
          "DanceGRPO: its SDE (eta 0.3) on every step but the last, shared group noise, 60% of the steps trained, "
          "clip 1e-4, constant learning rate"),
+        (dict(name="flow-dppo", **_copy(TOY_FLOWDPPO_SETTINGS)),
+         "Flow-DPPO (recipes/toy_flowdppo.yaml): the ratio clip replaced by a trust region on each transition's "
+         "divergence from the sampling weights (tau 1e-5), two passes over each batch"),
+        (dict(name="branchgrpo", **_copy(TOY_BRANCHGRPO_SETTINGS)),
+         "BranchGRPO (recipes/toy_branchgrpo.yaml): each prompt's 8 images a tree split at steps 0, 2 and 4, depth-wise "
+         "advantages, every edge trained with its child's"),
         (dict(name="awm", **_copy(TOY_AWM_SETTINGS)),
          "AWM (recipes/toy_awm.yaml): CFG-free SA-Solver rollouts of 14 steps in groups of 24, the advantage-weighted "
          "flow-matching likelihood at 6 noise levels per image, ghuber weighting, exp_first, clip 1, KL to the "

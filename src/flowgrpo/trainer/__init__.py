@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # pragma: no cover  (the names __all__ lists, from the regist
     from .algorithms.flow_grpo_trainer import FlowGRPOTrainer  # noqa: F401
     from .algorithms.nft_config import DiffusionNFTConfig  # noqa: F401
     from .algorithms.nft_trainer import DiffusionNFTTrainer  # noqa: F401
+    from .algorithms.opd_config import DiffusionOPDConfig  # noqa: F401
+    from .algorithms.opd_trainer import DiffusionOPDTrainer  # noqa: F401
     from .online_config import OnlineRLConfig  # noqa: F401
 
 

@@ -1,5 +1,6 @@
-"""The trainers a recipe can name (``trainer: flow_grpo | diffusion_nft | awm | diffusion_dpo | dgpo | crd``), each with its
-configuration class: the one table that the command line, the toy world and the package's lazy exports read.
+"""The trainers a recipe can name (``trainer: flow_grpo | diffusion_nft | awm | diffusion_dpo | dgpo | crd |
+diffusion_opd``), each with its configuration class: the one table that the command line, the toy world and the
+package's lazy exports read.
 
 Configurations import cheaply (for ``--help`` and recipe checks); trainer classes load on first use. Adding an
 algorithm is one `TrainerSpec` here (docs/architecture.md, "How to add an algorithm").
@@ -43,6 +44,8 @@ TRAINERS: dict[str, TrainerSpec] = {spec.name: spec for spec in (
                 f"{_ALGORITHMS}.dpo_trainer:DiffusionDPOTrainer"),
     TrainerSpec("dgpo", f"{_ALGORITHMS}.dgpo_config:DGPOConfig", f"{_ALGORITHMS}.dgpo_trainer:DGPOTrainer"),
     TrainerSpec("crd", f"{_ALGORITHMS}.crd_config:CRDConfig", f"{_ALGORITHMS}.crd_trainer:CRDTrainer"),
+    TrainerSpec("diffusion_opd", f"{_ALGORITHMS}.opd_config:DiffusionOPDConfig",
+                f"{_ALGORITHMS}.opd_trainer:DiffusionOPDTrainer"),
 )}
 DEFAULT_TRAINER = "flow_grpo"
 

@@ -303,15 +303,32 @@ class FlowGRPOConfig(OnlineRLConfig):
         if self.noise_level <= 0:
             raise ValueError(f"branch_steps needs stochastic steps, but noise_level={self.noise_level}; set "
                              "noise_level > 0 (DanceGRPO's eta: 0.3 with sde_type: dance).")
+        steps = self.num_inference_steps  # unset: the model's own, checked once the trainer has resolved it
+        if steps is not None and max(self.branch_steps) >= steps - 1:
+            raise ValueError(f"branch_steps={self.branch_steps} splits at the last sampling step {steps - 1}, which is "
+                             "the deterministic step to the clean sample (the x0-prediction the official code "
+                             f"decodes): its children would be identical. Split at steps 0 .. {steps - 2}.")
+        refused = {
+            "timestep_fraction": (self.timestep_fraction < 1, "every edge of a tree is trained (leave out edges "
+                                  "with branch_pruning instead); set timestep_fraction: 1.0"),
+            "filter_zero_std_groups": (self.filter_zero_std_groups, "dynamic sampling would replace single leaves "
+                                       "of a tree; set filter_zero_std_groups: false"),
+            "regularizer": (self.regularizer == "gardo", "GARDO gates leaves, not a tree's edges; unset regularizer"),
+            "base_model_tail_steps": (self.base_model_tail_steps > 0, "every step but the last is a trained edge; "
+                                      "set base_model_tail_steps: 0"),
+            "reward_aggregation": (self.reward_aggregation != "weighted_sum", "node rewards are means of the leaves' "
+                                   "weighted reward, normalised per depth; set reward_aggregation: weighted_sum"),
+            "ode_compression_ratio": (self.ode_compression_ratio < 1, "the tree follows the schedule's own steps; "
+                                      "set ode_compression_ratio: 1.0"),
+        }
+        for name, (bad, fix) in refused.items():
+            if bad:
+                raise ValueError(f"branch_steps (BranchGRPO trees) cannot be combined with {name}="
+                                 f"{getattr(self, name)!r}: {fix}.")
         if self.branch_pruning == "depth":
             if not self.branch_prune_depths:
                 raise ValueError("branch_pruning='depth' needs branch_prune_depths, the depths whose edges are left "
                                  "out, e.g. [15, 16, 17, 18] for 20 steps.")
-        if self.branch_pruning == "width" and self.num_inference_steps is not None and \
-                max(self.branch_steps) >= self.num_inference_steps - 1:
-            raise ValueError(f"branch_pruning='width' prunes the edges after the last split step, but the last split "
-                             f"step {max(self.branch_steps)} is the final sampling step; split earlier or use "
-                             "branch_pruning: none.")
 
     @property
     def uses_branching(self) -> bool:

@@ -21,8 +21,15 @@ window compressed by ``ode_compression_ratio``); ``same_noise_per_group`` shares
 ``reward_aggregation`` combines several rewards (``advantages.py``). DanceGRPO is ``sde_type="dance"`` with
 ``same_noise_per_group`` and ``timestep_fraction < 1`` (each sample trains a random subset of its steps).
 
+Two switches change the objective and the rollout. ``policy_loss: dppo`` (Flow-DPPO, `flow_dppo_loss`) replaces
+the ratio clip by a trust region on the divergence from the frozen anchor, the transition means of the weights that
+sampled the batch (recorded during the rollout, which computes exactly them, so no extra forward). ``branch_steps``
+(BranchGRPO, `branch_grpo_rollout.BranchTreeRollout`) samples each group as a tree with shared prefixes and trains
+every edge with its child's depth-wise advantage.
+
 Logged besides the shared keys: ``policy_loss``, ``approx_kl``, ``clip_frac``, ``ratio_mean``, ``sde_window_start``,
-``on_policy_ratio_max_dev`` (first pass), ``kl`` (beta > 0).
+``on_policy_ratio_max_dev`` (first pass), ``kl`` (beta > 0); Flow-DPPO: ``dppo/dropped_frac``, ``dppo/outside_frac``,
+``dppo/divergence_mean``, ``dppo/divergence_max`` instead of ``clip_frac``; BranchGRPO: ``branch/trained_edges``.
 """
 
 from __future__ import annotations
@@ -38,8 +45,11 @@ from ..online_trainer import LossPart, OnlineRLTrainer
 from ..outputs.lora_export import LORA_WEIGHTS_NAME
 from ..rollout.strategies import SDEWindowRollout
 from ..seeds import seed_for
+from .branch_grpo import edge_log_prob
+from .branch_grpo_rollout import BranchTreeRollout, is_tree_record, tree_parts, tree_step_std
+from .flow_dppo_loss import flow_dppo_loss
 from .flow_grpo_config import FlowGRPOConfig
-from .flow_grpo_loss import flow_grpo_loss
+from .flow_grpo_loss import flow_grpo_loss, gated_mean, grpo_guard_log_ratio, kl_estimate
 
 __all__ = ["FlowGRPOTrainer", "LORA_WEIGHTS_NAME"]
 
@@ -66,12 +76,19 @@ class FlowGRPOTrainer(OnlineRLTrainer):
     _warned_off_policy = False
 
     def _rollout_strategy(self, args: FlowGRPOConfig) -> SDEWindowRollout:
-        return SDEWindowRollout(args)
+        return BranchTreeRollout(args) if args.uses_branching else SDEWindowRollout(args)
 
     def _prepare_batch(self, record: dict) -> dict:
         """With ``timestep_fraction < 1`` (DanceGRPO), each sample keeps a random ``max(1, int(n * fraction))`` of
         its ``n`` recorded steps, in random order (a permutation per sample, as in the official code); drawn from
-        the seed, the micro-step and the process, so that a resumed run draws the same."""
+        the seed, the micro-step and the process, so that a resumed run draws the same.
+
+        A BranchGRPO record is scored first (which edges are trained depends on the rewards, through pruning), then
+        trained one SDE step with trained edges at a time (``tree_parts``)."""
+        if is_tree_record(record):
+            self.rollouts.resolve_scoring()
+            parts, edges = tree_parts(record)
+            return ChainMap({"tree_parts": parts, "tree_edges": edges}, record)
         fraction = self.args.timestep_fraction
         num_steps = record["latents"].shape[1]
         if fraction >= 1:
@@ -87,42 +104,109 @@ class FlowGRPOTrainer(OnlineRLTrainer):
         return ChainMap(selected, record)  # the advantages arrive in the record once it is scored
 
     def _loss_parts(self, batch: dict) -> int:
+        if is_tree_record(batch):
+            return max(1, len(batch["tree_parts"]))
         return batch["latents"].shape[1]
 
     def _batch_loss(self, model, batch: dict, j: int, first_pass: bool) -> LossPart:
-        args = self.args
-        height, width = args.image_size
-        policy = self.policy
+        if is_tree_record(batch):
+            return self._tree_loss(model, batch, j, first_pass)
         x, x_next = batch["latents"][:, j], batch["next_latents"][:, j]
         t, sigma, sigma_next = batch["timesteps"][:, j], batch["sigmas"][:, j], batch["sigmas_next"][:, j]
+        v, out = self._transition(model, x, x_next, t, sigma, sigma_next, batch["embeds"])
+        advantages = self._advantages(batch)  # the last rewards were scored while this forward ran
+        loss, metrics = self._objective(model, batch["embeds"], x, x_next, t, sigma, sigma_next, v, out.log_prob,
+                                        out.prev_sample_mean, out.std, batch["log_probs"][:, j],
+                                        batch["means"][:, j] if "means" in batch else None, advantages,
+                                        batch.get("kl_gate"), first_pass)
+        metrics["sde_window_start"] = float(batch["window"][0])
+        return LossPart(loss, metrics)
+
+    def _transition(self, model, x, x_next, t, sigma, sigma_next, embeds):
+        """The trained policy's velocity at (x, t) and its transition to the recorded x_next (log-prob, mean, std)."""
+        args = self.args
+        height, width = args.image_size
         with self.accelerator.autocast():
-            v = policy.velocity(model, x, t, batch["embeds"], args.guidance_scale, height, width)
+            v = self.policy.velocity(model, x, t, embeds, args.guidance_scale, height, width)
         out = sde_step_from_sigmas(v, x, sigma, sigma_next, prev_sample=x_next, noise_level=args.noise_level,
                                    sde_type=args.sde_type, sigma_max_fallback=float(self.rollouts.scheduler.sigmas[1]))
-        advantages = self._advantages(batch)  # the last rewards were scored while this forward ran
+        return v, out
+
+    def _objective(self, model, embeds, x, x_next, t, sigma, sigma_next, v, log_prob, mean, std, old_log_prob,
+                   old_mean, advantages, kl_gate, first_pass) -> tuple[torch.Tensor, dict[str, float]]:
+        """The mean over the given transitions of the policy objective (``policy_loss``: the clipped ratio, or
+        Flow-DPPO's divergence trust region around the anchor ``old_mean``) plus ``beta`` x the KL estimate to the
+        reference, with the values to log."""
+        args = self.args
+        height, width = args.image_size
         v_ref = ref_mean = None
         if args.beta > 0:
             with self.accelerator.autocast():
-                v_ref = policy.reference_velocity(model, x, t, batch["embeds"], height, width)
+                v_ref = self.policy.reference_velocity(model, x, t, embeds, height, width)
             if args.kl_estimator != "velocity":  # the reference's transition mean
                 with torch.no_grad():
                     ref_mean = sde_step_from_sigmas(v_ref, x, sigma, sigma_next, noise_level=args.noise_level,
                                                     sde_type=args.sde_type).prev_sample_mean
-        loss = flow_grpo_loss(out.log_prob, batch["log_probs"][:, j], advantages, args.epsilon,
-                              ratio_normalization=args.ratio_normalization, mean=out.prev_sample_mean,
-                              old_mean=batch["means"][:, j] if "means" in batch else None, prev_sample=x_next,
-                              std=out.std, beta=args.beta, kl_estimator=args.kl_estimator, ref_mean=ref_mean,
-                              velocity=v, ref_velocity=v_ref, kl_gate=batch.get("kl_gate"))
+        metrics: dict[str, float] = {}
+        if args.policy_loss == "dppo":
+            if args.ratio_normalization == "grpo_guard":
+                log_ratio = grpo_guard_log_ratio(mean, old_mean, x_next, std)
+            else:
+                log_ratio = log_prob - old_log_prob
+            dppo = flow_dppo_loss(log_ratio, advantages, mean, old_mean, std, dppo_tau=args.dppo_tau)
+            ratio, policy_loss, kl = dppo.ratio, dppo.loss, None
+            loss = policy_loss
+            if args.beta > 0:
+                kl = gated_mean(kl_estimate(args.kl_estimator, mean, ref_mean, std, prev_sample=x_next, velocity=v,
+                                            ref_velocity=v_ref), kl_gate)
+                loss = loss + args.beta * kl
+            metrics.update({"dppo/dropped_frac": float(dppo.dropped_frac), "dppo/outside_frac": float(dppo.outside_frac),
+                            "dppo/divergence_mean": float(dppo.mean_divergence),
+                            "dppo/divergence_max": float(dppo.max_divergence)})
+        else:
+            out = flow_grpo_loss(log_prob, old_log_prob, advantages, args.epsilon,
+                                 ratio_normalization=args.ratio_normalization, mean=mean, old_mean=old_mean,
+                                 prev_sample=x_next, std=std, beta=args.beta, kl_estimator=args.kl_estimator,
+                                 ref_mean=ref_mean, velocity=v, ref_velocity=v_ref, kl_gate=kl_gate)
+            ratio, log_ratio, policy_loss, kl, loss = out.ratio, out.log_ratio, out.policy_loss, out.kl, out.loss
+            metrics["clip_frac"] = float(((ratio.detach() - 1).abs() > args.epsilon).float().mean())
         with torch.no_grad():
-            ratio, log_ratio = loss.ratio, loss.log_ratio
-            metrics = {"policy_loss": float(loss.policy_loss), "approx_kl": float(0.5 * (log_ratio**2).mean()),
-                       "clip_frac": float(((ratio - 1).abs() > args.epsilon).float().mean()),
-                       "ratio_mean": float(ratio.mean()), "sde_window_start": float(batch["window"][0])}
-            if loss.kl is not None:
-                metrics["kl"] = float(loss.kl.detach())
+            log_ratio = log_ratio.detach()
+            metrics.update({"policy_loss": float(policy_loss), "approx_kl": float(0.5 * (log_ratio**2).mean()),
+                            "ratio_mean": float(ratio.detach().mean())})
+            if kl is not None:
+                metrics["kl"] = float(kl.detach())
             if first_pass:
-                metrics["on_policy_ratio_max_dev"] = self._check_on_policy(ratio)
-        return LossPart(loss.loss, metrics)
+                metrics["on_policy_ratio_max_dev"] = self._check_on_policy(ratio.detach())
+        return loss, metrics
+
+    def _tree_loss(self, model, batch: dict, part: int, first_pass: bool) -> LossPart:
+        """Part ``part`` of a BranchGRPO micro-batch: the edges trained at one SDE step, each at its parent state with
+        its child's advantage and its split-aware log-prob, weighted so that the parts sum to the mean over the
+        micro-batch's trained edges."""
+        args = self.args
+        parts, edges = batch["tree_parts"], batch["tree_edges"]
+        if not parts:  # nothing to train here (pruned): a zero loss that still reaches every trained weight
+            step, rows, weight = batch["latents"].shape[1] - 1, torch.zeros(1, dtype=torch.long), 0.0
+        else:
+            step = parts[part]
+            rows = batch["edge_trained"][:, step].nonzero().flatten()
+            weight = len(rows) * len(parts) / edges
+        rows = rows.to(batch["latents"].device)
+        x, x_next = batch["latents"][rows, step], batch["next_latents"][rows, step]
+        t, sigma, sigma_next = (batch[key][rows, step] for key in ("timesteps", "sigmas", "sigmas_next"))
+        embeds = batch["embeds"].index_select(rows)
+        v, out = self._transition(model, x, x_next, t, sigma, sigma_next, embeds)
+        split = bool(batch["tree_split"][step])
+        log_prob = edge_log_prob(x_next, out.prev_sample_mean, out.std, split, args.branch_noise_scale,
+                                 split_log_prob=args.branch_split_log_prob)
+        std = tree_step_std(batch, rows, step, out.std, args)
+        loss, metrics = self._objective(model, embeds, x, x_next, t, sigma, sigma_next, v, log_prob,
+                                        out.prev_sample_mean, std, batch["log_probs"][rows, step],
+                                        batch["means"][rows, step], batch["edge_advantages"][rows, step], None,
+                                        first_pass and bool(parts))
+        metrics.update({"sde_window_start": 0.0, "branch/trained_edges": float(edges)})
+        return LossPart(loss * weight, metrics)
 
     def _check_on_policy(self, ratio: torch.Tensor) -> float:
         """max |ratio - 1| of a first pass, with one warning when it exceeds ``on_policy_tolerance``."""

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
-from .opd_loss import OPD_KL_MODES
 
+#: the per-step KL's forms (opd_loss.py implements them)
+OPD_KL_MODES = ("exact", "ode")
 OPD_SDE_TYPES = ("sde", "cps", "dance")
 TEACHER_KEYS = ("lora", "guidance_scale", "dataset_name")
 

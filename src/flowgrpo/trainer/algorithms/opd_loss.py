@@ -27,8 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .flow_grpo_loss import gaussian_kl
-
-OPD_KL_MODES = ("exact", "ode")
+from .opd_config import OPD_KL_MODES
 
 __all__ = ["OPD_KL_MODES", "OPDLoss", "opd_loss", "opd_step_kl"]
 

@@ -58,3 +58,55 @@ class RepeatSampler(Sampler[int]):
     def __len__(self) -> int:
         usable = self.num_samples - self.num_samples % self.prompts_per_generation
         return usable * self.num_generations * self.repeat_count
+
+
+class DomainRepeatSampler(RepeatSampler):
+    """A `RepeatSampler` whose generation batches each hold prompts of one domain, the domains in turn.
+
+    ``row_domains[i]`` is row i's domain (e.g. the dataset's ``dataset_name`` column); generation g (counted from the
+    start of training, over epochs) draws its ``prompts_per_generation`` distinct prompts from domain
+    ``domains[g % len(domains)]``, the next ones of that domain's stream (its rows in a fresh permutation per pass,
+    from ``seed``, the domain and the pass). Everything is a function of g, so every rank agrees and a resumed run
+    continues the same streams. An epoch has as many generations as a `RepeatSampler` over the same rows.
+    """
+
+    def __init__(self, row_domains: list, domains: list, num_generations: int, prompts_per_generation: int,
+                 repeat_count: int = 1, shuffle: bool = True, seed: int = 0):
+        super().__init__(row_domains, num_generations, prompts_per_generation, repeat_count, shuffle, seed)
+        self.domains = list(domains)
+        self.rows = {d: [i for i, v in enumerate(row_domains) if v == d] for d in self.domains}
+        small = {d: len(rows) for d, rows in self.rows.items() if len(rows) < prompts_per_generation}
+        if small:
+            raise ValueError(f"Domains {small} have fewer prompts than one generation batch needs "
+                             f"({prompts_per_generation} distinct prompts); add prompts or lower generation_batch_size.")
+
+    def _stream(self, domain, start: int, count: int) -> list[int]:
+        rows = self.rows[domain]
+        out: list[int] = []
+        position = start
+        while len(out) < count:
+            cycle, offset = divmod(position, len(rows))
+            if self.shuffle:
+                key = sum(ord(c) for c in str(domain)) * 1_000_003 + self.domains.index(domain)
+                g = torch.Generator().manual_seed(self.seed + 7919 * cycle + key)
+                order = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+            else:
+                order = rows
+            take = order[offset:offset + count - len(out)]
+            out += take
+            position += len(take)
+        return out
+
+    def domain_of_generation(self, generation: int):
+        return self.domains[generation % len(self.domains)]
+
+    def __iter__(self) -> Iterator[int]:
+        per_epoch = len(self) // (self.prompts_per_generation * self.num_generations * self.repeat_count)
+        k = len(self.domains)
+        for local in range(per_epoch):
+            g = self.epoch * per_epoch + local
+            domain = self.domains[g % k]
+            chunk = self._stream(domain, (g // k) * self.prompts_per_generation, self.prompts_per_generation)
+            for _ in range(self.repeat_count):
+                for index in chunk:
+                    yield from [index] * self.num_generations

@@ -13,6 +13,8 @@
 * **Named copies** (``copies``, `build_copy`): more copies of the same two forms, each with its own name and schedule
   (CRD's sampling copy: the adapter ``sampling``, or ``sampling_policy.safetensors`` for full fine-tuning).
 * **The EMA** of the trained weights (`ema.py`), swapped in for evaluation and export.
+* **Teachers** (`teachers.py`, on-policy distillation): frozen LoRA adapters of the trained model, or another
+  checkpoint's transformer, with their velocities; never saved.
 * **Saving and loading** all of them: an export (a checkpoint or the output folder) holds the diffusers LoRA
   (``pytorch_lora_weights.safetensors``, the EMA's weights when there is an EMA) or the full transformer, and the EMA
   state; a checkpoint also holds the old policy, the named copies and the reference adapter.
@@ -20,7 +22,8 @@
 It is built in two steps: the constructor loads (``transformers.Trainer`` needs the model to exist), and `attach`
 gives it the accelerator and a way to reach the trainer's current model (``Trainer`` wraps and unwraps it) once
 ``Trainer.__init__`` has run. The parts built after that (`place_on_device`, `build_ema`, `build_reference`,
-`encode_negative_prompt`, `build_old_policy`, `build_copy`) are called by the trainer in that order.
+`encode_negative_prompt`, `build_old_policy`, `build_copy`) are called by the trainer in that order; `build_teachers`
+by the distillation trainer once ``transformers.Trainer`` exists.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from .ema import EMA_STATE_NAME, EMAWeights
 from .loading import TWO_EXPERTS_FULL_FINETUNE, load_pipeline, torch_dtype
 from .old_policy import OLD_POLICY_ADAPTER, OldPolicy, build_old_policy, old_adapter_left_out
 from .reference import REFERENCE_ADAPTER, ReferencePolicy
+from .teachers import TEACHER_ADAPTER_PREFIX, Teacher
 
 __all__ = ["Policy"]
 
@@ -114,6 +118,8 @@ class Policy:
         self.old_policy: OldPolicy | None = None
         #: named copies of the policy beside the old one (name -> copy), built by `build_copy`
         self.copies: dict[str, OldPolicy] = {}
+        #: on-policy distillation's frozen teachers (`build_teachers`), in the configuration's order
+        self.teachers: list[Teacher] = []
         #: the negative prompt's embedding (None when it depends on each source image, or before it is encoded)
         self.negative_embeds: PromptEmbeds | None = None
         self._model_fn: Callable[[], torch.nn.Module] = lambda: self.model
@@ -182,6 +188,59 @@ class Policy:
             raise ValueError(f"copy name {name!r} is taken or not an identifier; the names in use are {sorted(taken)}.")
         self.copies[name] = build_old_policy(self.model, self.is_peft, name=name)
         return self.copies[name]
+    def build_teachers(self, specs: list[Any], pipeline_kwargs: dict | None = None) -> None:
+        """The frozen teachers of ``specs`` (``TeacherSpec``: ``lora`` or ``model_name_or_path``), in order: a LoRA
+        as a further adapter of the trained LoRA model (a merged frozen copy for full fine-tuning), another checkpoint
+        as its transformer with the student's other components (`teachers.py`). Built before training starts, while
+        the trained weights are still the base's."""
+        from .teachers import AdapterTeacher, MergedCopyTeacher, teacher_adapter_name
+
+        device = self.accelerator.device if self.accelerator is not None else None
+        for index, spec in enumerate(specs):
+            if spec.lora and self.is_peft:
+                teacher = AdapterTeacher(self.unwrapped, self.adapter.lora_writer(), spec.lora,
+                                         teacher_adapter_name(index))
+            elif spec.lora:
+                teacher = MergedCopyTeacher(self.unwrapped, self.adapter.lora_writer(), spec.lora)
+                teacher.module.to(device)
+            else:
+                teacher = self._model_teacher(spec.model_name_or_path, pipeline_kwargs or {})
+                teacher.module.to(device)
+            self.teachers.append(teacher)
+
+    def _model_teacher(self, source: str, pipeline_kwargs: dict) -> Teacher:
+        """Another checkpoint's transformer(s), loaded with every other component taken from the student's pipeline."""
+        from diffusers import DiffusionPipeline
+
+        from ...models import get_family_adapter
+        from .teachers import ModelTeacher, check_teacher_transformer
+
+        trained = {id(module) for module in self.adapter.transformers()}
+        shared = {name: c for name, c in self.pipeline.components.items()
+                  if c is not None and id(c) not in trained and name != "scheduler"}
+        kwargs = {**pipeline_kwargs, **shared}
+        if "torch_dtype" not in kwargs:
+            kwargs.setdefault("dtype", self.dtype)
+        pipeline = DiffusionPipeline.from_pretrained(str(source), **kwargs)
+        if type(get_family_adapter(pipeline)) is not type(self.adapter):
+            raise ValueError(f"teacher_model_name_or_path={source!r} is a {type(pipeline).__name__}; the student is a "
+                             f"{type(self.pipeline).__name__}. The teacher must be of the student's family.")
+        module = get_family_adapter(pipeline, num_frames=self.args.num_frames).trainable_module()
+        student = self.adapter.transformers()[0]
+        check_teacher_transformer(student, get_family_adapter(pipeline).transformers()[0], str(source))
+        return ModelTeacher(module, str(source))
+
+    @contextmanager
+    def teacher_model(self, model: torch.nn.Module, index: int) -> Iterator[torch.nn.Module]:
+        """The module whose forward is teacher ``index`` (``model``: the trained one, maybe wrapped)."""
+        with self.teachers[index].forward_model(model) as teacher:
+            yield teacher
+
+    def teacher_velocity(self, model: torch.nn.Module, index: int, latents: torch.Tensor, timestep: torch.Tensor,
+                         embeds: PromptEmbeds, guidance_scale: float, height: int, width: int) -> torch.Tensor:
+        """Teacher ``index``'s velocity (no gradient) at ``guidance_scale``, in float32."""
+        with torch.no_grad(), self.teacher_model(model, index) as teacher:
+            return self.velocity(teacher, latents, timestep, embeds, guidance_scale, height, width)
 
     # ------------------------------------------------------------------------------------------------
     # the trained model
@@ -286,14 +345,15 @@ class Policy:
 
     @contextmanager
     def _reference_adapter_left_out(self) -> Iterator[None]:
-        """peft's own save writes every adapter of ``peft_config``; the ``ref`` adapter is taken out for its duration."""
+        """peft's own save writes every adapter of ``peft_config``; the ``ref`` adapter (saved by the reference
+        itself) and the teachers' (loaded again from their sources) are taken out for its duration."""
         configs = self.unwrapped.peft_config if self.is_peft else {}
-        held = configs.pop(REFERENCE_ADAPTER, None)
+        names = [n for n in configs if n == REFERENCE_ADAPTER or n.startswith(TEACHER_ADAPTER_PREFIX)]
+        held = {name: configs.pop(name) for name in names}
         try:
             yield
         finally:
-            if held is not None:
-                configs[REFERENCE_ADAPTER] = held
+            configs.update(held)
 
     def save(self, output_dir: str, state_dict: dict | None = None, in_checkpoint: bool = False) -> None:
         """The diffusers export (the EMA's weights when there is an EMA, unless ``state_dict``, a gathered full state

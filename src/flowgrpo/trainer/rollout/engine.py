@@ -95,6 +95,9 @@ class RolloutEngine:
         self._pending: Generation | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._reference_tail = 0
+        #: the positions, in the whole generation batch over every process, of the rows that the strategy's current
+        #: ``rollout`` call samples (group g's G rows are the consecutive positions g G .. g G + G - 1)
+        self.rollout_rows: torch.Tensor | None = None
         #: seconds spent waiting for deferred scoring since the trainer last read it (not forward time)
         self.scoring_wait_s = 0.0
         #: the last scored rollout's first images, prompts and rewards, its rewards' notes, and its phase timings
@@ -158,7 +161,8 @@ class RolloutEngine:
     def sample(self, model, embeds: PromptEmbeds, num_steps: int, guidance_scale: float, noise_level: float,
                window: tuple[int, int], generator, record: bool, progress=None, *, ode_solver: str = "euler",
                ode_compression_ratio: float = 1.0, initial_latents: torch.Tensor | None = None,
-               record_means: bool = False, sde_type: str | None = None):
+               record_means: bool = False, sde_type: str | None = None, steps: tuple[int, int] | None = None,
+               step_noise: Callable[[int], torch.Tensor] | None = None):
         """Sample one micro-batch. Returns the final latents and (if ``record``) the window's trajectory.
 
         Steps inside ``window`` are SDE steps of ``sde_type`` (default: the strategy's; noise from ``generator``); the
@@ -166,8 +170,17 @@ class RolloutEngine:
         restarts after the window), and with ``ode_compression_ratio < 1`` the steps after the window are fewer solver
         steps over the same noise range (`rollout_steps`). ``window=(0, 0)`` samples a whole deterministic trajectory.
         ``initial_latents`` replaces the initial noise drawn from ``generator``; ``record_means`` also stores each
-        window step's transition mean (``"means"``, for GRPO-Guard). During a training rollout with
-        ``base_model_tail_steps``, the last steps use the reference's velocity.
+        window step's transition mean (``"means"``, for GRPO-Guard and Flow-DPPO's anchor). During a training rollout
+        with ``base_model_tail_steps``, the last steps use the reference's velocity.
+
+        A stretch of the trajectory: ``steps=(start, end)`` samples only the schedule's steps ``start .. end - 1``
+        from ``initial_latents`` (the state at level ``start``, required) and returns the state after step
+        ``end - 1`` (the final latents only when ``end == num_steps``) with the record of the stretch's SDE steps.
+        ``step_noise(i)`` gives the draws of SDE step ``i`` (one row per sample, the latents' shape) instead of
+        ``generator``: x' = mean + std * step_noise(i), with the log-prob of x' under the step's own Gaussian. A
+        caller may scale the draws (BranchGRPO's split children); the recorded log-prob is then that of the unscaled
+        step, and the caller computes its own. Together they let a strategy sample trajectories that share prefixes
+        (trees) with the same sampler, each draw a function of what it samples, never of the order of the calls.
         """
         args = self.args
         height, width = args.image_size
@@ -177,6 +190,17 @@ class RolloutEngine:
         self.adapter.set_timesteps(self.scheduler, num_steps, height, width, device)
         sigmas = self.scheduler.sigmas.to(device=device, dtype=torch.float32)
         timesteps = self.scheduler.timesteps.to(device)
+        start, end = (0, num_steps) if steps is None else (int(steps[0]), int(steps[1]))
+        if steps is not None:
+            if not 0 <= start < end <= num_steps:
+                raise ValueError(f"steps={tuple(steps)} is not a stretch of a {num_steps}-step trajectory; give "
+                                 f"(start, end) with 0 <= start < end <= {num_steps}.")
+            if initial_latents is None:
+                raise ValueError("A stretch of steps starts from given latents: pass initial_latents, the state at "
+                                 f"level {start}.")
+            if ode_compression_ratio < 1:
+                raise ValueError("A stretch of steps follows the schedule's own steps; it cannot be combined with "
+                                 f"ode_compression_ratio={ode_compression_ratio} (use 1.0).")
         if initial_latents is None:
             latents = self.adapter.prepare_latents(batch, height, width, generator, device, torch.float32)
         else:
@@ -188,6 +212,8 @@ class RolloutEngine:
         plan = rollout_steps(sigmas, timesteps, window, ode_compression_ratio, self.scheduler.config.num_train_timesteps)
         tail = self._reference_tail
         for index, step in enumerate(plan):
+            if not start <= index < end:
+                continue
             t = step.timestep.expand(batch)
             if tail and index >= len(plan) - tail:  # base_model_tail_steps: the reference's velocity
                 if record and step.stochastic:
@@ -200,10 +226,16 @@ class RolloutEngine:
             else:
                 v = self.policy.velocity(model, latents, t, embeds, guidance_scale, height, width)
             if step.stochastic or solver is None:
-                out = sde_step_from_sigmas(
-                    v, latents, step.sigma, step.sigma_next, noise_level=noise_level if step.stochastic else 0.0,
-                    sde_type=sde_type, generator=generator, sigma_max_fallback=float(sigmas[1]),
-                )
+                step_kwargs = dict(noise_level=noise_level if step.stochastic else 0.0, sde_type=sde_type,
+                                   sigma_max_fallback=float(sigmas[1]))
+                drawn = None
+                if step.stochastic and step_noise is not None:  # the caller's draws: x' = mean + std * z
+                    moments = sde_step_from_sigmas(v, latents, step.sigma, step.sigma_next, prev_sample=latents,
+                                                   **step_kwargs)
+                    std = moments.std.reshape((batch,) + (1,) * (latents.ndim - 1))
+                    drawn = moments.prev_sample_mean + std * step_noise(index).to(device=device, dtype=torch.float32)
+                out = sde_step_from_sigmas(v, latents, step.sigma, step.sigma_next, prev_sample=drawn,
+                                           generator=generator if drawn is None else None, **step_kwargs)
                 if solver is not None:
                     solver.reset()  # a deterministic stretch after the window starts a new history
                 if record and step.stochastic:
@@ -220,10 +252,12 @@ class RolloutEngine:
                 latents = solver.step(latents, v, step.sigma, step.sigma_next, final=step.final)
             if progress is not None:
                 progress.update(1)
-        if progress is not None and len(plan) < num_steps:
+        if progress is not None and steps is None and len(plan) < num_steps:
             progress.update(num_steps - len(plan))
-        stacked = {k: torch.stack(v, dim=1) for k, v in traj.items()} if record else None
-        return self.adapter.final_latents(latents, embeds), stacked
+        stacked = None
+        if record:
+            stacked = {k: torch.stack(v, dim=1) if v else torch.empty(batch, 0) for k, v in traj.items()}
+        return (self.adapter.final_latents(latents, embeds) if end == num_steps else latents), stacked
 
     def final_sample(self, model, embeds: PromptEmbeds, generator, progress, solver: str) -> tuple[torch.Tensor, dict]:
         """A deterministic rollout with ``solver`` (``"euler"`` or ``"dpmpp_2m"``) at ``num_inference_steps`` and
@@ -271,6 +305,7 @@ class RolloutEngine:
                 timing["text_encoding"] += self.clock() - tic
                 for sl in chunks:
                     embeds = embeds_all[sl]
+                    self.rollout_rows = torch.arange(sl.start, sl.stop) + self.accelerator.process_index * len(prompts)
                     tic = self.clock()
                     final, record = self.strategy.rollout(self, model, embeds, plan, noise_gen, progress,
                                                           group_ids[sl], gen_index)
@@ -412,10 +447,7 @@ class RolloutEngine:
         shown = args.num_log_images
         self.last_samples = (flat_images[:shown], generation.prompts[:shown], totals.cpu().tolist()[:shown])
         self.last_sample_notes = [note for r in results for note in r.image_notes()][:shown]
-        for sl, record in zip(generation.chunks, generation.records):
-            record["advantages"] = local_adv[sl]
-            if local_gate is not None:  # GARDO: the samples whose KL penalty counts
-                record["kl_gate"] = local_gate[sl]
+        self.strategy.assign_advantages(generation, local_adv, local_gate, g_totals, g_groups)
 
     def close(self) -> None:
         """Stop the decode thread (a no-op when none was started)."""

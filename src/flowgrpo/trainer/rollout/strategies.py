@@ -47,6 +47,17 @@ class RolloutStrategy:
         the final latents (decoded and scored) and what the algorithm's loss needs of the rollout."""
         raise NotImplementedError
 
+    def assign_advantages(self, generation: Any, advantages: torch.Tensor, kl_gate: torch.Tensor | None,
+                          gathered_rewards: torch.Tensor, gathered_groups: torch.Tensor) -> None:
+        """Write what the loss reads of the scored rewards into each micro-batch's record (called by the engine's
+        ``score`` on every process). ``advantages`` / ``kl_gate``: this process's rows' group advantages and GARDO's
+        gate; ``gathered_rewards`` / ``gathered_groups``: every process's weighted rewards (NaN: unscored) and group
+        ids, in the generation's order. Default: each row's own advantage (and gate)."""
+        for sl, record in zip(generation.chunks, generation.records):
+            record["advantages"] = advantages[sl]
+            if kl_gate is not None:  # GARDO: the samples whose KL penalty counts
+                record["kl_gate"] = kl_gate[sl]
+
 
 class SDEWindowRollout(RolloutStrategy):
     """Flow-GRPO's rollout: SDE inside the window ``plan``, ``ode_solver`` outside (see the module docstring).
@@ -60,6 +71,13 @@ class SDEWindowRollout(RolloutStrategy):
 
     def scheduler_options(self) -> dict[str, Any]:
         return {"noise_level": self.args.noise_level, "sde_type": self.args.sde_type}
+
+    @property
+    def records_means(self) -> bool:
+        """Whether each recorded step keeps its transition mean: GRPO-Guard's ratio and Flow-DPPO's frozen anchor
+        (the means of the weights that sampled the batch) read them."""
+        args = self.args
+        return args.ratio_normalization == "grpo_guard" or getattr(args, "policy_loss", "clip") == "dppo"
 
     def plan(self, gen_index: int, step: int) -> tuple[int, int]:
         """The generation's SDE window: a function of the optimizer step and the seed only."""
@@ -77,7 +95,7 @@ class SDEWindowRollout(RolloutStrategy):
         final, traj = engine.sample(model, embeds, args.num_inference_steps, args.guidance_scale, args.noise_level,
                                     plan, generator, record=True, progress=progress, ode_solver=args.ode_solver,
                                     ode_compression_ratio=args.ode_compression_ratio, initial_latents=initial,
-                                    record_means=args.ratio_normalization == "grpo_guard")
+                                    record_means=self.records_means)
         traj["window"] = plan
         return final, traj
 
