@@ -51,19 +51,21 @@ def test_bad_backend_settings_are_refused_with_the_value_and_the_fix(kwargs, mes
     assert message in str(raised.value)
 
 
-@pytest.mark.parametrize("config_name, group, message", [
-    ("DGPOConfig", 16, "switch to the EMA reference"),
-    ("CRDConfig", 24, "named sampling copy"),
+@pytest.mark.parametrize("config_name, kwargs, message", [
+    ("DGPOConfig", {"per_device_train_batch_size": 16}, "its rollouts switch to the EMA reference"),
+    ("CRDConfig", {"per_device_train_batch_size": 24}, "its rollouts are sampled by a named sampling copy"),
+    ("DiffusionOPDConfig", {"teacher_lora": "teacher"}, "its teachers replay the student's states"),
+    ("FlowGRPOConfig", {"branch_steps": [0, 1], "num_generations": 4}, "branch_steps=[0, 1] samples each group as a tree"),
 ])
-def test_trainers_whose_rollouts_workers_cannot_reproduce_refuse_ray(config_name, group, message):
+def test_trainers_whose_rollouts_workers_cannot_reproduce_refuse_ray(config_name, kwargs, message):
     import flowgrpo
 
     config_class = getattr(flowgrpo, config_name)
-    config_class(output_dir="/tmp/unused", report_to=[], per_device_train_batch_size=group)  # local: accepted
+    config_class(output_dir="/tmp/unused", report_to=[], **kwargs)  # local: accepted
     with pytest.raises(ValueError) as raised:
-        config_class(output_dir="/tmp/unused", report_to=[], per_device_train_batch_size=group, rollout_backend="ray")
-    assert f"rollout_backend='ray' with {config_name}: its rollouts" in str(raised.value)
-    assert message in str(raised.value) and "Use rollout_backend: local." in str(raised.value)
+        config_class(output_dir="/tmp/unused", report_to=[], rollout_backend="ray", **kwargs)
+    assert f"rollout_backend='ray' with {config_name}: {message}" in str(raised.value)
+    assert "Use rollout_backend: local." in str(raised.value)
 
 
 def test_backend_settings_parse_json_resources():

@@ -34,9 +34,10 @@ class CRDConfig(OnlineRLConfig):
     rollouts from a sampling copy, re-noised training steps, centred implicit-reward matching, reward-weighted KL and
     the old and sampling copies (the math: ``flowgrpo.trainer.algorithms.crd_loss``)."""
 
-    #: why rollout_backend: ray is refused (checked with the other rollout-backend settings)
-    ray_rollouts_refused = ("its rollouts are sampled by a named sampling copy of the policy that rollout wor"
-                            "kers do not hold yet.")
+    def ray_rollouts_refusal(self) -> str | None:
+        """Why ``rollout_backend: ray`` is refused (checked with the other rollout-backend settings)."""
+        return ("its rollouts are sampled by a named sampling copy of the policy that rollout wor"
+                "kers do not hold yet.")
 
     # ---- rollouts ------------------------------------------------------------------------------------
     sampler: str = field(

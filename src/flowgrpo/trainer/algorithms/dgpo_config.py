@@ -37,9 +37,10 @@ class DGPOConfig(TrainGuidanceArguments, OnlineRLConfig):
     trained steps, group-level preference loss, DSM-ratio trust region, KL term and EMA reference (the math:
     ``flowgrpo.trainer.algorithms.dgpo_loss``)."""
 
-    #: why rollout_backend: ray is refused (checked with the other rollout-backend settings)
-    ray_rollouts_refused = ("its rollouts switch to the EMA reference after dgpo_switch_ema_ref steps, a switch the "
-                            "rollout workers do not make yet.")
+    def ray_rollouts_refusal(self) -> str | None:
+        """Why ``rollout_backend: ray`` is refused (checked with the other rollout-backend settings)."""
+        return ("its rollouts switch to the EMA reference after dgpo_switch_ema_ref steps, a switch the "
+                "rollout workers do not make yet.")
 
     # ---- rollouts ------------------------------------------------------------------------------------
     sampler: str = field(

@@ -335,6 +335,14 @@ class FlowGRPOConfig(OnlineRLConfig):
         """Whether rollouts are BranchGRPO trees (branch_steps is not empty)."""
         return bool(self.branch_steps)
 
+    def ray_rollouts_refusal(self) -> str | None:
+        """Why ``rollout_backend: ray`` is refused (checked with the other rollout-backend settings): BranchGRPO's
+        trees are sampled in stretches that share prefixes across a group, which rollout workers do not do yet."""
+        if self.branch_steps:
+            return (f"branch_steps={self.branch_steps} samples each group as a tree (BranchGRPO), which the rollout "
+                    "workers do not sample yet.")
+        return None
+
     def _check_window(self) -> None:
         steps = self.num_inference_steps
         k = self.sde_window_size

@@ -105,6 +105,10 @@ class DiffusionOPDConfig(OnlineRLConfig):
 
     _trainer_name = "DiffusionOPDTrainer"
 
+    def ray_rollouts_refusal(self) -> str | None:
+        """Why ``rollout_backend: ray`` is refused (checked with the other rollout-backend settings)."""
+        return "its teachers replay the student's states, which have not been run against rollout workers yet."
+
     def _check_algorithm(self) -> None:
         check_choice("opd_kl", self.opd_kl, OPD_KL_MODES)
         check_choice("sde_type", self.sde_type, OPD_SDE_TYPES)
