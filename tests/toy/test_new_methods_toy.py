@@ -1,11 +1,13 @@
 """The newer methods' toy recipes through the launch script, on a training reward this project does not ship: each
-raises it on held-out prompts within 60 steps, and on-policy distillation from a teacher trained on it brings a fresh
+raises it on held-out prompts within 30 steps, and on-policy distillation from a teacher trained on it brings a fresh
 student most of the way to the teacher.
 
 The reward, `coverage_reward`, is the share of the image the objects cover (the toy world draws them on black). The
 held-out measure is the trainer's own evaluation of it before and after (the same prompts and seeds: the paired change
 and its standard error, ``eval_rewards/<name>/{change,change_se}``). These are the suite's learning checks for the
-three methods: 60 optimizer steps each (about a minute of one core each), as the recipes ship but for the reward.
+three methods: 30 optimizer steps each (about 30 s of one core each), as the recipes ship but for the reward and the
+length. At 30 steps (2026-11-27, one core) the gains were 13 (Flow-DPPO), 14 (distillation, 0.89 of its teacher's)
+and 18 (BranchGRPO) standard errors: far from the thresholds below.
 """
 
 import os
@@ -32,13 +34,13 @@ def toy_world():
 
 
 def run(recipe, toy_world, out, *flags):
-    """60 steps of ``recipe`` on the foreign reward; the held-out change of the reward and its standard error."""
+    """30 steps of ``recipe`` on the foreign reward; the held-out change of the reward and its standard error."""
     from flowgrpo.cli.train import main
 
     trainer = main([f"recipes/{recipe}", "--model_name_or_path", str(toy_world),
                     "--dataset_name", str(toy_world / "prompts_train.txt"),
                     "--eval_dataset_name", str(toy_world / "prompts_eval.txt"), "--reward_funcs", REWARD,
-                    "--output_dir", str(out), "--max_steps", "60", "--eval_on_start", "true", "--eval_steps", "1000",
+                    "--output_dir", str(out), "--max_steps", "30", "--eval_on_start", "true", "--eval_steps", "1000",
                     "--eval_images_per_prompt", "2", "--eval_num_inference_steps", "10", "--disable_tqdm", "true",
                     *flags])
     evals = [h for h in trainer.state.log_history if f"eval_rewards/{NAME}/mean" in h]
@@ -47,7 +49,7 @@ def run(recipe, toy_world, out, *flags):
             last[f"eval_rewards/{NAME}/change_se"], first[f"eval_rewards/{NAME}/mean"])
 
 
-@pytest.mark.run_first  # the longest learning test: three 60-step runs in a row
+@pytest.mark.run_first  # the longest learning test: two 30-step runs in a row
 def test_toy_flowdppo_learns_a_foreign_reward_and_opd_distils_it(toy_world, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     teacher_gain, se, _ = run("toy_flowdppo.yaml", toy_world, tmp_path / "teacher")
