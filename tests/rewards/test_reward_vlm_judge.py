@@ -67,27 +67,26 @@ class ChatServer:
                     outer.headers.append(dict(self.headers))
                     outer.in_flight += 1
                     outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
-                try:
+                try:  # the reply is made while in flight, then sent once this request no longer counts: a
+                    # client that reads it and sends its next request must not find this one still counted
                     time.sleep(delay)
-                    if status != 200:
-                        return self._send(status, {"error": {"message": f"status {status}"}})
                     text = "".join(p["text"] for p in body["messages"][-1]["content"] if p["type"] == "text")
-                    answer = reply(text)
-                    if isinstance(answer, dict):  # a raw (possibly malformed) body
-                        return self._send(200, answer)
-                    self._send(
-                        200,
-                        {
+                    if status != 200:
+                        code, payload = status, {"error": {"message": f"status {status}"}}
+                    elif isinstance(answer := reply(text), dict):  # a raw (possibly malformed) body
+                        code, payload = 200, answer
+                    else:
+                        code, payload = 200, {
                             "id": "chatcmpl-1",
                             "object": "chat.completion",
                             "model": body["model"],
                             "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
                                          "finish_reason": "stop"}],
-                        },
-                    )
+                        }
                 finally:
                     with lock:
                         outer.in_flight -= 1
+                self._send(code, payload)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
