@@ -180,7 +180,36 @@ def test_physical_invariants():
 
 
 GPU_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.yaml")
-                     if "--config_file accelerate_configs/" in p.read_text() and "cpu" not in p.name)
+                     if "--config_file accelerate_configs/" in p.read_text() and "cpu" not in p.name
+                     and not p.name.startswith("toy_"))
+
+
+def _planned_path(recipe: str) -> tuple:
+    """What decides the code path a full-size plan takes: the model, the trainer, the accelerate config and the
+    algorithm's switches that change what a step stores or runs (DPO's mode, Flow-DPPO, the SDE, BranchGRPO's trees)."""
+    import re
+
+    import yaml
+
+    text = (REPO / "recipes" / recipe).read_text()
+    settings = yaml.safe_load(text) or {}
+    return (settings.get("model_name_or_path"), settings.get("trainer", "flow_grpo"),
+            re.search(r"--config_file (\S+)", text).group(1), settings.get("dpo_mode"), settings.get("policy_loss"),
+            settings.get("sde_type"), bool(settings.get("branch_steps")))
+
+
+def _one_recipe_per_path(recipes: list[str], keep: tuple[str, ...]) -> list[str]:
+    """The recipes of ``keep`` and, for every other planned path, its first recipe: recipes that differ only in the
+    reward, the prompts or a sampling setting plan through the same code."""
+    chosen = {_planned_path(r): r for r in reversed(recipes)}
+    for recipe in keep:
+        chosen[_planned_path(recipe)] = recipe
+    return sorted(chosen.values())
+
+
+#: every planned path once (full-size plans take seconds each): ocr.yaml (its outcome is asserted) and the cheaper
+#: recipe where two share a path
+PLANNED_RECIPES = _one_recipe_per_path(GPU_RECIPES, keep=("ocr.yaml", "awm_ocr.yaml", "flux_ocr.yaml"))
 
 
 #: HunyuanVideo 1.5's VAE decode of 33 frames takes minutes under fake tensors: planned here on 5 frames (every code
@@ -190,10 +219,13 @@ FEWER_FRAMES = {"hunyuanvideo15_t2v.yaml": ("--num_frames", "5")}
 
 @pytest.mark.run_first  # the longest test of the file (a full-size plan of each recipe): it starts first, on its own worker
 def test_every_shipped_gpu_recipe_plans_with_its_accelerate_config():
-    """Each GPU recipe at full size on its intended config (the header's --config_file), on an H100: planned, with
-    positive terms, and the two published outcomes that the recipes promise."""
+    """Each GPU recipe's planned path (model, trainer, config, algorithm switches; `PLANNED_RECIPES`) at full size on
+    its intended config (the header's --config_file), on an H100: planned, with positive terms, and the two published
+    outcomes that the recipes promise. Every GPU recipe is also parsed and resolved by
+    tests/cli/test_recipe_generation_settings.py."""
+    assert len(PLANNED_RECIPES) >= 20 and set(PLANNED_RECIPES) <= set(GPU_RECIPES)
     results = {}
-    for recipe in GPU_RECIPES:
+    for recipe in PLANNED_RECIPES:
         overrides = list(FEWER_FRAMES.get(recipe, ()))
         result = plan_recipe(str(REPO / "recipes" / recipe), overrides, gpu="h100-80gb", with_suggestions=False)
         assert result["peak_memory_gb"] > 0 and result["step_flops"] > 0, recipe

@@ -56,6 +56,7 @@ def test_bad_backend_settings_are_refused_with_the_value_and_the_fix(kwargs, mes
     ("CRDConfig", {"per_device_train_batch_size": 24}, "its rollouts are sampled by a named sampling copy"),
     ("DiffusionOPDConfig", {"teacher_lora": "teacher"}, "its teachers replay the student's states"),
     ("FlowGRPOConfig", {"branch_steps": [0, 1], "num_generations": 4}, "branch_steps=[0, 1] samples each group as a tree"),
+    ("FlowGRPOConfig", {"policy_loss": "dppo", "num_iterations": 2}, "policy_loss='dppo' anchors each transition"),
 ])
 def test_trainers_whose_rollouts_workers_cannot_reproduce_refuse_ray(config_name, kwargs, message):
     import flowgrpo

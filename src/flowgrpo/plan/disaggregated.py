@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .planner import CUDA_CONTEXT_GB, FRAGMENTATION, GB, Plan, _component_params, _vae_params
+from .planner import CUDA_CONTEXT_GB, FRAGMENTATION, GB, Plan, component_params, vae_params
 
 __all__ = ["HOST_TO_HOST_GBS", "OBJECT_STORE_GBS", "plan_rollout_backend"]
 
@@ -67,8 +67,8 @@ def plan_rollout_backend(plan: Plan, training_args: Any, trainer: str) -> dict[s
     else:
         frozen_bytes = frozen * b
     trained_bytes = trainable * (4 if s.use_lora else b)
-    other = (spec.text_encoder_total * b if not inputs.offload_text_encoders else 0.0) + _vae_params(spec) * b
-    other += sum(_component_params(*part) for name, part in spec.components.items()
+    other = (spec.text_encoder_total * b if not inputs.offload_text_encoders else 0.0) + vae_params(spec) * b
+    other += sum(component_params(*part) for name, part in spec.components.items()
                  if name not in spec.text_encoder_params) * b
     samples_with_old = trainer == "diffusion_nft" or (trainer == "awm" and bool(getattr(training_args, "off_policy",
                                                                                          False)))

@@ -198,9 +198,9 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
     else:
         train_bytes = b
     other_weights = (spec.text_encoder_total * b if not inputs.offload_text_encoders else 0.0)
-    vae_params = _vae_params(spec)
-    other_weights += vae_params * b
-    other_weights += sum(_component_params(*part) for name, part in spec.components.items()
+    vae_weights = vae_params(spec)
+    other_weights += vae_weights * b
+    other_weights += sum(component_params(*part) for name, part in spec.components.items()
                          if name not in spec.text_encoder_params) * b  # e.g. LTX-2's audio VAE
     opt_per_param = _opt_bytes_per_param(inputs.optimizer, train_bytes)
 
@@ -281,7 +281,7 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
     return plan
 
 
-def _vae_params(spec: ModelSpec) -> float:
+def vae_params(spec: ModelSpec) -> float:
     key = (spec.vae_class, repr(sorted(spec.vae_config.items())))
     if key not in _VAE_PARAMS:
         import diffusers
@@ -295,7 +295,7 @@ def _vae_params(spec: ModelSpec) -> float:
 _VAE_PARAMS: dict[tuple, float] = {}
 
 
-def _component_params(class_name: str, config: dict[str, Any]) -> float:
+def component_params(class_name: str, config: dict[str, Any]) -> float:
     key = (class_name, repr(sorted(config.items())))
     if key not in _VAE_PARAMS:
         from .step import build_component

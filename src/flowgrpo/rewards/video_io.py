@@ -41,7 +41,7 @@ def require_av() -> Any:
     return av
 
 
-def _as_uint8_frames(frames: Sequence[Any]) -> Any:
+def as_uint8_frames(frames: Sequence[Any]) -> Any:
     """``(T, H, W, 3)`` uint8 RGB array of PIL images or ``HxWx3`` uint8 arrays, all of one size."""
     import numpy as np
     from PIL import Image
@@ -70,7 +70,7 @@ def encode_mp4(frames: Sequence[Any], fps: float, crf: int = MP4_CRF) -> bytes:
         ValueError: no frames, frames of different sizes, odd sides, or ``fps`` not positive.
     """
     av = require_av()
-    video = _as_uint8_frames(frames)
+    video = as_uint8_frames(frames)
     _, height, width, _ = video.shape
     if height % 2 or width % 2:
         raise ValueError(f"H.264 in yuv420p needs even frame sides, got {width}x{height}; generate an even size or "

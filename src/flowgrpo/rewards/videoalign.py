@@ -630,11 +630,11 @@ class VideoAlignReward(VLMReward):
 
     def read_video(self, frames: Sequence[Any]) -> tuple[Any, float]:
         """``((T, H, W, 3) uint8 array, container fps)`` of one video: through the MP4 round trip or as given."""
-        from .video_io import _as_uint8_frames, decode_mp4, encode_mp4
+        from .video_io import as_uint8_frames, decode_mp4, encode_mp4
 
         if self.through_mp4:
             return decode_mp4(encode_mp4(frames, self.fps))
-        return _as_uint8_frames(frames), self.fps
+        return as_uint8_frames(frames), self.fps
 
     def sample_video(self, video: Any, video_fps: float) -> Any:
         """The official frame sampling and resize of one decoded video: ``(n, 3, h, w)`` uint8."""

@@ -337,10 +337,14 @@ class FlowGRPOConfig(OnlineRLConfig):
 
     def ray_rollouts_refusal(self) -> str | None:
         """Why ``rollout_backend: ray`` is refused (checked with the other rollout-backend settings): BranchGRPO's
-        trees are sampled in stretches that share prefixes across a group, which rollout workers do not do yet."""
+        trees are sampled in stretches that share prefixes across a group, and Flow-DPPO's anchor has not been run
+        against rollout workers yet."""
         if self.branch_steps:
             return (f"branch_steps={self.branch_steps} samples each group as a tree (BranchGRPO), which the rollout "
                     "workers do not sample yet.")
+        if self.policy_loss == "dppo":
+            return ("policy_loss='dppo' anchors each transition to the sampling weights' means, which has not been "
+                    "run against rollout workers yet.")
         return None
 
     def _check_window(self) -> None:

@@ -78,7 +78,7 @@ def write_token_file(folder: str | os.PathLike) -> str:
     return str(path)
 
 
-def _enable_token_auth(token_path: str) -> None:
+def enable_token_auth(token_path: str) -> None:
     """Token authentication with ``token_path`` for this process and what it starts (the GCS, the raylet and the
     workers inherit the environment)."""
     os.environ[AUTH_MODE] = "token"
@@ -102,7 +102,7 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
     temp_dir = tempfile.mkdtemp(prefix="fgr", dir=temp_root)
     os.chmod(temp_dir, 0o700)
     token_path = write_token_file(temp_dir)
-    _enable_token_auth(token_path)
+    enable_token_auth(token_path)
     # Ray starts its workers at niceness 15 by default: on a busy node a rollout worker then gets a fraction of the
     # CPU the trainer gets (measured here: sampling 3x slower than the same sampling in the trainer's process).
     ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,

@@ -76,7 +76,7 @@ class RaySession:
     def open(self) -> None:
         if self.connection is not None:
             return
-        from .cluster import _enable_token_auth, connect_ray, ray_is_connected
+        from .cluster import connect_ray, enable_token_auth, ray_is_connected
 
         was_connected = ray_is_connected()
         info = None
@@ -86,7 +86,7 @@ class RaySession:
         address, token_path, self.run = self.broadcast(info)
         if not self.is_main:
             if token_path:  # the token file of the cluster process 0 started (or joined with), on this node
-                _enable_token_auth(token_path)
+                enable_token_auth(token_path)
             self.connection = connect_ray(address, namespace=NAMESPACE, probe_auth=False)
         self._connected_here = not was_connected
         logger.info("Ray: %s the cluster at %s (run %s)",
