@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..models import FAMILIES
+from ..trainer.registry import TRAINERS
 
 #: LoRA targets of the published Flow-GRPO SD3.5 recipes: the joint attention's image and text projections, the
 #: default of the SD3, FLUX(-Kontext) and Qwen-Image(-Edit) families (FLUX's single-stream blocks have no ``add_*``
@@ -42,10 +43,12 @@ class ScriptArguments:
 
     trainer: str = field(
         default="flow_grpo",
-        metadata={"help": "The algorithm: 'flow_grpo' (FlowGRPOTrainer: Flow-GRPO and its variants, configured by "
-                          "FlowGRPOConfig) or 'diffusion_nft' (DiffusionNFTTrainer: negative-aware fine-tuning on the "
-                          "forward process, configured by DiffusionNFTConfig). The other keys of a recipe are the "
-                          "fields of that trainer's configuration; `--trainer diffusion_nft --help` lists them."},
+        metadata={"help": "The algorithm, a name of the trainer registry: "
+                          + ", ".join(f"'{spec.name}' ({spec.trainer_name})"
+                                      for spec in TRAINERS.values())
+                          + ". 'flow_grpo' is Flow-GRPO and its variants (Flow-DPPO with policy_loss: dppo, "
+                          "BranchGRPO with branch_steps). The other keys of a recipe are the fields of that trainer's "
+                          "configuration; `--trainer diffusion_nft --help` lists them."},
     )
 
     dataset_name: str | None = field(
