@@ -280,7 +280,9 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
                                 "machine": _machine(torch_threads)}
             (folder / "result.json").write_text(json.dumps(previous, indent=2) + "\n", encoding="utf-8")
         results.append(previous)
-        if kept is not None and (args.fresh or not kept.is_file()):
+        # archive a run unless the archive already holds one of these settings (an entry of a variant's earlier
+        # settings is replaced: it could never be reused again)
+        if kept is not None and (args.fresh or not _reusable(kept, settings, eval_config, digest)):
             _keep(previous, kept)
         _write_results(output, world, args.quick, torch_threads, results)
     _write_results(output, world, args.quick, torch_threads, results)
