@@ -124,17 +124,25 @@ class AdapterOldPolicy(OldPolicy):
     def forward_model(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         """``model`` (the trained one, possibly wrapped by DDP) with the old adapter active in every LoRA layer; the
         trained adapter and every parameter's ``requires_grad`` are restored when the block ends."""
-        flags = [(p, p.requires_grad) for layer in self.layers for p in layer.parameters()]
-        previous = [list(layer.active_adapters) for layer in self.layers]
-        for layer in self.layers:
-            layer.set_adapter(self.name, inference_mode=True)
-        try:
+        with adapter_active(self.layers, self.name):
             yield model
-        finally:
-            for layer, active in zip(self.layers, previous):
-                layer.set_adapter(active)
-            for p, flag in flags:
-                p.requires_grad_(flag)
+
+
+@contextmanager
+def adapter_active(layers: list, name: str) -> Iterator[None]:
+    """Adapter ``name`` active (in inference mode) in every LoRA layer of ``layers`` for the block; each layer's
+    previously active adapters and every parameter's ``requires_grad`` are restored when it ends."""
+    flags = [(p, p.requires_grad) for layer in layers for p in layer.parameters()]
+    previous = [list(layer.active_adapters) for layer in layers]
+    for layer in layers:
+        layer.set_adapter(name, inference_mode=True)
+    try:
+        yield
+    finally:
+        for layer, active in zip(layers, previous):
+            layer.set_adapter(active)
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 def copy_weights_name(name: str) -> str:

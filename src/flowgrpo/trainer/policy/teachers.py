@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..outputs.lora_export import EXPERT_LORA_WEIGHTS_NAMES, LORA_WEIGHTS_NAME, expert_names
+from .old_policy import adapter_active
 
 __all__ = ["TEACHER_ADAPTER_PREFIX", "AdapterTeacher", "MergedCopyTeacher", "ModelTeacher", "Teacher",
            "read_teacher_lora", "teacher_adapter_name"]
@@ -145,17 +146,8 @@ class AdapterTeacher(Teacher):
     def forward_model(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         """``model`` with this teacher's adapter active in every LoRA layer; the trained adapter and every
         parameter's ``requires_grad`` are restored when the block ends."""
-        flags = [(p, p.requires_grad) for layer in self.layers for p in layer.parameters()]
-        previous = [list(layer.active_adapters) for layer in self.layers]
-        for layer in self.layers:
-            layer.set_adapter(self.name, inference_mode=True)
-        try:
+        with adapter_active(self.layers, self.name):
             yield model
-        finally:
-            for layer, active in zip(self.layers, previous):
-                layer.set_adapter(active)
-            for p, flag in flags:
-                p.requires_grad_(flag)
 
 
 class MergedCopyTeacher(Teacher):
