@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .planner import CUDA_CONTEXT_GB, FRAGMENTATION, GB, Plan, component_params, vae_params
+from .planner import CUDA_CONTEXT_GB, FRAGMENTATION, GB, Plan, frozen_weight_bytes, other_weight_bytes
 
 __all__ = ["HOST_TO_HOST_GBS", "OBJECT_STORE_GBS", "plan_rollout_backend"]
 
@@ -60,16 +60,9 @@ def plan_rollout_backend(plan: Plan, training_args: Any, trainer: str) -> dict[s
     b = s.dtype.itemsize
     params = {k: v * spec.experts for k, v in measure.params.items()}
     trainable, frozen, linear = params["trainable"], params["frozen"], params["linear"]
-    if inputs.quantization == "4bit":
-        frozen_bytes = linear * (0.5 + 1 / 16) + (frozen - linear) * b
-    elif inputs.quantization == "8bit":
-        frozen_bytes = linear * (1 + 1 / 64) + (frozen - linear) * b
-    else:
-        frozen_bytes = frozen * b
+    frozen_bytes = frozen_weight_bytes(frozen, linear, b, inputs.quantization)
     trained_bytes = trainable * (4 if s.use_lora else b)
-    other = (spec.text_encoder_total * b if not inputs.offload_text_encoders else 0.0) + vae_params(spec) * b
-    other += sum(component_params(*part) for name, part in spec.components.items()
-                 if name not in spec.text_encoder_params) * b
+    other = other_weight_bytes(spec, b, inputs.offload_text_encoders)
     samples_with_old = trainer == "diffusion_nft" or (trainer == "awm" and bool(getattr(training_args, "off_policy",
                                                                                          False)))
     old_copy = (trainable * 4 if s.use_lora else params["total"] * b) if samples_with_old else 0.0

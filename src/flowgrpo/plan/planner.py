@@ -184,12 +184,7 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
     notes: list[str] = []
 
     # ---- weights ------------------------------------------------------------------------------------------------
-    if inputs.quantization == "4bit":
-        frozen_bytes = linear * (0.5 + 1 / 16) + (frozen - linear) * b
-    elif inputs.quantization == "8bit":
-        frozen_bytes = linear * (1 + 1 / 64) + (frozen - linear) * b
-    else:
-        frozen_bytes = frozen * b
+    frozen_bytes = frozen_weight_bytes(frozen, linear, b, inputs.quantization)
     if s.use_lora:
         train_bytes = 4
     elif par.kind == "fsdp" and par.mixed_precision != "no":
@@ -197,11 +192,7 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
         notes.append("FSDP2 with mixed precision: accelerate upcasts the trained parameters to float32.")
     else:
         train_bytes = b
-    other_weights = (spec.text_encoder_total * b if not inputs.offload_text_encoders else 0.0)
-    vae_weights = vae_params(spec)
-    other_weights += vae_weights * b
-    other_weights += sum(component_params(*part) for name, part in spec.components.items()
-                         if name not in spec.text_encoder_params) * b  # e.g. LTX-2's audio VAE
+    other_weights = other_weight_bytes(spec, b, inputs.offload_text_encoders)
     opt_per_param = _opt_bytes_per_param(inputs.optimizer, train_bytes)
 
     gather = 0.0
@@ -279,6 +270,26 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
     if par.kind in ("zero2", "zero3") and not s.use_lora:
         plan.deepspeed_check = _deepspeed_states(par, params["total"], block_max, n)
     return plan
+
+
+def frozen_weight_bytes(frozen: float, linear: float, itemsize: int, quantization: str | None) -> float:
+    """Bytes of ``frozen`` parameters, of which ``linear`` are in linear layers: 4-bit (0.5 bytes plus a 1/16 scale)
+    or 8-bit (1 byte plus a 1/64 scale) bitsandbytes weights for the linear layers, the model dtype for the rest."""
+    if quantization == "4bit":
+        return linear * (0.5 + 1 / 16) + (frozen - linear) * itemsize
+    if quantization == "8bit":
+        return linear * (1 + 1 / 64) + (frozen - linear) * itemsize
+    return frozen * itemsize
+
+
+def other_weight_bytes(spec: ModelSpec, itemsize: int, offload_text_encoders: bool) -> float:
+    """Bytes of the pipeline's weights beside the transformer: the text encoders (none when offloaded), the VAE and
+    the other components (e.g. LTX-2's audio VAE), in the model dtype."""
+    other = spec.text_encoder_total * itemsize if not offload_text_encoders else 0.0
+    other += vae_params(spec) * itemsize
+    other += sum(component_params(*part) for name, part in spec.components.items()
+                 if name not in spec.text_encoder_params) * itemsize
+    return other
 
 
 def vae_params(spec: ModelSpec) -> float:
