@@ -61,6 +61,8 @@ REPO = Path(__file__).resolve().parents[1]
 try:
     from flowgrpo.toy.leaderboard import (
         EVAL_GUIDANCE_SCALE,
+        OPD_EXPERTS,
+        OPD_VARIANT,
         leaderboard_variants,
         plot_leaderboard,
         render_leaderboard,
@@ -71,6 +73,8 @@ except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(REPO / "src"))
     from flowgrpo.toy.leaderboard import (
         EVAL_GUIDANCE_SCALE,
+        OPD_EXPERTS,
+        OPD_VARIANT,
         leaderboard_variants,
         plot_leaderboard,
         render_leaderboard,
@@ -179,6 +183,20 @@ def leaderboard_runs(steps: int, seeds: list[int], only: list[str] | None, rewar
     return runs, {n: known[n][1] for n in names}
 
 
+def prepare_opd_experts(world: Path) -> None:
+    """The on-policy distillation row's teachers (`OPD_EXPERTS`, relative to the repository, where the run must
+    start): trained by ``scripts/opd_demo.py --stage experts`` when missing (two runs of a few minutes)."""
+    if Path.cwd().resolve() != REPO:
+        raise SystemExit(f"the {OPD_VARIANT} row reads its teachers from {OPD_EXPERTS} relative to the repository: "
+                         f"run this script from {REPO}, or leave {OPD_VARIANT} out of --only")
+    missing = [name for name in ("shape", "color")
+               if not (REPO / OPD_EXPERTS / name / "pytorch_lora_weights.safetensors").is_file()]
+    if missing:
+        print(f"[leaderboard] training the {OPD_VARIANT} row's experts ({', '.join(missing)}) first", flush=True)
+        subprocess.run([sys.executable, str(REPO / "scripts" / "opd_demo.py"), "--stage", "experts", "--world",
+                        str(world), "--output", str(REPO / Path(OPD_EXPERTS).parent)], check=True, cwd=REPO)
+
+
 def _reusable(path: Path, settings: RLSettings, eval_config: dict, world: str | None) -> dict | None:
     """A finished run's result when it was made on the same world (its builder digest) with the same settings and
     evaluation."""
@@ -242,6 +260,8 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else (
         list(LEADERBOARD_QUICK_VARIANTS) if args.quick else None)
     runs, descriptions = leaderboard_runs(steps, seeds, only, rewards)
+    if OPD_VARIANT in descriptions and not args.finished_only:
+        prepare_opd_experts(world)
     output = args.output
     output.mkdir(parents=True, exist_ok=True)
     archive = args.archive if args.archive is not None else (None if args.quick else DEFAULT_ARCHIVE)

@@ -41,9 +41,10 @@ from typing import Any
 
 from .learning import RLSettings
 
-__all__ = ["EVAL_GUIDANCE_SCALE", "NFT_VARIANT", "REFERENCE_VARIANT", "TOY_AWM_SETTINGS", "TOY_BRANCHGRPO_SETTINGS",
-           "TOY_DANCEGRPO_SETTINGS", "TOY_DPO_SETTINGS", "TOY_FLOWDPPO_SETTINGS", "TOY_NFT_FAST_SETTINGS",
-           "TOY_NFT_SETTINGS", "VariantSummary", "bootstrap_interval",
+__all__ = ["EVAL_GUIDANCE_SCALE", "NFT_VARIANT", "OPD_EXPERTS", "OPD_VARIANT", "REFERENCE_VARIANT", "TOY_AWM_SETTINGS",
+           "TOY_BRANCHGRPO_SETTINGS", "TOY_CRD_SETTINGS", "TOY_DANCEGRPO_SETTINGS", "TOY_DGPO_SETTINGS",
+           "TOY_DPO_SETTINGS", "TOY_FLOWDPPO_SETTINGS", "TOY_NFT_FAST_SETTINGS", "TOY_NFT_SETTINGS", "TOY_OPD_SETTINGS",
+           "VariantSummary", "bootstrap_interval",
            "leaderboard_variants", "paired_difference", "plot_leaderboard", "render_leaderboard", "summarize"]
 
 #: The row every other one is compared with: the recipe itself (Flow-GRPO-Fast with random windows).
@@ -111,6 +112,50 @@ TOY_BRANCHGRPO_SETTINGS: dict = dict(
     sde_window_size=0, sde_window_range=None,
     extra_config={"branch_steps": [0, 2, 4], "branch_factor": 2, "branch_noise_scale": 1.0},
 )
+#: DGPO's row (``recipes/toy_dgpo.yaml``): the official SD3.5-M loss (beta_dpo 100, 2 of the first 4 rollout steps
+#: trained per pass on a noise shared by each group, DSM-ratio clip 0.01, the EMA reference of decay min(0.3, 0.001 k)
+#: used for the rollouts from step 200) on the sampling of ``toy_nft_fast``: 6 DPM-Solver++ 2M steps CFG-free, an EMA
+#: of 0.9 of the weights evaluated.
+TOY_DGPO_SETTINGS: dict = dict(
+    trainer="dgpo", learning_rate=3e-4, lr_scheduler_type="constant", beta=0.0, guidance_scale=1.0,
+    num_inference_steps=6, scale_rewards="batch",
+    extra_config={"sampler": "dpmpp_2m", "train_guidance_scale": 1.0, "eval_guidance_scales": [1.0, 3.0],
+                  "dgpo_num_timesteps": 2, "dgpo_trunc_steps": 3, "dgpo_shared_noise": True, "beta_dpo": 100.0,
+                  "dgpo_clip": 0.01, "dgpo_clip_dsm": False, "kl_guidance_scale": 1.0, "adv_clip_max": 5.0,
+                  "dgpo_ema_decay_rate": 0.001, "dgpo_ema_decay_max": 0.3, "dgpo_switch_ema_ref": 200,
+                  "use_ema": True, "ema_decay": 0.9},
+)
+#: CRD's row (``recipes/toy_crd.yaml``): Flow-Factory's loss (crd_beta 1, mse, adaptive weights against the old copy,
+#: the old and sampling copies on their schedules) with the implicit and external rewards centred within each
+#: prompt's group, on the sampling of ``toy_nft_fast`` (6 DPM-Solver++ 2M steps CFG-free), an EMA of 0.9 evaluated.
+TOY_CRD_SETTINGS: dict = dict(
+    trainer="crd", learning_rate=3e-4, lr_scheduler_type="constant", beta=0.0, guidance_scale=1.0,
+    num_inference_steps=6, scale_rewards="batch",
+    extra_config={"sampler": "dpmpp_2m", "eval_guidance_scales": [1.0, 3.0], "crd_num_timesteps": 2,
+                  "timestep_fraction": 0.99, "crd_beta": 1.0, "loss_type": "mse", "crd_centering": "group",
+                  "crd_adaptive_weights": True, "crd_use_old_policy": True, "kl_guidance_scale": 1.0,
+                  "adv_clip_max": 5.0, "old_policy_decay_start": 0, "old_policy_decay_initial": 0.25,
+                  "old_policy_decay_rate": 0.005, "old_policy_decay_max": 0.999, "sampling_policy_decay_start": 75,
+                  "sampling_policy_decay_initial": 0.0, "sampling_policy_decay_rate": 0.0075,
+                  "sampling_policy_decay_max": 0.999, "use_ema": True, "ema_decay": 0.9},
+)
+#: The experts on-policy distillation's row distils (``scripts/opd_demo.py --stage experts``, relative to the
+#: repository): a shape expert (``toy_nft_fast`` on ``toy_shape_score`` alone) and a colour expert (on ``toy_color``
+#: alone), 300 steps each from the world.
+OPD_EXPERTS = "outputs/opd_demo/experts"
+#: On-policy distillation's row.
+OPD_VARIANT = "diffusion-opd"
+#: On-policy distillation's row (``recipes/toy_opd.yaml`` with ``teachers``): a fresh LoRA on the world samples its
+#: own SDE rollouts (8 steps at CFG 3, SDE on every step but the last) and is trained on the per-step exact KL to
+#: the two experts of `OPD_EXPERTS`, replayed at CFG 3, one expert a generation batch in turn; rewards only logged.
+#: Its training seconds exclude the experts' (about 2 x 150 s on one thread).
+TOY_OPD_SETTINGS: dict = dict(
+    trainer="diffusion_opd",
+    extra_config={"noise_level": 0.7, "sde_type": "sde", "sde_window_size": 0, "opd_kl": "exact",
+                  "teacher_guidance_scale": 3.0,
+                  "teachers": [{"lora": f"{OPD_EXPERTS}/shape", "dataset_name": "shape"},
+                               {"lora": f"{OPD_EXPERTS}/color", "dataset_name": "color"}]},
+)
 #: The guidance of every row's held-out evaluation: the toy world's (the recipe's) CFG 3.
 EVAL_GUIDANCE_SCALE = 3.0
 
@@ -155,6 +200,15 @@ def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tup
         (dict(name="branchgrpo", **_copy(TOY_BRANCHGRPO_SETTINGS)),
          "BranchGRPO (recipes/toy_branchgrpo.yaml): each prompt's 8 images a tree split at steps 0, 2 and 4, depth-wise "
          "advantages, every edge trained with its child's"),
+        (dict(name="dgpo", **_copy(TOY_DGPO_SETTINGS)),
+         "DGPO (recipes/toy_dgpo.yaml): group-level DPO on CFG-free DPM-Solver++ rollouts of 6 steps, 2 of the first "
+         "4 steps trained on a noise shared by each group, beta_dpo 100, DSM-ratio clip 0.01, EMA reference"),
+        (dict(name="crd", **_copy(TOY_CRD_SETTINGS)),
+         "CRD (recipes/toy_crd.yaml): an implicit reward matched to the reward centred in each prompt's group, on "
+         "CFG-free DPM-Solver++ rollouts of 6 steps by a lagging sampling copy, adaptive weights, crd_beta 1"),
+        (dict(name=OPD_VARIANT, **_copy(TOY_OPD_SETTINGS)),
+         "On-policy distillation (recipes/toy_opd.yaml): a fresh student on its own SDE rollouts, the per-step KL to "
+         "a shape expert and a colour expert in turn (their training not counted)"),
         (dict(name="awm", **_copy(TOY_AWM_SETTINGS)),
          "AWM (recipes/toy_awm.yaml): CFG-free SA-Solver rollouts of 14 steps in groups of 24, the advantage-weighted "
          "flow-matching likelihood at 6 noise levels per image, ghuber weighting, exp_first, clip 1, KL to the "
