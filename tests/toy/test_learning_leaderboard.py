@@ -18,6 +18,8 @@ from flowgrpo import DiffusionNFTConfig, FlowGRPOConfig
 from flowgrpo.cli import parse_recipe
 from flowgrpo.toy.leaderboard import (
     NFT_VARIANT,
+    OPD_EXPERTS,
+    OPD_VARIANT,
     REFERENCE_VARIANT,
     accuracy_at_budget,
     leaderboard_variants,
@@ -36,16 +38,16 @@ TOY_RECIPES = {
     "toy_kl_velocity.yaml": "kl-velocity", "toy_normalize_then_sum.yaml": "normalize-then-sum",
     "toy_same_noise.yaml": "same-noise", "toy_nft.yaml": "diffusion-nft", "toy_dancegrpo.yaml": "dancegrpo",
     "toy_awm.yaml": "awm", "toy_nft_fast.yaml": "diffusion-nft-fast", "toy_flowdppo.yaml": "flow-dppo",
-    "toy_branchgrpo.yaml": "branchgrpo",
+    "toy_branchgrpo.yaml": "branchgrpo", "toy_dgpo.yaml": "dgpo", "toy_crd.yaml": "crd",
 }
 
 
 def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp_path):
     variants = leaderboard_variants(120)
     names = [s.name for s, _ in variants]
-    assert len(set(names)) == len(names) == 18 and REFERENCE_VARIANT in names and names[-2] == NFT_VARIANT
+    assert len(set(names)) == len(names) == 21 and REFERENCE_VARIANT in names and names[-2] == NFT_VARIANT
     assert names[-1] == "diffusion-nft-fast"
-    assert {"dancegrpo", "awm", "diffusion-dpo"} <= set(names)
+    assert {"dancegrpo", "awm", "diffusion-dpo", "dgpo", "crd", OPD_VARIANT} <= set(names)
     reference = next(s for s, _ in variants if s.name == REFERENCE_VARIANT)
     assert dataclasses.replace(reference, name="x") == dataclasses.replace(RLSettings(max_steps=120), name="x")
     algorithm_fields = {"sde_window_size", "sde_window_range", "sde_window_strategy", "sde_window_shift_interval",
@@ -78,6 +80,20 @@ def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp
             assert what and args.generation_batch_size == 32 and args.guidance_scale == reference.guidance_scale
             assert (args.policy_loss, args.num_iterations) == ("dppo", 2) if settings.name == "flow-dppo" else \
                 (args.branch_steps, args.num_generations, args.sde_window_size) == ([0, 2, 4], 8, 0)
+            continue
+        if settings.trainer in ("dgpo", "crd"):  # CFG-free DPM-Solver++ rollouts of toy_nft_fast, the EMA evaluated
+            args = toy_trainer_classes(settings.trainer)[0](output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                                           **settings.config_kwargs())
+            assert what and args.generation_batch_size == 32 and args.num_generations == 8
+            assert (args.guidance_scale, args.num_inference_steps, args.sampler) == (1.0, 6, "dpmpp_2m")
+            assert args.use_ema and args.ema_decay == 0.9 and args.eval_guidance_scales == [1.0, 3.0]
+            continue
+        if settings.name == OPD_VARIANT:  # a fresh student on its SDE rollouts, the two experts in turn
+            args = toy_trainer_classes(settings.trainer)[0](output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                                           **settings.config_kwargs())
+            assert what and args.generation_batch_size == 32 and args.guidance_scale == reference.guidance_scale
+            assert [t["lora"] for t in args.teachers] == [f"{OPD_EXPERTS}/shape", f"{OPD_EXPERTS}/color"]
+            assert (args.sde_window_size, args.opd_kl, args.teacher_lora) == (0, "exact", None)
             continue
         if settings.name == NFT_VARIANT:  # the other trainer: its own fields, the recipe's world and batch
             assert settings.trainer == "diffusion_nft" and what
@@ -258,7 +274,7 @@ def test_leaderboard_command_line_fails_fast_on_unknown_variants(tmp_path, capsy
     assert "no-such-variant" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
     runs, descriptions = bench.leaderboard_runs(50, [0, 1, 2], None, None)
-    assert len(runs) == 54 and len(descriptions) == 18 and {r.seed for r in runs} == {0, 1, 2}
+    assert len(runs) == 63 and len(descriptions) == 21 and {r.seed for r in runs} == {0, 1, 2}
     assert all(r.max_steps == 50 for r in runs)
 
 
