@@ -15,7 +15,10 @@
    (``<output>/students/seed<k>``).
 3. *Evaluation*: held-out shape and colour accuracy of the world, each expert and each student, as the leaderboard
    measures them (the 43 eval prompts x ``--images_per_prompt`` 8 images, 20 ODE steps at CFG 3, image seeds from
-   1234), written to ``<output>/opd_demo.json`` and ``<output>/opd_demo.md``.
+   1234), written to ``<output>/opd_demo.json`` and ``<output>/opd_demo.md``. With ``--students_from ARCHIVE`` the
+   students are the leaderboard's ``diffusion-opd`` row instead (``ARCHIVE/diffusion-opd/seed<k>.json``: the same
+   student, experts and evaluation, five seeds, trained by ``scripts/learning_benchmark.py --leaderboard``), and
+   stage 2 is skipped.
 
 Each training run uses the launch script (``flowgrpo.cli.train.main``) with one torch thread; finished stages are
 reused (a folder with its LoRA is not trained again). ``--world`` defaults to the shared toy-world cache.
@@ -83,8 +86,11 @@ def evaluate(args, world: Path) -> dict:
     from flowgrpo.toy.build import evaluate_pipeline, read_prompts
 
     prompts = read_prompts(world, "eval")
+    archived = {} if args.students_from is None else leaderboard_students(args.students_from, len(prompts),
+                                                                          args.images_per_prompt)
     models = {"world": None, **{f"{n} expert": args.output / "experts" / n for n in EXPERTS}}
-    models.update({f"student seed {s}": args.output / "students" / f"seed{s}" for s in args.seeds})
+    if args.students_from is None:
+        models.update({f"student seed {s}": args.output / "students" / f"seed{s}" for s in args.seeds})
     results = {}
     for name, folder in models.items():
         if folder is not None and not (folder / LORA).is_file():
@@ -97,6 +103,7 @@ def evaluate(args, world: Path) -> dict:
                                     guidance_scale=3.0, max_sequence_length=8, seed=1234)
         results[name] = {"shape": acc["shape"], "color": acc["color"], "all": acc["all"], "images": acc["n"]}
         print(f"[opd demo] {name}: shape {acc['shape']:.1%}, colour {acc['color']:.1%}")
+    results.update(archived)
     students = [v for k, v in results.items() if k.startswith("student")]
     if students:
         results["students"] = {key: {"mean": statistics.mean(s[key] for s in students),
@@ -104,10 +111,31 @@ def evaluate(args, world: Path) -> dict:
                                for key in ("shape", "color")}
     summary = {"results": results, "images_per_prompt": args.images_per_prompt, "prompts": len(prompts),
                "expert_recipe": args.expert_recipe, "expert_steps": args.expert_steps,
-               "student_steps": args.student_steps, "student_flags": args.student_flags, "seeds": args.seeds}
+               "student_steps": args.student_steps, "student_flags": args.student_flags, "seeds": args.seeds,
+               "students_from": None if args.students_from is None else str(args.students_from)}
     (args.output / "opd_demo.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.output / "opd_demo.md").write_text(render(summary))
     return summary
+
+
+def leaderboard_students(archive: Path, prompts: int, images_per_prompt: int) -> dict:
+    """The leaderboard's ``diffusion-opd`` runs in ``archive`` as the demo's student rows (their final held-out
+    accuracies); a run evaluated on other prompts or images is refused, naming the flag that matches it."""
+    rows = {}
+    for path in sorted((archive / "diffusion-opd").glob("seed*.json")):
+        run = json.loads(path.read_text(encoding="utf-8"))
+        if run["eval"]["images_per_prompt"] != images_per_prompt or run["eval"]["prompts"] != prompts:
+            raise SystemExit(f"{path}: evaluated on {run['eval']['prompts']} prompts x "
+                             f"{run['eval']['images_per_prompt']} images, not the demo's {prompts} x "
+                             f"{images_per_prompt}; pass --images_per_prompt {run['eval']['images_per_prompt']}")
+        after = run["after"]
+        name = f"student seed {run['settings']['seed']} (leaderboard, {run['settings']['max_steps']} steps)"
+        rows[name] = {"shape": after["shape"], "color": after["color"], "all": after["all"], "images": after["n"]}
+        print(f"[opd demo] {name}: shape {after['shape']:.1%}, colour {after['color']:.1%}")
+    if not rows:
+        raise SystemExit(f"{archive / 'diffusion-opd'} holds no runs: make them with scripts/learning_benchmark.py "
+                         "--leaderboard --only diffusion-opd")
+    return rows
 
 
 def render(summary: dict) -> str:
@@ -121,8 +149,9 @@ def render(summary: dict) -> str:
             rows.append(f"| {name} | {r['shape']:.1%} | {r['color']:.1%} |")
     return ("Held-out accuracy on the toy world's " + f"{summary['prompts']} eval prompts x "
             f"{summary['images_per_prompt']} images (20 ODE steps, CFG 3). Experts: {summary['expert_recipe']}, "
-            f"{summary['expert_steps']} steps each; students: recipes/toy_opd.yaml, {summary['student_steps']} steps "
-            "from both experts.\n\n" + "\n".join(rows) + "\n")
+            f"{summary['expert_steps']} steps each; students: recipes/toy_opd.yaml from both experts, "
+            + (f"{summary['student_steps']} steps" if not summary.get("students_from") else
+               f"the leaderboard's diffusion-opd runs ({summary['students_from']})") + ".\n\n" + "\n".join(rows) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert_seed", type=int, default=0)
     parser.add_argument("--student_steps", type=int, default=300)
     parser.add_argument("--images_per_prompt", type=int, default=8)
+    parser.add_argument("--students_from", type=Path, default=None,
+                        help="a leaderboard archive (docs/learning_leaderboard_runs): its diffusion-opd runs are the "
+                             "students (no students trained here)")
     parser.add_argument("--student_flags", nargs=argparse.REMAINDER, default=[],
                         help="more flags for the students' launch (last on the line)")
     args = parser.parse_args(argv)
@@ -150,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     if args.stage in ("all", "experts"):
         train_experts(args, args.world)
-    if args.stage in ("all", "students"):
+    if args.stage in ("all", "students") and args.students_from is None:
         train_students(args, args.world)
     if args.stage in ("all", "evaluate"):
         evaluate(args, args.world)
