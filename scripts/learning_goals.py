@@ -44,7 +44,7 @@ try:
 except ImportError:  # a checkout without the package installed
     sys.path.insert(0, str(REPO / "src"))
 
-from flowgrpo.toy.leaderboard import EVAL_GUIDANCE_SCALE, TOY_AWM_SETTINGS  # noqa: E402
+from flowgrpo.toy.leaderboard import EVAL_GUIDANCE_SCALE, TOY_AWM_SETTINGS, TOY_DGPO_SETTINGS  # noqa: E402
 
 SHAPE_GOAL = 0.70
 COLOUR_TOLERANCE = 0.02
@@ -56,6 +56,8 @@ EVAL = {"images_per_prompt": 8, "steps": 20, "guidance_scale": EVAL_GUIDANCE_SCA
 
 #: attempt -> (the leaderboard row it starts from, its settings changes, what it asks)
 ATTEMPTS: dict[str, tuple[str, dict, str]] = {
+    "dgpo-600": ("dgpo", {"max_steps": 600, **TOY_DGPO_SETTINGS},
+                 "DGPO, which kept colour while it learned shape at 300 steps, for 600 steps: does shape keep rising?"),
     "awm-600": ("awm", {"max_steps": 600, **TOY_AWM_SETTINGS},
                 "AWM, the strongest row per step, for 600 steps instead of 300: does shape keep rising, and colour?"),
     "awm-600-colour1": ("awm", {"max_steps": 600, **TOY_AWM_SETTINGS, "reward_weights": [1.0, 1.0]},

@@ -41,9 +41,9 @@ def test_goal_one_needs_colour_kept_and_goal_two_takes_the_last_evaluation_befor
 def test_attempts_change_one_thing_of_their_row():
     from flowgrpo.toy.leaderboard import leaderboard_variants
 
-    awm = {s.name: s for s, _ in leaderboard_variants(300)}["awm"]
-    for name in goals.ATTEMPTS:
-        settings = goals.attempt_settings(name, 3)
-        assert settings.seed == 3 and settings.max_steps == 600 and settings.trainer == awm.trainer
-        assert settings.extra_config == awm.extra_config and settings.num_generations == awm.num_generations
+    rows = {s.name: s for s, _ in leaderboard_variants(300)}
+    for name, (row, _, question) in goals.ATTEMPTS.items():
+        settings, base = goals.attempt_settings(name, 3), rows[row]
+        assert settings.seed == 3 and settings.max_steps == 600 and settings.trainer == base.trainer and question
+        assert settings.extra_config == base.extra_config and settings.num_generations == base.num_generations
     assert goals.attempt_settings("awm-600-colour1", 0).reward_weights == [1.0, 1.0]
