@@ -58,6 +58,9 @@ EVAL = {"images_per_prompt": 8, "steps": 20, "guidance_scale": EVAL_GUIDANCE_SCA
 ATTEMPTS: dict[str, tuple[str, dict, str]] = {
     "dgpo-600": ("dgpo", {"max_steps": 600, **TOY_DGPO_SETTINGS},
                  "DGPO, which kept colour while it learned shape at 300 steps, for 600 steps: does shape keep rising?"),
+    "dgpo-1-level": ("dgpo", {"max_steps": 400, **TOY_DGPO_SETTINGS,
+                              "extra_config": {**TOY_DGPO_SETTINGS["extra_config"], "dgpo_num_timesteps": 1}},
+                     "DGPO training 1 level per image and pass instead of 2: cheaper steps, more of them in 150 s?"),
     "awm-600": ("awm", {"max_steps": 600, **TOY_AWM_SETTINGS},
                 "AWM, the strongest row per step, for 600 steps instead of 300: does shape keep rising, and colour?"),
     "awm-600-colour1": ("awm", {"max_steps": 600, **TOY_AWM_SETTINGS, "reward_weights": [1.0, 1.0]},
