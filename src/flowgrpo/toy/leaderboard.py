@@ -1,5 +1,5 @@
-"""The algorithm leaderboard: the Flow-GRPO family, DanceGRPO, AWM, Diffusion-DPO and DiffusionNFT compared on the
-toy world, several seeds each.
+"""The algorithm leaderboard: the Flow-GRPO family (Flow-DPPO and BranchGRPO included), DanceGRPO, AWM, Diffusion-DPO,
+DGPO, CRD, on-policy distillation and DiffusionNFT compared on the toy world, several seeds each.
 
 ::
 
@@ -166,7 +166,8 @@ def _copy(settings: dict) -> dict:
 
 def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tuple[RLSettings, str]]:
     """The compared variants as ``(settings, what changes)``, all from ``base`` (default: the recipe) at ``steps``:
-    the Flow-GRPO family (DanceGRPO included), then AWM, Diffusion-DPO and DiffusionNFT (`NFT_VARIANT`).
+    the Flow-GRPO family (DanceGRPO, Flow-DPPO and BranchGRPO included), then DGPO, CRD, on-policy distillation
+    (`OPD_VARIANT`, whose teachers must exist: `OPD_EXPERTS`), AWM, Diffusion-DPO and DiffusionNFT (`NFT_VARIANT`).
 
     Progressive windows move over the same candidate starts as the random ones (``sde_window_range``) and shift
     every ``max(1, steps // 6)`` steps, so they visit each start twice in a run; the KL rows use beta 0.04 (the
@@ -464,13 +465,17 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
     seeds = sorted({s for v in variants for s in v.seeds})
     budgets = summary["budgets"]
     lines = [
-        "# Learning leaderboard: the Flow-GRPO family, DanceGRPO, AWM, Diffusion-DPO and DiffusionNFT on the toy world",
+        "# Learning leaderboard: the Flow-GRPO family, DanceGRPO, AWM, Diffusion-DPO, DGPO, CRD, on-policy "
+        "distillation and DiffusionNFT on the toy world",
         "",
         "Written by `scripts/learning_benchmark.py --leaderboard`; do not edit by hand. Every Flow-GRPO variant is the "
-        "toy recipe (`recipes/toy.yaml`) with one algorithmic change; `dancegrpo`, `awm`, `diffusion-dpo` and "
+        "toy recipe (`recipes/toy.yaml`) with one algorithmic change (`flow-dppo` and `branchgrpo` included: "
+        "`toy_flowdppo.yaml`, `toy_branchgrpo.yaml`); `dancegrpo`, `awm`, `diffusion-dpo`, `dgpo`, `crd` and "
         "`diffusion-nft` are those trainers at their published-style settings (`recipes/toy_dancegrpo.yaml`, "
-        "`toy_awm.yaml`, `toy_dpo.yaml` online, `toy_nft.yaml`); `diffusion-nft-fast` is our cheaper DiffusionNFT "
-        "(`toy_nft_fast.yaml`). All are trained from the same pretrained world with seeds "
+        "`toy_awm.yaml`, `toy_dpo.yaml` online, `toy_dgpo.yaml`, `toy_crd.yaml`, `toy_nft.yaml`); `diffusion-nft-fast` "
+        "is our cheaper DiffusionNFT (`toy_nft_fast.yaml`); `diffusion-opd` distils two experts trained from the world "
+        "(one on the shape score, one on colour) into a fresh student (`toy_opd.yaml` with `teachers`; the experts' "
+        "training is not counted in its seconds). All are trained from the same pretrained world with seeds "
         f"{', '.join(map(str, seeds))}. Figures are held-out {attribute} accuracy: the mean over seeds with the "
         "range (lowest-highest seed) in brackets. A difference *exceeds the seed spread* when the two ranges do not "
         "overlap (every seed of one variant beats every seed of the other).",
