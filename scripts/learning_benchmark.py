@@ -7,8 +7,10 @@
 
 ``--leaderboard`` runs the Flow-GRPO family (``flowgrpo.toy.leaderboard.leaderboard_variants``: plain Flow-GRPO,
 Fast random windows, MixGRPO progressive windows, MixGRPO-Flash, GRPO-Guard, each KL estimator at beta 0.04,
-rewards normalised before summing, shared group noise, DanceGRPO), AWM, online Diffusion-DPO and DiffusionNFT
-(``recipes/toy_nft.yaml``), each at its published-style settings, with ``--seeds`` (0,1,2,3,4) each, and writes the
+rewards normalised before summing, shared group noise, DanceGRPO, Flow-DPPO, BranchGRPO), DGPO, CRD, on-policy
+distillation of two experts (trained first when missing, ``scripts/opd_demo.py --stage experts``; run it from the
+repository root), AWM, online Diffusion-DPO and DiffusionNFT (``recipes/toy_nft.yaml``), each at its
+published-style settings, with ``--seeds`` (0,1,2,3,4) each, and writes the
 leaderboard (held-out shape accuracy at equal steps and at equal training-seconds budgets, colour kept, seconds per
 step, the means with 95% bootstrap intervals and the pairwise paired-difference verdicts, and a plot of accuracy
 against training seconds with each variant's band) to ``--leaderboard-md`` (``docs/learning_leaderboard.md``, the
