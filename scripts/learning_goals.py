@@ -114,6 +114,13 @@ def at_step(run: dict, step: int, attribute: str = "shape") -> float | None:
     return values[-1] if values else None
 
 
+def best_mean_within(runs: list[dict], seconds: float) -> tuple[float, float]:
+    """The highest mean over seeds, at any budget up to ``seconds``, of each run's last evaluation at or before the
+    budget, with that budget: what the row had reached, on average, by then."""
+    budgets = sorted({p["train_seconds"] for r in runs for p in r["curve"] if p["train_seconds"] <= seconds + 1e-9})
+    return max((statistics.mean(at_seconds(r, b) for r in runs), b) for b in budgets)
+
+
 def row_figures(runs: list[dict]) -> dict:
     """A row's figures for the goals, over its seeds."""
     steps = runs[0]["settings"]["max_steps"]
@@ -128,6 +135,7 @@ def row_figures(runs: list[dict]) -> dict:
         "goal1_seeds": sum(1 for f in kept if f[0] >= SHAPE_GOAL - 1e-9),
         "colour_change": statistics.mean(f[1] for f in finals),
         "at_goal_seconds": statistics.mean(at_seconds(r, GOAL_SECONDS) for r in runs),
+        "best_within_goal_seconds": best_mean_within(runs, GOAL_SECONDS),
         "seconds_per_step": statistics.mean(r["train_seconds"] / steps for r in runs),
         "last_100_gain": statistics.mean(late) if late else None,
     }
@@ -138,9 +146,9 @@ def render(leaderboard: dict[str, list[dict]], attempts: dict[str, list[dict]], 
     any_run = next(iter(leaderboard.values()))[0]
     header = [
         "| row | seeds x steps | mean shape | best seed (colour change) | best seed with colour kept | seeds meeting "
-        f"goal 1 | mean colour change | mean shape at {GOAL_SECONDS:.0f} s | s/step | shape gained in the last 100 "
-        "steps |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"goal 1 | mean colour change | mean shape at {GOAL_SECONDS:.0f} s | highest mean by {GOAL_SECONDS:.0f} s "
+        "(at) | s/step | shape gained in the last 100 steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines = [
         "# The learning goals on the toy world",
@@ -166,7 +174,9 @@ def render(leaderboard: dict[str, list[dict]], attempts: dict[str, list[dict]], 
         kept = "none" if f["best_kept"] is None else f"{f['best_kept'][0]:.1%} ({f['best_kept'][1] * 100:+.1f})"
         late = "" if f["last_100_gain"] is None else f"{f['last_100_gain'] * 100:+.1f} points"
         return (f"| {name} | {f['seeds']} x {f['steps']} | {f['shape']:.1%} | {best} | {kept} | {f['goal1_seeds']} "
-                f"| {f['colour_change'] * 100:+.1f} | {f['at_goal_seconds']:.1%} | {f['seconds_per_step']:.2f} | "
+                f"| {f['colour_change'] * 100:+.1f} | {f['at_goal_seconds']:.1%} | "
+                f"{f['best_within_goal_seconds'][0]:.1%} ({f['best_within_goal_seconds'][1]:.0f} s) | "
+                f"{f['seconds_per_step']:.2f} | "
                 f"{late} |")
 
     ranked = sorted(leaderboard.items(), key=lambda item: -row_figures(item[1])["shape"])
@@ -180,9 +190,19 @@ def render(leaderboard: dict[str, list[dict]], attempts: dict[str, list[dict]], 
                 points = ", ".join(f"{p['step']}: {p['shape']:.1%} / {p['color']:.1%}" for p in run["curve"]
                                    if p["step"] % 100 == 0)
                 lines.append(f"- `{name}` seed {run['settings']['seed']}, step: shape / colour: {points}")
-    by_time = sorted(leaderboard.items(), key=lambda item: -row_figures(item[1])["at_goal_seconds"])[:3]
-    lines += ["", f"Closest to goal 2 (mean shape at {GOAL_SECONDS:.0f} s): " + "; ".join(
-        f"{name} {row_figures(runs)['at_goal_seconds']:.1%}" for name, runs in by_time) + "."]
+    everything = {**leaderboard, **attempts}
+    five = {name: runs for name, runs in everything.items() if len(runs) >= 5}  # goal 2 is an average over five
+    by_time = sorted(five.items(), key=lambda item: -row_figures(item[1])["best_within_goal_seconds"][0])[:3]
+    lines += ["", f"Closest to goal 2 (the highest mean over seeds by {GOAL_SECONDS:.0f} s, and the mean at "
+              f"{GOAL_SECONDS:.0f} s): " + "; ".join(
+                  f"{name} {row_figures(runs)['best_within_goal_seconds'][0]:.1%} at "
+                  f"{row_figures(runs)['best_within_goal_seconds'][1]:.0f} s, {row_figures(runs)['at_goal_seconds']:.1%} "
+                  f"at {GOAL_SECONDS:.0f} s" for name, runs in by_time) + " (rows of five seeds)."]
+    by_shape = sorted(everything.items(), key=lambda item: -(row_figures(item[1])["best_kept"] or (0,))[0])[:3]
+    lines += ["Closest to goal 1 (the best seed with colour kept): " + "; ".join(
+        f"{name} {row_figures(runs)['best_kept'][0]:.1%} (seed {row_figures(runs)['best_kept'][2]}, colour "
+        f"{row_figures(runs)['best_kept'][1] * 100:+.1f})" for name, runs in by_shape
+        if row_figures(runs)["best_kept"]) + "."]
     return "\n".join(lines) + "\n"
 
 
