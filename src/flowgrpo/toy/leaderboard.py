@@ -143,7 +143,7 @@ TOY_CRD_SETTINGS: dict = dict(
 #: repository): a shape expert (``toy_nft_fast`` on ``toy_shape_score`` alone) and a colour expert (on ``toy_color``
 #: alone), 300 steps each from the world.
 OPD_EXPERTS = "outputs/opd_demo/experts"
-#: On-policy distillation's row.
+#: The name of on-policy distillation's row.
 OPD_VARIANT = "diffusion-opd"
 #: On-policy distillation's row (``recipes/toy_opd.yaml`` with ``teachers``): a fresh LoRA on the world samples its
 #: own SDE rollouts (8 steps at CFG 3, SDE on every step but the last) and is trained on the per-step exact KL to
