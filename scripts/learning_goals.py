@@ -44,7 +44,12 @@ try:
 except ImportError:  # a checkout without the package installed
     sys.path.insert(0, str(REPO / "src"))
 
-from flowgrpo.toy.leaderboard import EVAL_GUIDANCE_SCALE, TOY_AWM_SETTINGS, TOY_DGPO_SETTINGS  # noqa: E402
+from flowgrpo.toy.leaderboard import (  # noqa: E402
+    EVAL_GUIDANCE_SCALE,
+    TOY_AWM_SETTINGS,
+    TOY_DGPO_SETTINGS,
+    bootstrap_interval,
+)
 
 SHAPE_GOAL = 0.70
 COLOUR_TOLERANCE = 0.02
@@ -135,6 +140,7 @@ def row_figures(runs: list[dict]) -> dict:
         "goal1_seeds": sum(1 for f in kept if f[0] >= SHAPE_GOAL - 1e-9),
         "colour_change": statistics.mean(f[1] for f in finals),
         "at_goal_seconds": statistics.mean(at_seconds(r, GOAL_SECONDS) for r in runs),
+        "at_goal_seconds_interval": bootstrap_interval([at_seconds(r, GOAL_SECONDS) for r in runs]),
         "best_within_goal_seconds": best_mean_within(runs, GOAL_SECONDS),
         "seconds_per_step": statistics.mean(r["train_seconds"] / steps for r in runs),
         "last_100_gain": statistics.mean(late) if late else None,
@@ -146,7 +152,7 @@ def render(leaderboard: dict[str, list[dict]], attempts: dict[str, list[dict]], 
     any_run = next(iter(leaderboard.values()))[0]
     header = [
         "| row | seeds x steps | mean shape | best seed (colour change) | best seed with colour kept | seeds meeting "
-        f"goal 1 | mean colour change | mean shape at {GOAL_SECONDS:.0f} s | highest mean by {GOAL_SECONDS:.0f} s "
+        f"goal 1 | mean colour change | mean shape at {GOAL_SECONDS:.0f} s [95% bootstrap] | highest mean by {GOAL_SECONDS:.0f} s "
         "(at) | s/step | shape gained in the last 100 steps |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -174,7 +180,8 @@ def render(leaderboard: dict[str, list[dict]], attempts: dict[str, list[dict]], 
         kept = "none" if f["best_kept"] is None else f"{f['best_kept'][0]:.1%} ({f['best_kept'][1] * 100:+.1f})"
         late = "" if f["last_100_gain"] is None else f"{f['last_100_gain'] * 100:+.1f} points"
         return (f"| {name} | {f['seeds']} x {f['steps']} | {f['shape']:.1%} | {best} | {kept} | {f['goal1_seeds']} "
-                f"| {f['colour_change'] * 100:+.1f} | {f['at_goal_seconds']:.1%} | "
+                f"| {f['colour_change'] * 100:+.1f} | {f['at_goal_seconds']:.1%} "
+                f"[{f['at_goal_seconds_interval'][0]:.1%}, {f['at_goal_seconds_interval'][1]:.1%}] | "
                 f"{f['best_within_goal_seconds'][0]:.1%} ({f['best_within_goal_seconds'][1]:.0f} s) | "
                 f"{f['seconds_per_step']:.2f} | "
                 f"{late} |")
