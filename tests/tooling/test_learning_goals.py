@@ -30,6 +30,7 @@ def test_goal_one_needs_colour_kept_and_goal_two_takes_the_last_evaluation_befor
     f = goals.row_figures(runs)
     assert f["goal1_seeds"] == 1  # seed 1 has more shape but gave up 4 points of colour
     assert f["best"][2] == 1 and f["best_kept"][2] == 0
+    assert f["best_point_kept"][0] == 0.72 and f["best_point_kept"][2:] == (0, 300)  # seed 1's points all lost colour
     assert f["at_goal_seconds"] == pytest.approx((0.55 + 0.60) / 2)  # 160 s and 240 s are past the budget
     assert f["best_within_goal_seconds"] == pytest.approx(((0.55 + 0.60) / 2, 120))  # 100 s: (0.55 + 0.44) / 2
     assert f["last_100_gain"] == pytest.approx((0.07 + 0.05) / 2)
