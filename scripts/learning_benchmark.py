@@ -199,7 +199,7 @@ def prepare_opd_experts(world: Path) -> None:
                         str(world), "--output", str(REPO / Path(OPD_EXPERTS).parent)], check=True, cwd=REPO)
 
 
-def _reusable(path: Path, settings: RLSettings, eval_config: dict, world: str | None) -> dict | None:
+def reusable_run(path: Path, settings: RLSettings, eval_config: dict, world: str | None) -> dict | None:
     """A finished run's result when it was made on the same world (its builder digest) with the same settings and
     evaluation."""
     try:
@@ -211,7 +211,7 @@ def _reusable(path: Path, settings: RLSettings, eval_config: dict, world: str | 
     return result if same else None
 
 
-def _machine(torch_threads: int) -> str:
+def machine_description(torch_threads: int) -> str:
     import torch
 
     return (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} with {torch_threads} "
@@ -229,7 +229,7 @@ def _made_summary(results: list[dict]) -> str:
                      sorted(counts.items()))
 
 
-def _keep(result: dict, path: Path) -> None:
+def keep_run(result: dict, path: Path) -> None:
     """Write a finished run's result into the archive (atomically), so that later invocations, on this machine or
     from another checkout, reuse it instead of training again. Everything the page needs is kept; the per-step
     training log (about 0.4 MB a run) stays in the run's folder."""
@@ -240,7 +240,7 @@ def _keep(result: dict, path: Path) -> None:
     os.replace(staging, path)
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=10)
@@ -285,7 +285,7 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
         previous = None
         if not args.fresh:
             for candidate in (folder / "result.json", kept):
-                previous = previous or (candidate and _reusable(candidate, settings, eval_config, digest))
+                previous = previous or (candidate and reusable_run(candidate, settings, eval_config, digest))
         if previous is not None:
             print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed}: reusing a finished run",
                   flush=True)
@@ -298,14 +298,14 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
             previous = run_toy_rl(world, settings, folder, eval_every=eval_every, eval_images_per_prompt=images,
                                   eval_steps=eval_steps, max_eval_prompts=max_prompts, eval_seed=EVAL_SEED,
                                   eval_guidance_scale=EVAL_GUIDANCE_SCALE)
-            previous["made"] = {"date": datetime.date.today().isoformat(), "commit": _git_commit(),
-                                "machine": _machine(torch_threads)}
+            previous["made"] = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
+                                "machine": machine_description(torch_threads)}
             (folder / "result.json").write_text(json.dumps(previous, indent=2) + "\n", encoding="utf-8")
         results.append(previous)
         # archive a run unless the archive already holds one of these settings (an entry of a variant's earlier
         # settings is replaced: it could never be reused again)
-        if kept is not None and (args.fresh or not _reusable(kept, settings, eval_config, digest)):
-            _keep(previous, kept)
+        if kept is not None and (args.fresh or not reusable_run(kept, settings, eval_config, digest)):
+            keep_run(previous, kept)
         _write_results(output, world, args.quick, torch_threads, results)
     _write_results(output, world, args.quick, torch_threads, results)
     if not results:
@@ -316,8 +316,8 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
     summary = summarize(results, descriptions, budget_seconds=(LEARNING_GOAL_SECONDS,))
     context = {
         "command": "python scripts/learning_benchmark.py " + shlex.join(_without_note(args.argv)),
-        "machine": _machine(torch_threads),
-        "date": datetime.date.today().isoformat(), "commit": _git_commit(),
+        "machine": machine_description(torch_threads),
+        "date": datetime.date.today().isoformat(), "commit": git_commit(),
         "total_minutes": sum(r["total_seconds"] for r in results) / 60, "quick": args.quick, "note": note,
         "missing": missing, "planned_runs": len(runs), "made": _made_summary(results),
         "eval": f"{_eval_prompt_count(world, max_prompts)} held-out prompts x {images} image{'s' * (images != 1)}, "

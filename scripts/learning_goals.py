@@ -48,6 +48,7 @@ from flowgrpo.toy.leaderboard import (  # noqa: E402
     EVAL_GUIDANCE_SCALE,
     TOY_AWM_SETTINGS,
     TOY_DGPO_SETTINGS,
+    accuracy_at_budget,
     bootstrap_interval,
 )
 
@@ -76,30 +77,33 @@ ATTEMPTS: dict[str, tuple[str, dict, str]] = {
 def attempt_settings(name: str, seed: int):
     from flowgrpo.toy.learning import RLSettings
 
-    row, change, _ = ATTEMPTS[name]
+    _, change, _ = ATTEMPTS[name]
     change = {**change, "extra_config": dict(change.get("extra_config", {}))}
     return dataclasses.replace(RLSettings(), name=name, seed=seed, **change)
 
 
 def train(name: str, seeds: list[int], output: Path, world: Path, threads: int) -> None:
-    from flowgrpo.toy.learning import run_toy_rl
+    """Each seed of the attempt, kept in `GOAL_ARCHIVE` as the leaderboard keeps its runs (a run of the same settings,
+    evaluation and world there is reused)."""
+    from learning_benchmark import git_commit, keep_run, machine_description, reusable_run
 
+    from flowgrpo.toy.build import read_prompts
+    from flowgrpo.toy.learning import run_toy_rl, world_digest
+
+    eval_config = {"prompts": len(read_prompts(world, "eval")), **EVAL}
+    digest = world_digest(world)
     for seed in seeds:
         settings = attempt_settings(name, seed)
         kept = GOAL_ARCHIVE / name / f"seed{seed}.json"
-        if kept.is_file() and json.loads(kept.read_text())["settings"] == json.loads(
-                json.dumps(dataclasses.asdict(settings))):
+        if reusable_run(kept, settings, eval_config, digest) is not None:
             print(f"[goals] {name} seed {seed}: reusing {kept}", flush=True)
             continue
         result = run_toy_rl(world, settings, output / name / f"seed{seed}", eval_every=EVAL["every"],
                             eval_images_per_prompt=EVAL["images_per_prompt"], eval_steps=EVAL["steps"],
                             eval_seed=EVAL["seed"], eval_guidance_scale=EVAL["guidance_scale"])
-        result["made"] = {"date": datetime.date.today().isoformat(), "machine": f"{os.cpu_count()} CPU cores, "
-                          f"{threads} torch thread{'s' * (threads != 1)}"}
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        staging = kept.with_name(f".{kept.name}.tmp")
-        staging.write_text(json.dumps({k: v for k, v in result.items() if k != "train_log"}, indent=1) + "\n")
-        os.replace(staging, kept)
+        result["made"] = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
+                          "machine": machine_description(threads)}
+        keep_run(result, kept)
 
 
 def load_runs(archive: Path) -> dict[str, list[dict]]:
@@ -109,9 +113,9 @@ def load_runs(archive: Path) -> dict[str, list[dict]]:
     return runs
 
 
-def at_seconds(run: dict, seconds: float, attribute: str = "shape") -> float:
-    """The run's last evaluation at or before ``seconds`` of training (no interpolation)."""
-    return [p[attribute] for p in run["curve"] if p["train_seconds"] <= seconds + 1e-9][-1]
+def at_seconds(run: dict, seconds: float) -> float:
+    """The run's shape at its last evaluation at or before ``seconds`` of training (no interpolation)."""
+    return accuracy_at_budget(run["curve"], seconds)[0]
 
 
 def at_step(run: dict, step: int, attribute: str = "shape") -> float | None:
@@ -178,8 +182,11 @@ def render(leaderboard: dict[str, list[dict]], attempts: dict[str, list[dict]], 
         *header,
     ]
 
-    def line(name: str, runs: list[dict]) -> str:
-        f = row_figures(runs)
+    everything = {**leaderboard, **attempts}
+    figures = {name: row_figures(runs) for name, runs in everything.items()}
+
+    def line(name: str) -> str:
+        f = figures[name]
         best = f"{f['best'][0]:.1%} ({f['best'][1] * 100:+.1f})"
         kept = "none" if f["best_kept"] is None else f"{f['best_kept'][0]:.1%} ({f['best_kept'][1] * 100:+.1f})"
         late = "" if f["last_100_gain"] is None else f"{f['last_100_gain'] * 100:+.1f} points"
@@ -193,30 +200,28 @@ def render(leaderboard: dict[str, list[dict]], attempts: dict[str, list[dict]], 
                 f"{f['seconds_per_step']:.2f} | "
                 f"{late} |")
 
-    ranked = sorted(leaderboard.items(), key=lambda item: -row_figures(item[1])["shape"])
-    lines += [line(name, runs) for name, runs in ranked]
+    ranked = sorted(leaderboard, key=lambda name: -figures[name]["shape"])
+    lines += [line(name) for name in ranked]
     if attempts:
         lines += ["", "Attempts beyond the leaderboard's 300 steps:", "", *header]
-        lines += [line(name, runs) for name, runs in attempts.items()]
+        lines += [line(name) for name in attempts]
         lines += [""] + [f"- `{name}`: {ATTEMPTS[name][2]}" for name in attempts if name in ATTEMPTS]
         for name, runs in attempts.items():
             for run in runs:
                 points = ", ".join(f"{p['step']}: {p['shape']:.1%} / {p['color']:.1%}" for p in run["curve"]
                                    if p["step"] % 100 == 0)
                 lines.append(f"- `{name}` seed {run['settings']['seed']}, step: shape / colour: {points}")
-    everything = {**leaderboard, **attempts}
-    five = {name: runs for name, runs in everything.items() if len(runs) >= 5}  # goal 2 is an average over five
-    by_time = sorted(five.items(), key=lambda item: -row_figures(item[1])["best_within_goal_seconds"][0])[:3]
+    five = [name for name, f in figures.items() if f["seeds"] >= 5]  # goal 2 is an average over five
+    by_time = sorted(five, key=lambda name: -figures[name]["best_within_goal_seconds"][0])[:3]
     lines += ["", f"Closest to goal 2 (the highest mean over seeds by {GOAL_SECONDS:.0f} s, and the mean at "
               f"{GOAL_SECONDS:.0f} s): " + "; ".join(
-                  f"{name} {row_figures(runs)['best_within_goal_seconds'][0]:.1%} at "
-                  f"{row_figures(runs)['best_within_goal_seconds'][1]:.0f} s, {row_figures(runs)['at_goal_seconds']:.1%} "
-                  f"at {GOAL_SECONDS:.0f} s" for name, runs in by_time) + " (rows of five seeds)."]
-    by_shape = sorted(everything.items(), key=lambda item: -(row_figures(item[1])["best_kept"] or (0,))[0])[:3]
+                  f"{name} {figures[name]['best_within_goal_seconds'][0]:.1%} at "
+                  f"{figures[name]['best_within_goal_seconds'][1]:.0f} s, {figures[name]['at_goal_seconds']:.1%} "
+                  f"at {GOAL_SECONDS:.0f} s" for name in by_time) + " (rows of five seeds)."]
+    by_shape = sorted(figures, key=lambda name: -(figures[name]["best_kept"] or (0,))[0])[:3]
     lines += ["Closest to goal 1 (the best seed with colour kept): " + "; ".join(
-        f"{name} {row_figures(runs)['best_kept'][0]:.1%} (seed {row_figures(runs)['best_kept'][2]}, colour "
-        f"{row_figures(runs)['best_kept'][1] * 100:+.1f})" for name, runs in by_shape
-        if row_figures(runs)["best_kept"]) + "."]
+        f"{name} {figures[name]['best_kept'][0]:.1%} (seed {figures[name]['best_kept'][2]}, colour "
+        f"{figures[name]['best_kept'][1] * 100:+.1f})" for name in by_shape if figures[name]["best_kept"]) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -337,6 +337,6 @@ def test_quick_leaderboard_runs_in_two_processes(tmp_path):
     # ... but never a run made on another world, or with other settings.
     settings = bench.leaderboard_runs(3, [0], ["fast-random"], None)[0][0]
     path = tmp_path / "archive" / "fast-random" / "seed0.json"
-    assert bench._reusable(path, settings, kept["eval"], kept["world"]) is not None
-    assert bench._reusable(path, settings, kept["eval"], "another-world") is None
-    assert bench._reusable(path, dataclasses.replace(settings, learning_rate=1.0), kept["eval"], kept["world"]) is None
+    assert bench.reusable_run(path, settings, kept["eval"], kept["world"]) is not None
+    assert bench.reusable_run(path, settings, kept["eval"], "another-world") is None
+    assert bench.reusable_run(path, dataclasses.replace(settings, learning_rate=1.0), kept["eval"], kept["world"]) is None

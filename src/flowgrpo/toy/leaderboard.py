@@ -112,32 +112,35 @@ TOY_BRANCHGRPO_SETTINGS: dict = dict(
     sde_window_size=0, sde_window_range=None,
     extra_config={"branch_steps": [0, 2, 4], "branch_factor": 2, "branch_noise_scale": 1.0},
 )
+
+
+def _on_nft_fast_sampling(trainer: str, **extra_config) -> dict:
+    """A row on the sampling of ``toy_nft_fast``: CFG-free rollouts of 6 DPM-Solver++ 2M steps, constant lr 3e-4,
+    batch-std advantages, an EMA of 0.9 of the weights evaluated (at guidance 1 and 3), no KL to the reference."""
+    return dict(
+        trainer=trainer, learning_rate=3e-4, lr_scheduler_type="constant", beta=0.0, guidance_scale=1.0,
+        num_inference_steps=6, scale_rewards="batch",
+        extra_config={"sampler": "dpmpp_2m", "eval_guidance_scales": [1.0, 3.0], "kl_guidance_scale": 1.0,
+                      "adv_clip_max": 5.0, "use_ema": True, "ema_decay": 0.9, **extra_config},
+    )
+
+
 #: DGPO's row (``recipes/toy_dgpo.yaml``): the official SD3.5-M loss (beta_dpo 100, 2 of the first 4 rollout steps
 #: trained per pass on a noise shared by each group, DSM-ratio clip 0.01, the EMA reference of decay min(0.3, 0.001 k)
-#: used for the rollouts from step 200) on the sampling of ``toy_nft_fast``: 6 DPM-Solver++ 2M steps CFG-free, an EMA
-#: of 0.9 of the weights evaluated.
-TOY_DGPO_SETTINGS: dict = dict(
-    trainer="dgpo", learning_rate=3e-4, lr_scheduler_type="constant", beta=0.0, guidance_scale=1.0,
-    num_inference_steps=6, scale_rewards="batch",
-    extra_config={"sampler": "dpmpp_2m", "train_guidance_scale": 1.0, "eval_guidance_scales": [1.0, 3.0],
-                  "dgpo_num_timesteps": 2, "dgpo_trunc_steps": 3, "dgpo_shared_noise": True, "beta_dpo": 100.0,
-                  "dgpo_clip": 0.01, "dgpo_clip_dsm": False, "kl_guidance_scale": 1.0, "adv_clip_max": 5.0,
-                  "dgpo_ema_decay_rate": 0.001, "dgpo_ema_decay_max": 0.3, "dgpo_switch_ema_ref": 200,
-                  "use_ema": True, "ema_decay": 0.9},
+#: used for the rollouts from step 200) on the sampling of ``toy_nft_fast``.
+TOY_DGPO_SETTINGS: dict = _on_nft_fast_sampling(
+    "dgpo", train_guidance_scale=1.0, dgpo_num_timesteps=2, dgpo_trunc_steps=3, dgpo_shared_noise=True,
+    beta_dpo=100.0, dgpo_clip=0.01, dgpo_clip_dsm=False, dgpo_ema_decay_rate=0.001, dgpo_ema_decay_max=0.3,
+    dgpo_switch_ema_ref=200,
 )
 #: CRD's row (``recipes/toy_crd.yaml``): Flow-Factory's loss (crd_beta 1, mse, adaptive weights against the old copy,
 #: the old and sampling copies on their schedules) with the implicit and external rewards centred within each
-#: prompt's group, on the sampling of ``toy_nft_fast`` (6 DPM-Solver++ 2M steps CFG-free), an EMA of 0.9 evaluated.
-TOY_CRD_SETTINGS: dict = dict(
-    trainer="crd", learning_rate=3e-4, lr_scheduler_type="constant", beta=0.0, guidance_scale=1.0,
-    num_inference_steps=6, scale_rewards="batch",
-    extra_config={"sampler": "dpmpp_2m", "eval_guidance_scales": [1.0, 3.0], "crd_num_timesteps": 2,
-                  "timestep_fraction": 0.99, "crd_beta": 1.0, "loss_type": "mse", "crd_centering": "group",
-                  "crd_adaptive_weights": True, "crd_use_old_policy": True, "kl_guidance_scale": 1.0,
-                  "adv_clip_max": 5.0, "old_policy_decay_start": 0, "old_policy_decay_initial": 0.25,
-                  "old_policy_decay_rate": 0.005, "old_policy_decay_max": 0.999, "sampling_policy_decay_start": 75,
-                  "sampling_policy_decay_initial": 0.0, "sampling_policy_decay_rate": 0.0075,
-                  "sampling_policy_decay_max": 0.999, "use_ema": True, "ema_decay": 0.9},
+#: prompt's group, on the sampling of ``toy_nft_fast``.
+TOY_CRD_SETTINGS: dict = _on_nft_fast_sampling(
+    "crd", crd_num_timesteps=2, timestep_fraction=0.99, crd_beta=1.0, loss_type="mse", crd_centering="group",
+    crd_adaptive_weights=True, crd_use_old_policy=True, old_policy_decay_start=0, old_policy_decay_initial=0.25,
+    old_policy_decay_rate=0.005, old_policy_decay_max=0.999, sampling_policy_decay_start=75,
+    sampling_policy_decay_initial=0.0, sampling_policy_decay_rate=0.0075, sampling_policy_decay_max=0.999,
 )
 #: The experts on-policy distillation's row distils (``scripts/opd_demo.py --stage experts``, relative to the
 #: repository): a shape expert (``toy_nft_fast`` on ``toy_shape_score`` alone) and a colour expert (on ``toy_color``
