@@ -14,6 +14,10 @@ HERE = Path(__file__).parent
 BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge", "geneval", "imagereward", "hpsv2",
                           "hpsv3", "unifiedreward", "vqascore", "deqa", "editreward", "edit_judges", "clap", "videoalign",
                           "geneval2")
+# The algorithms of flowgrpo.trainer.registry (name, the module declaring its SPEC), in the documentation's order.
+BUILTIN_TRAINERS = (("flow_grpo", "flow_grpo_config"), ("diffusion_nft", "nft_config"), ("awm", "awm_config"),
+                    ("diffusion_dpo", "dpo_config"), ("dgpo", "dgpo_config"), ("crd", "crd_config"),
+                    ("diffusion_opd", "opd_config"))
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "src/flowgrpo/__init__.py").read_text()).group(1)
 
 INSTALL_REQUIRES = [
@@ -85,6 +89,9 @@ setup(
             "toy = flowgrpo.toy.rewards",
             "toy_hackable = flowgrpo.toy.hackable",
         ],
+        # Algorithms (flowgrpo.trainer.registry): each entry point names an AlgorithmSpec; a third-party package adds
+        # its trainers to the same group. Kept equal to flowgrpo.trainer.registry.BUILTIN_TRAINERS by a test.
+        "flowgrpo.trainers": [f"{name} = flowgrpo.trainer.algorithms.{module}:SPEC" for name, module in BUILTIN_TRAINERS],
         "console_scripts": [
             "flowgrpo=flowgrpo.cli.command:main",
             "flowgrpo-reward-server=flowgrpo.rewards.server:main",

@@ -17,10 +17,10 @@ import torch
 from datasets import Dataset
 from support.trainer_cases import PROMPTS, make_trainer, redness_reward
 
+from flowgrpo.schedulers.flow_matching import flow_matching_error, noised_sample
 from flowgrpo.schedulers.sa_solver import sa_solver_sample, sa_solver_sigmas
 from flowgrpo.trainer.algorithms.dpo_loss import dpo_loss
 from flowgrpo.trainer.algorithms.dpo_timesteps import logit_normal_sigmas
-from flowgrpo.trainer.algorithms.flow_matching import flow_matching_error, noised_sample
 from flowgrpo.trainer.data.datasets import INDEX_COLUMN
 
 

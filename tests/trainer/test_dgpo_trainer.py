@@ -11,7 +11,7 @@ from support.trainer_cases import make_trainer, redness_reward
 from transformers import TrainerCallback
 
 from flowgrpo import DGPOConfig
-from flowgrpo.trainer.algorithms.dgpo_trainer import DGPORollout, keeps_ema_reference
+from flowgrpo.trainer.algorithms.dgpo_trainer import DGPORollout
 
 SETTINGS = dict(kind="dgpo", reward=redness_reward, per_device_train_batch_size=4, num_generations=2,
                 dgpo_num_timesteps=2, dgpo_trunc_steps=2, beta=0.01, beta_dpo=10.0, dgpo_clip=0.05)
@@ -99,10 +99,10 @@ def test_the_ema_reference_is_kept_only_when_something_reads_it(tmp_path):
         return DGPOConfig(output_dir=str(tmp_path), report_to=[], max_steps=100, per_device_train_batch_size=16,
                           **kwargs)
 
-    assert keeps_ema_reference(config())  # the trust region reads it
-    assert not keeps_ema_reference(config(dgpo_clip_dsm=False, dgpo_switch_ema_ref=100))
-    assert keeps_ema_reference(config(dgpo_clip_dsm=False, dgpo_switch_ema_ref=99))  # the rollouts switch to it
-    assert keeps_ema_reference(config(dgpo_clip_dsm=False, dgpo_use_ema_reference=True, dgpo_switch_ema_ref=100))
+    assert config().keeps_ema_reference  # the trust region reads it
+    assert not config(dgpo_clip_dsm=False, dgpo_switch_ema_ref=100).keeps_ema_reference
+    assert config(dgpo_clip_dsm=False, dgpo_switch_ema_ref=99).keeps_ema_reference  # the rollouts switch to it
+    assert config(dgpo_clip_dsm=False, dgpo_use_ema_reference=True, dgpo_switch_ema_ref=100).keeps_ema_reference
     rollout = DGPORollout(config(dgpo_switch_ema_ref=50), keeps_ema_reference=True)
     assert [rollout.plan(0, step) for step in (0, 50, 51)] == [False, False, True]
     assert not DGPORollout(config(), keeps_ema_reference=False).plan(0, 1000)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from flowgrpo import DiffusionDPOConfig
+from flowgrpo.schedulers.flow_matching import flow_matching_error
 from flowgrpo.trainer.algorithms.dpo_loss import dpo_loss
 from flowgrpo.trainer.algorithms.dpo_trainer import DiffusionDPOTrainer, best_and_worst
-from flowgrpo.trainer.algorithms.flow_matching import flow_matching_error
 
 
 def sigmoid(x):

@@ -13,10 +13,10 @@ from support.trainer_cases import make_trainer
 
 from flowgrpo import DiffusionNFTConfig, DiffusionNFTTrainer, FlowGRPOConfig
 from flowgrpo.rewards import RewardResult, resolve_reward_funcs
+from flowgrpo.trainer.algorithms.flow_grpo_importance import apply_truncated_importance_weights
 from flowgrpo.trainer.data.datasets import INDEX_COLUMN
 from flowgrpo.trainer.rollout.backend import LocalRolloutBackend, RolloutWorkerError
 from flowgrpo.trainer.rollout.ray.backend import check_record_precision
-from flowgrpo.trainer.rollout.ray.importance import apply_truncated_importance_weights
 from flowgrpo.trainer.rollout.ray.read_ahead import ReadAhead
 from flowgrpo.trainer.rollout.ray.rewards import validate_reward_result
 from flowgrpo.trainer.rollout.ray.weights import (

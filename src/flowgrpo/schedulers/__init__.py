@@ -4,6 +4,9 @@
   inside an SDE window, ODE steps outside).
 - `sde_step_from_sigmas` / `sde_step_with_logprob`: one step with its log-probability, from noise levels or from
   a scheduler's timesteps (the training path recomputes log-probs of stored samples with these).
+- `sde_transition` / `SDESettings`: the transition of one recorded step (velocity -> mean, std, log-prob of the
+  recorded next state), the one function every replay calls (trainers, health guards, importance weights, planner).
+- `flow_matching`: the forward process x_t = (1 - sigma) x0 + sigma eps and the flow-matching error.
 - `sample_sde_window` / `scheduled_sde_window`: the window of stochastic steps of one rollout (random, MixGRPO's
   progressive schedule, or fixed); `rollout_steps`: a rollout's steps with the stretch after the window
   optionally compressed.
@@ -26,6 +29,7 @@ _LAZY = {
     "ODE_SOLVERS": "dpm_solver",
     "RolloutStep": "sde_window",
     "SASolverOutput": "sa_solver",
+    "SDESettings": "transition",
     "SDE_WINDOW_STRATEGIES": "sde_window",
     "compress_sigmas": "dpm_solver",
     "dpmpp_2m_step": "dpm_solver",
@@ -42,6 +46,7 @@ _LAZY = {
     "sde_noise_level_for_tau": "sa_solver",
     "sde_step_from_sigmas": "sde_step",
     "sde_step_with_logprob": "sde_step",
+    "sde_transition": "transition",
     "solve_flow_ode": "dpm_solver",
     "tau_for_sde_noise_level": "sa_solver",
     "valid_window_starts": "sde_window",
@@ -55,6 +60,7 @@ __all__ = [
     "FlowODESolver",
     "RolloutStep",
     "SASolverOutput",
+    "SDESettings",
     "compress_sigmas",
     "dpmpp_2m_step",
     "euler_step",
@@ -70,6 +76,7 @@ __all__ = [
     "sde_step_from_sigmas",
     "sde_noise_level_for_tau",
     "sde_step_with_logprob",
+    "sde_transition",
     "solve_flow_ode",
     "tau_for_sde_noise_level",
     "valid_window_starts",

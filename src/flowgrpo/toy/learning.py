@@ -27,19 +27,38 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..trainer.registry import TRAINERS
+from ..trainer.registry import BUILTIN_TRAINERS, TRAINERS, trainer_names
 from .build import METADATA_FILE, evaluate_pipeline, quiet_toy_truncation_warnings, read_prompts
 
 __all__ = ["RLSettings", "TOY_TRAINERS", "run_toy_rl", "plot_accuracy_curve", "before_after_sheet"]
 
-#: Trainers a toy run can use: the trainer registry's (``flowgrpo.trainer.registry.TRAINERS``), as name -> (config
-#: class, trainer class) ``"module:attribute"`` paths, imported on use. The trainer is built as ``Trainer(model=...,
-#: reward_funcs=..., args=Config(...), train_dataset=..., peft_config=...)``; ``RLSettings.config_kwargs()`` gives
-#: the config's fields.
-TOY_TRAINERS: dict[str, tuple[str, str]] = {name: (spec.config, spec.trainer) for name, spec in TRAINERS.items()}
+class _ToyTrainers(Mapping):
+    """Trainers a toy run can use: the trainer registry's (``flowgrpo.trainer.registry.TRAINERS``), as name -> (config
+    class, trainer class) ``"module:attribute"`` paths, imported on use (the built-ins' without loading anything). The
+    trainer is built as ``Trainer(model=..., reward_funcs=..., args=Config(...), train_dataset=..., peft_config=...)``;
+    ``RLSettings.config_kwargs()`` gives the config's fields."""
+
+    def __iter__(self):
+        return iter(trainer_names())
+
+    def __len__(self) -> int:
+        return len(trainer_names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in TRAINERS
+
+    def __getitem__(self, name: str) -> tuple[str, str]:
+        if name in BUILTIN_TRAINERS:
+            return BUILTIN_TRAINERS[name][1:]
+        spec = TRAINERS[name]
+        return spec.config, spec.trainer
+
+
+TOY_TRAINERS: Mapping[str, tuple[str, str]] = _ToyTrainers()
 
 #: RLSettings fields that configure Flow-GRPO's sampler and objective: passed only to the ``flow_grpo`` trainer.
 FLOW_GRPO_FIELDS = (

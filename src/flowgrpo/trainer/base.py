@@ -25,6 +25,7 @@ from transformers.trainer_utils import HubStrategy, SaveStrategy
 from transformers.utils import logging
 
 from ..rewards.failures import RewardFailedError
+from .collectives import any_process
 from .run_state.checkpointing import (
     TRAINER_STATE_NAME,
     CheckpointSaveError,
@@ -156,14 +157,8 @@ class FlowBaseTrainer(Trainer):
         return bool(self.args.should_save)
 
     def _any_process(self, flag: bool | torch.Tensor) -> bool:
-        """Logical OR of ``flag`` over all processes (a one-element all-reduce; local when there is one process)."""
-        value = flag.detach().reshape(()).to(torch.int32) if isinstance(flag, torch.Tensor) else \
-            torch.tensor(int(bool(flag)), dtype=torch.int32)
-        if self.accelerator.num_processes > 1 and torch.distributed.is_available() and \
-                torch.distributed.is_initialized():
-            value = value.to(self.accelerator.device)
-            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-        return bool(value.item())
+        """Logical OR of ``flag`` over all processes (`collectives.any_process`)."""
+        return any_process(self.accelerator, flag)
 
     def _all_processes_ok(self, ok: bool) -> bool:
         return not self._any_process(not ok)

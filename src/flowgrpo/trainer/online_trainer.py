@@ -25,8 +25,10 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
 
 What an algorithm (a subclass) provides: ``_config_class``, ``_name`` / ``_tag_names`` / ``_paper`` (model card),
 ``_rollout_strategy``, ``_batch_loss`` (and ``_loss_parts`` / ``_prepare_batch`` when it trains a micro-batch in
-several parts), ``_card_setup_lines``; optional: ``_eval_ode_solver``, ``_eval_raw_weights``, ``_needs_reference``,
-``_uses_old_policy``, ``_check_datasets``, ``_on_optimizer_step_end``, ``_generate``, ``_policy_copies``.
+several parts), ``_card_setup_lines``; optional: ``_eval_ode_solver``, ``_eval_raw_weights``, ``_check_datasets``,
+``_on_optimizer_step_end``, ``_generate``. What the algorithm *is* (the copies of the policy it keeps, whether its loss
+reads the reference, what a rollout worker needs, what the planner plans) is its `AlgorithmSpec`, declared next to its
+configuration and read as ``trainer.spec`` / ``trainer.algorithm`` (`flowgrpo.trainer.algorithm_spec`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from .outputs.lora_export import EXPERT_LORA_WEIGHTS_NAMES
 from .outputs.sample_logging import log_sample_images
 from .policy.loading import check_family_settings, import_own_components, read_pipeline_index
 from .policy.policy import Policy
+from .registry import spec_of
 from .rollout.backend import RolloutWorkerError, model_source
 from .rollout.backend_choice import build_rollout_backend
 from .rollout.engine import RolloutEngine
@@ -173,6 +176,8 @@ class OnlineRLTrainer(FlowBaseTrainer):
         if not isinstance(args, config_class):
             raise TypeError(f"args must be a {config_class.__name__} for {type(self).__name__}, got "
                             f"{type(args).__name__}")
+        #: the algorithm's spec (registered in ``flowgrpo.trainers``)
+        self.spec = spec_of(args)
         # Cheap validation first: rewards and datasets fail before any model is loaded.
         self.reward_set: RewardSet = resolve_reward_funcs(reward_funcs, args.reward_weights, args.reward_kwargs,
                                                           num_workers=args.reward_num_workers,
@@ -180,7 +185,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
                                                           offload=args.reward_offload)
         self.gold_reward_set: RewardSet | None = resolve_gold_rewards(args, self.reward_set)
         audio_rewards = audio_reward_names(self.reward_set, self.gold_reward_set)
-        check_health_setup(args, self.reward_set.names)
+        check_health_setup(args, self.reward_set.names, self.spec.facts(args))
         train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
         eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
         check_prompt_cache_capacity(args, train_dataset, eval_dataset)
@@ -203,7 +208,10 @@ class OnlineRLTrainer(FlowBaseTrainer):
 
         # ---- the policy: loaded before transformers.Trainer, which needs the model ----------------------------
         self.policy = Policy(model, args, peft_config, pipeline_kwargs, generation_settings=settings,
-                             keep_reference_copy=self._needs_reference(args) or needs_reference_copy(args))
+                             keep_reference_copy=self.spec.facts(args, peft_config is not None).reads_reference
+                             or needs_reference_copy(args))
+        #: the facts of this run's algorithm, with the generation settings resolved (`AlgorithmFacts`)
+        self.algorithm = self.spec.facts(args, use_lora=self.policy.is_peft)
         #: the resolved generation settings and where each came from (``flowgrpo.models.defaults``)
         self.generation_settings = self.policy.generation_settings
         adapter = self.policy.adapter
@@ -255,15 +263,15 @@ class OnlineRLTrainer(FlowBaseTrainer):
         self.policy.build_ema()
         self.policy.build_reference(own_adapter=bool(args.sync_ref_model or args.regularizer == "gardo"))
         self.health = HealthGuards(args, self.reward_set, self.gold_reward_set, self.policy, self.accelerator,
-                                   self.metrics)
+                                   self.metrics, self.algorithm)
         for callback in self.health.callbacks():
             self.add_callback(callback)
         self.policy.encode_negative_prompt()
         prompt_cache = setup_prompt_cache(args, adapter, self.policy.pipeline, device,
                                           (self.train_dataset, self.eval_dataset), self.accelerator.autocast)
-        if self._uses_old_policy(args):
+        if self.algorithm.keeps_old_policy:
             self.policy.build_old_policy()
-        for name in self._policy_copies(args):
+        for name in self.algorithm.named_copies:
             self.policy.build_copy(name)
         self.rollouts = RolloutEngine(args, self.policy, self._rollout_strategy(args), self.reward_set,
                                       self.accelerator, self.metrics, prompt_cache=prompt_cache,
@@ -273,7 +281,9 @@ class OnlineRLTrainer(FlowBaseTrainer):
                                    self.accelerator, ode_solver=self._eval_ode_solver(), audio_rewards=audio_rewards,
                                    raw_weights=self._eval_raw_weights())
         #: where rollouts are sampled: the training processes (local) or Ray workers (rollout/backend.py)
-        self.rollout_backend = build_rollout_backend(self, rollout_source)
+        self.rollout_backend = build_rollout_backend(args, self.policy, self.rollouts, self.accelerator, self.metrics,
+                                                     self.algorithm, rollout_source,
+                                                     stale_replay=self._stale_generation_replay())
         self.rollout_backend.launch()  # Ray workers load the pipeline while the trainer goes on
 
     # ---- read-only views of the parts ------------------------------------------------------------------
@@ -336,23 +346,6 @@ class OnlineRLTrainer(FlowBaseTrainer):
     def _check_datasets(self, index: dict | None, args: OnlineRLConfig, datasets: tuple) -> None:
         """The algorithm's own checks of its datasets, before anything is loaded (``index``: model_index.json)."""
 
-    def _needs_reference(self, args: OnlineRLConfig) -> bool:
-        """Whether the loss reads the reference policy (full fine-tuning then keeps a frozen copy; LoRA training
-        disables the adapter instead): with a KL term, ``beta > 0``."""
-        return args.beta > 0
-
-    def _uses_old_policy(self, args: OnlineRLConfig) -> bool:
-        """Whether the trainer keeps a second copy of the policy, ``policy.old_policy`` (a second LoRA adapter, or a
-        frozen copy for full fine-tuning), updated by `_update_old_policy`, saved in every checkpoint and left out of
-        exports."""
-        return False
-
-    def _policy_copies(self, args: OnlineRLConfig) -> tuple[str, ...]:
-        """Names of further copies of the policy the trainer keeps beside the old one (``policy.copies``; CRD's
-        sampling copy), each updated by the algorithm with ``policy.update_copy``, saved in every checkpoint and left
-        out of exports."""
-        return ()
-
     def _prepare_batch(self, record: dict) -> dict:
         """What `_batch_loss` reads of a recorded micro-batch (default: the record). A subclass drawing per-batch
         choices (the trained steps, noise) returns them over the record, e.g. ``ChainMap(drawn, record)``, so that
@@ -369,6 +362,11 @@ class OnlineRLTrainer(FlowBaseTrainer):
 
     def _on_optimizer_step_end(self, step: int) -> None:
         """Called after each optimizer step ``step`` (1-based), before logging and checkpointing."""
+
+    def _stale_generation_replay(self) -> Callable[[list[dict]], torch.Tensor] | None:
+        """What the Ray backend calls on every generation sampled by older weights (``records -> weights``, e.g.
+        Flow-GRPO's truncated importance weights); None: stale samples are trained as they are."""
+        return None
 
     def _card_setup_lines(self) -> list[str]:
         """The model card's "Training setup" lines (markdown list items) besides the step count."""
@@ -461,8 +459,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
         """The micro-batch's advantages: the rewards of the rollout's last micro-batches are scored while the first
         training forward runs, so the first call waits for them (and gathers them from every process)."""
         self.rollouts.resolve_scoring()
-        weights = batch.get("importance_weights")  # truncated_importance_cap (rollout/ray/importance.py)
-        return batch["advantages"] if weights is None else batch["advantages"] * weights
+        return batch["advantages"]
 
     def _backward_kwargs(self) -> dict:
         """Extra ``accelerator.backward`` arguments: the losses are already divided by the accumulation steps, so
@@ -547,7 +544,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
         self.policy.save(output_dir, state_dict=state_dict, in_checkpoint=self._in_checkpoint)
         if self._in_checkpoint:
             self.health.save(output_dir)
-            self.rollout_backend.save(output_dir)
+            self.rollout_backend.save(output_dir, self.state.global_step)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         self.policy.check_resumable(resume_from_checkpoint, self._name)

@@ -88,10 +88,8 @@ def check_rollout_backend_settings(args: Any) -> None:
                          f"reach the workers every {args.weight_sync_steps} steps, so a group may be sampled by "
                          f"weights {args.weight_sync_steps - 1} steps old; set max_staleness >= "
                          f"{args.weight_sync_steps - 1} or lower weight_sync_steps.")
-    refusal = getattr(args, "ray_rollouts_refusal", None)  # an algorithm whose rollouts workers cannot reproduce yet
-    refused = refusal() if callable(refusal) else None
+    from .registry import spec_of
+
+    refused = spec_of(args).facts(args).workers.refusal  # an algorithm whose rollouts workers cannot reproduce yet
     if refused:
         raise ValueError(f"rollout_backend='ray' with {type(args).__name__}: {refused} Use rollout_backend: local.")
-    if getattr(args, "dpo_mode", "online") != "online":
-        raise ValueError(f"rollout_backend='ray' with dpo_mode={args.dpo_mode!r}: offline Diffusion-DPO reads its pairs "
-                         "and samples nothing; use rollout_backend: local.")

@@ -23,6 +23,15 @@ import math
 from dataclasses import dataclass, field
 
 from ...schedulers.sa_solver import SA_SOLVER_NOISE_RANGE, SA_SOLVER_TAU
+from ..algorithm_spec import (
+    AlgorithmFacts,
+    AlgorithmSpec,
+    PlannedStep,
+    PolicyCopy,
+    RolloutRecord,
+    TransitionProbe,
+    WorkerNeeds,
+)
 from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
 from .train_guidance import TrainGuidanceArguments
@@ -37,7 +46,7 @@ KL_WEIGHTS = ("Uniform", "ELBO")
 KL_EMA_DECAY_TYPES = ("linear", "constant")
 
 __all__ = ["AWM_ROLLOUT_SAMPLERS", "AWM_SAMPLERS", "KL_EMA_DECAY_TYPES", "KL_WEIGHTS", "LOSS_TYPES", "TIME_TYPES",
-           "WEIGHTINGS", "AWMConfig"]
+           "WEIGHTINGS", "AWMConfig", "SPEC", "describe_awm"]
 
 
 @document_config
@@ -249,3 +258,33 @@ class AWMConfig(TrainGuidanceArguments, OnlineRLConfig):
     def uses_ema_adapter(self) -> bool:
         """Whether an EMA adapter is kept: it samples (off_policy) or enters the loss (beta > 0 and ema_beta > 0)."""
         return self.off_policy or (self.beta > 0 and self.ema_beta > 0)
+
+
+# ---- the algorithm spec (flowgrpo.trainer.algorithm_spec) ----------------------------------------------------------
+def describe_awm(args: AWMConfig, use_lora: bool | None = None) -> AlgorithmFacts:
+    """AWM's facts: rollouts (SA-Solver or a deterministic solver) that keep x0, by the policy or, off-policy, by the
+    EMA adapter; one batched forward of the train_timesteps x B points per micro-batch."""
+    ema = args.uses_ema_adapter
+    frozen = (("reference",) if args.beta > 0 else ()) + (("old_policy",) if args.beta > 0 and args.ema_beta > 0
+                                                          else ())
+    return AlgorithmFacts(
+        copies=(PolicyCopy("old_policy", "EMA adapter" + (" (samples the rollouts)" if args.off_policy else ""),
+                           samples_rollouts=bool(args.off_policy)),) if ema else (),
+        reads_reference=args.beta > 0,
+        record=RolloutRecord("final_sample", fields=("x0", "t", "noise", "old_log_probs")),
+        workers=WorkerNeeds(
+            sampled_by="old_policy" if args.off_policy else "policy", synced=("old_policy",) if ema else (),
+            staleness="a sample k steps old carries the sampling weights' surrogate log-probs, recorded at the "
+                      "rollout: the clipped ratio is taken against them (off-policy by design with off_policy)."),
+        probe=TransitionProbe("noised_sample", noise_level=0.7),
+        step=PlannedStep("noised_sample", trained_timesteps=1, trained_batch=int(args.train_timesteps),
+                         frozen_forwards=frozen, loss="velocity_mse"),
+    )
+
+
+SPEC = AlgorithmSpec(
+    name="awm", title="AWM", config="flowgrpo.trainer.algorithms.awm_config:AWMConfig",
+    trainer="flowgrpo.trainer.algorithms.awm_trainer:AWMTrainer",
+    summary="Advantage Weighted Matching: the clipped ratio of a weighted flow-matching surrogate on clean rollouts",
+    describe=describe_awm,
+)

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...schedulers.flow_matching import flow_matching_error
 from .flow_grpo_loss import gated_mean
-from .flow_matching import flow_matching_error
 
 #: AWM's std of the ``ELBO`` KL weight: 0.7 sqrt(t / (1 - min(t, 0.99))) (Flow-GRPO's SDE std at noise level 0.7)
 ELBO_NOISE_LEVEL = 0.7

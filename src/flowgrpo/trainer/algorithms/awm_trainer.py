@@ -35,12 +35,12 @@ import torch
 
 from ...models import PromptEmbeds
 from ...models.defaults import generation_card_lines
+from ...schedulers.flow_matching import noised_sample, sigma_timesteps
 from ...schedulers.sa_solver import sa_solver_sample, sa_solver_sigmas
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..rollout.strategies import FinalSampleRollout
 from .awm_config import AWMConfig
 from .awm_loss import awm_log_prob, awm_loss, ema_adapter_decay, sample_train_timesteps
-from .flow_matching import noised_sample, sigma_timesteps
 
 __all__ = ["AWMTrainer", "AWMRollout", "sa_solver_rollout"]
 
@@ -150,9 +150,6 @@ class AWMTrainer(OnlineRLTrainer):
         ),
     }
     _config_class = AWMConfig
-
-    def _uses_old_policy(self, args: AWMConfig) -> bool:
-        return args.uses_ema_adapter  # the EMA adapter
 
     def _eval_ode_solver(self) -> str:
         return self.args.sampler

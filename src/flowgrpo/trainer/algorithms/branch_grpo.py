@@ -65,7 +65,7 @@ _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 __all__ = ["BRANCH_PRUNINGS", "BRANCH_WIDTH_MODES", "SPLIT_LOG_PROBS", "BranchNode", "StepPlan", "TreePlan",
            "branch_tree_plan", "check_branch_steps", "depth_advantages", "depth_pruning_window", "edge_log_prob",
-           "edge_std", "node_noise", "node_rewards", "pruned_edges"]
+           "edge_std", "node_noise", "node_rewards", "pruned_edges", "tree_passes"]
 
 
 def check_branch_steps(branch_steps: Sequence[int], num_inference_steps: int | None, branch_factor: int) -> tuple[int, ...]:
@@ -384,3 +384,12 @@ def pruned_edges(plan: TreePlan, advantages: torch.Tensor, pruning: str = "none"
         for p, node in chosen:
             keep[p, node] = True
     return keep
+
+
+def tree_passes(num_inference_steps: int, branch_steps: Sequence[int], branch_factor: int) -> tuple[float, float]:
+    """A tree's transformer passes and trained edges per leaf: step s evaluates the nodes it creates (a split repeats
+    each parent once per child), and every step but the last (deterministic) is an edge. The planner's rollout and
+    training counts of a BranchGRPO step."""
+    plan = branch_tree_plan(num_inference_steps, branch_steps, branch_factor)
+    rows = [plan.width(s + 1) for s in range(num_inference_steps)]
+    return sum(rows) / plan.num_leaves, sum(rows[:-1]) / plan.num_leaves

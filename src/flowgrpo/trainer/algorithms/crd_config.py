@@ -14,13 +14,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..algorithm_spec import (
+    AlgorithmFacts,
+    AlgorithmSpec,
+    PlannedStep,
+    PolicyCopy,
+    RolloutRecord,
+    TransitionProbe,
+    WorkerNeeds,
+)
 from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
 from .crd_loss import CENTERINGS, CRD_LOSS_TYPES, crd_copy_decay
 
 CRD_SAMPLERS = ("euler", "dpmpp_2m")
 
-__all__ = ["CENTERINGS", "CRD_LOSS_TYPES", "CRD_SAMPLERS", "CRDConfig"]
+__all__ = ["CENTERINGS", "CRD_LOSS_TYPES", "CRD_SAMPLERS", "CRDConfig", "SAMPLING_COPY", "SPEC", "describe_crd"]
 
 
 def _is_int(value) -> bool:
@@ -33,11 +42,6 @@ class CRDConfig(OnlineRLConfig):
     r"""Configuration for [`CRDTrainer`]: the shared settings of [`OnlineRLConfig`] plus CRD's deterministic
     rollouts from a sampling copy, re-noised training steps, centred implicit-reward matching, reward-weighted KL and
     the old and sampling copies (the math: ``flowgrpo.trainer.algorithms.crd_loss``)."""
-
-    def ray_rollouts_refusal(self) -> str | None:
-        """Why ``rollout_backend: ray`` is refused (checked with the other rollout-backend settings)."""
-        return ("its rollouts are sampled by a named sampling copy of the policy that rollout wor"
-                "kers do not hold yet.")
 
     # ---- rollouts ------------------------------------------------------------------------------------
     sampler: str = field(
@@ -186,3 +190,40 @@ class CRDConfig(OnlineRLConfig):
         """The sampling copy's decay after ``step`` optimizer steps."""
         return crd_copy_decay(step, self.sampling_policy_decay_start, self.sampling_policy_decay_initial,
                               self.sampling_policy_decay_rate, self.sampling_policy_decay_max)
+
+
+# ---- the algorithm spec (flowgrpo.trainer.algorithm_spec) ----------------------------------------------------------
+#: the name of CRD's sampling copy (``policy.copies``)
+SAMPLING_COPY = "sampling"
+
+
+def describe_crd(args: CRDConfig, use_lora: bool | None = None) -> AlgorithmFacts:
+    """CRD's facts: ODE rollouts by a lagging sampling copy, keeping x0; crd_num_timesteps trained steps per
+    micro-batch, each with the anchor's forward (the old copy or the base) and the KL reference's."""
+    copies = ((PolicyCopy("old_policy", "old copy (the implicit reward's anchor)"),) if args.crd_use_old_policy
+              else ()) + (PolicyCopy(SAMPLING_COPY, "sampling copy (samples the rollouts)", samples_rollouts=True),)
+    separate_kl = args.beta > 0 and (args.crd_use_old_policy or args.kl_guidance_scale != args.guidance_scale)
+    frozen = (("old_policy",) if args.crd_use_old_policy else ("reference",)) + (("reference",) if separate_kl
+                                                                                 else ())
+    return AlgorithmFacts(
+        copies=copies,
+        reads_reference=args.beta > 0 or not args.crd_use_old_policy,
+        record=RolloutRecord("final_sample", fields=("x0", "sigmas", "timesteps", "group_ids")),
+        workers=WorkerNeeds(
+            refusal=("its rollouts are sampled by a named sampling copy of the policy that rollout workers do not "
+                     "hold yet."),
+            sampled_by=SAMPLING_COPY, synced=((("old_policy",) if args.crd_use_old_policy else ()) + (SAMPLING_COPY,)),
+            staleness="the sampling copy samples; a sample k steps old was drawn by the sampling copy of k steps "
+                      "before (it lags the policy by design)."),
+        probe=TransitionProbe("noised_sample", noise_level=0.7),
+        step=PlannedStep("noised_sample", trained_timesteps=int(args.crd_num_timesteps), frozen_forwards=frozen,
+                         loss="velocity_mse"),
+    )
+
+
+SPEC = AlgorithmSpec(
+    name="crd", title="CRD", config="flowgrpo.trainer.algorithms.crd_config:CRDConfig",
+    trainer="flowgrpo.trainer.algorithms.crd_trainer:CRDTrainer",
+    summary="centered reward distillation: the implicit reward of a lagging copy regressed on centred rewards",
+    describe=describe_crd,
+)

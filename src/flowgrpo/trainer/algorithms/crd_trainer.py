@@ -40,17 +40,16 @@ from collections import ChainMap
 import torch
 
 from ...models.defaults import generation_card_lines
+from ...schedulers.flow_matching import noised_sample
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..rollout.strategies import FinalSampleRollout
 from ..seeds import seed_for
-from .crd_config import CRDConfig
+from .crd_config import SAMPLING_COPY, CRDConfig
 from .crd_loss import crd_loss, crd_step_indices, reward_weight
-from .flow_matching import noised_sample
 
 __all__ = ["SAMPLING_COPY", "CRDRollout", "CRDTrainer"]
 
 #: the name of CRD's sampling copy among the policy's copies (``policy.copies``)
-SAMPLING_COPY = "sampling"
 
 
 class CRDRollout(FinalSampleRollout):
@@ -80,15 +79,6 @@ class CRDTrainer(OnlineRLTrainer):
         ),
     }
     _config_class = CRDConfig
-
-    def _uses_old_policy(self, args: CRDConfig) -> bool:
-        return args.crd_use_old_policy  # the implicit reward's anchor
-
-    def _policy_copies(self, args: CRDConfig) -> tuple[str, ...]:
-        return (SAMPLING_COPY,)
-
-    def _needs_reference(self, args: CRDConfig) -> bool:
-        return args.beta > 0 or not args.crd_use_old_policy  # the KL term, or the base as the anchor
 
     def _eval_ode_solver(self) -> str:
         return self.args.sampler

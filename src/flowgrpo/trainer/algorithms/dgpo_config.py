@@ -17,13 +17,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..algorithm_spec import (
+    AlgorithmFacts,
+    AlgorithmSpec,
+    PlannedStep,
+    PolicyCopy,
+    RolloutRecord,
+    TransitionProbe,
+    WorkerNeeds,
+)
 from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
 from .train_guidance import TrainGuidanceArguments
 
 DGPO_SAMPLERS = ("dpmpp_2m", "euler")
 
-__all__ = ["DGPO_SAMPLERS", "DGPOConfig"]
+__all__ = ["DGPO_SAMPLERS", "DGPOConfig", "SPEC", "describe_dgpo"]
 
 
 def _is_int(value) -> bool:
@@ -36,11 +45,6 @@ class DGPOConfig(TrainGuidanceArguments, OnlineRLConfig):
     r"""Configuration for [`DGPOTrainer`]: the shared settings of [`OnlineRLConfig`] plus DGPO's ODE rollouts,
     trained steps, group-level preference loss, DSM-ratio trust region, KL term and EMA reference (the math:
     ``flowgrpo.trainer.algorithms.dgpo_loss``)."""
-
-    def ray_rollouts_refusal(self) -> str | None:
-        """Why ``rollout_backend: ray`` is refused (checked with the other rollout-backend settings)."""
-        return ("its rollouts switch to the EMA reference after dgpo_switch_ema_ref steps, a switch the "
-                "rollout workers do not make yet.")
 
     # ---- rollouts ------------------------------------------------------------------------------------
     sampler: str = field(
@@ -185,3 +189,47 @@ class DGPOConfig(TrainGuidanceArguments, OnlineRLConfig):
         """Whether an EMA reference is kept: for the trust region (dgpo_clip_dsm or dgpo_clip_kl) or as the DGPO
         reference (dgpo_use_ema_reference)."""
         return self.dgpo_clip_dsm or self.dgpo_clip_kl or self.dgpo_use_ema_reference
+
+    @property
+    def keeps_ema_reference(self) -> bool:
+        """Whether a run keeps the EMA reference: the trust region or the DGPO reference reads it
+        (``uses_ema_reference``), or the rollouts switch to it before the run ends (a run without ``max_steps`` may
+        always reach the switch)."""
+        return self.uses_ema_reference or self.max_steps <= 0 or self.dgpo_switch_ema_ref < self.max_steps
+
+    @property
+    def reads_base(self) -> bool:
+        """Whether the loss reads the base model (the KL term, or D^ref of the base)."""
+        return self.beta > 0 or not self.dgpo_use_ema_reference
+
+
+# ---- the algorithm spec (flowgrpo.trainer.algorithm_spec) ----------------------------------------------------------
+def describe_dgpo(args: DGPOConfig, use_lora: bool | None = None) -> AlgorithmFacts:
+    """DGPO's facts: ODE rollouts keeping x0, by the policy and, after dgpo_switch_ema_ref steps, by the EMA
+    reference; dgpo_num_timesteps trained steps per micro-batch, each with the reference forwards the loss reads."""
+    ema = args.keeps_ema_reference
+    frozen = (("old_policy",) if args.uses_ema_reference else ()) + (("reference",) if args.reads_base else ())
+    return AlgorithmFacts(
+        copies=(PolicyCopy("old_policy", "EMA reference (samples the rollouts after dgpo_switch_ema_ref steps)",
+                           samples_rollouts=True),) if ema else (),
+        reads_reference=args.reads_base,
+        record=RolloutRecord("final_sample", fields=("x0", "sigmas", "timesteps", "group_ids")),
+        workers=WorkerNeeds(
+            refusal=("its rollouts switch to the EMA reference after dgpo_switch_ema_ref steps, a switch the "
+                     "rollout workers do not make yet."),
+            sampled_by="old_policy" if ema else "policy", synced=("old_policy",) if ema else (),
+            staleness="a sample k steps old was drawn by the policy (or the EMA reference) of k steps before; the "
+                      "loss reads only its clean latent, so staleness shifts which images are compared, not the "
+                      "loss's form."),
+        probe=TransitionProbe("noised_sample", noise_level=0.7),
+        step=PlannedStep("noised_sample", trained_timesteps=int(args.dgpo_num_timesteps), frozen_forwards=frozen,
+                         loss="velocity_mse"),
+    )
+
+
+SPEC = AlgorithmSpec(
+    name="dgpo", title="DGPO", config="flowgrpo.trainer.algorithms.dgpo_config:DGPOConfig",
+    trainer="flowgrpo.trainer.algorithms.dgpo_trainer:DGPOTrainer",
+    summary="Direct Group Preference Optimization: group-level DPO on the denoising error of ODE rollouts",
+    describe=describe_dgpo,
+)

@@ -45,6 +45,7 @@ from contextlib import nullcontext
 import torch
 
 from ...models.defaults import generation_card_lines
+from ...schedulers.flow_matching import noised_sample
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..rollout.strategies import FinalSampleRollout
 from ..seeds import seed_for
@@ -57,7 +58,6 @@ from .dgpo_loss import (
     dgpo_step_indices,
     group_shared_noise,
 )
-from .flow_matching import noised_sample
 
 __all__ = ["DGPORollout", "DGPOTrainer"]
 
@@ -83,13 +83,6 @@ class DGPORollout(FinalSampleRollout):
         return final, record
 
 
-def keeps_ema_reference(args: DGPOConfig) -> bool:
-    """Whether a DGPO run keeps the EMA reference: the trust region or the DGPO reference reads it
-    (``uses_ema_reference``), or the rollouts switch to it before the run ends (a run without ``max_steps`` may
-    always reach the switch)."""
-    return args.uses_ema_reference or args.max_steps <= 0 or args.dgpo_switch_ema_ref < args.max_steps
-
-
 class DGPOTrainer(OnlineRLTrainer):
     """Online RL of a flow-matching pipeline with DGPO (see `OnlineRLTrainer` for the arguments; ``args``: a
     ``DGPOConfig``; with a LoRA the EMA reference is a second adapter and the base is the adapter switched off, with
@@ -108,17 +101,11 @@ class DGPOTrainer(OnlineRLTrainer):
     }
     _config_class = DGPOConfig
 
-    def _uses_old_policy(self, args: DGPOConfig) -> bool:
-        return keeps_ema_reference(args)
-
-    def _needs_reference(self, args: DGPOConfig) -> bool:
-        return args.beta > 0 or not args.dgpo_use_ema_reference  # the KL term, or D^ref of the base
-
     def _eval_ode_solver(self) -> str:
         return self.args.sampler
 
     def _rollout_strategy(self, args: DGPOConfig) -> DGPORollout:
-        return DGPORollout(args, keeps_ema_reference(args))
+        return DGPORollout(args, args.keeps_ema_reference)
 
     # ------------------------------------------------------------------------------------------------
     # the trained steps, the noise and the groups of a micro-batch
@@ -174,7 +161,7 @@ class DGPOTrainer(OnlineRLTrainer):
         advantages = self._advantages(batch)  # the last rewards were scored while this forward ran
         v_base = v_ema = None
         with torch.no_grad(), self.accelerator.autocast():
-            if self._needs_reference(args):
+            if args.reads_base:
                 kl_scale = args.kl_guidance_scale if args.kl_guidance_scale > 1 else scale
                 v_base = policy.reference_velocity(model, x_t, t, embeds, height, width, guidance_scale=kl_scale)
             if args.uses_ema_reference:

@@ -16,6 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..algorithm_spec import (
+    AlgorithmFacts,
+    AlgorithmSpec,
+    PlannedStep,
+    RolloutRecord,
+    TransitionProbe,
+    WorkerNeeds,
+)
 from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
 from .dpo_timesteps import DPO_TIMESTEP_DISTRIBUTIONS
@@ -29,7 +37,7 @@ DPO_SAMPLERS = ("dpmpp_2m", "euler")
 CHOSEN_COLUMN, REJECTED_COLUMN = "chosen", "rejected"
 
 __all__ = ["CHOSEN_COLUMN", "DPO_MODES", "DPO_ROLLOUT_POLICIES", "DPO_SAMPLERS", "REJECTED_COLUMN",
-           "DiffusionDPOConfig"]
+           "DiffusionDPOConfig", "SPEC", "describe_dpo"]
 
 
 @document_config
@@ -137,3 +145,32 @@ class DiffusionDPOConfig(TrainGuidanceArguments, OnlineRLConfig):
             raise ValueError(f"dpo_mode='online' pairs each group's best and worst image within a micro-batch: "
                              f"per_device_train_batch_size={self.per_device_train_batch_size} must be a multiple of "
                              f"num_generations={self.num_generations}.")
+
+
+# ---- the algorithm spec (flowgrpo.trainer.algorithm_spec) ----------------------------------------------------------
+def describe_dpo(args: DiffusionDPOConfig, use_lora: bool | None = None) -> AlgorithmFacts:
+    """Diffusion-DPO's facts: preference pairs from data (offline) or from each group's best and worst rollout,
+    kept as clean latents; dpo_num_noise_draws trained draws per micro-batch, each with the reference's forward."""
+    offline = args.dpo_mode != "online"
+    return AlgorithmFacts(
+        copies=(),
+        reads_reference=True,
+        record=RolloutRecord("pairs" if offline else "final_sample", fields=("x0", "group_ids")),
+        workers=WorkerNeeds(
+            refusal=(f"dpo_mode={args.dpo_mode!r}: offline Diffusion-DPO reads its pairs and samples nothing."
+                     if offline else None),
+            sampled_by="reference" if args.dpo_rollout_policy == "reference" else "policy",
+            staleness="a pair k steps old was sampled by the weights of k steps before; the loss compares the "
+                      "policy's and the reference's errors on it, whoever sampled it."),
+        probe=TransitionProbe("noised_sample", noise_level=0.7),
+        step=PlannedStep("noised_sample", trained_timesteps=int(args.dpo_num_noise_draws),
+                         frozen_forwards=("reference",), loss="velocity_mse"),
+    )
+
+
+SPEC = AlgorithmSpec(
+    name="diffusion_dpo", title="Diffusion-DPO", config="flowgrpo.trainer.algorithms.dpo_config:DiffusionDPOConfig",
+    trainer="flowgrpo.trainer.algorithms.dpo_trainer:DiffusionDPOTrainer",
+    summary="Diffusion-DPO on preference pairs, offline from data or online from each group's best and worst image",
+    describe=describe_dpo,
+)

@@ -35,6 +35,7 @@ import torch
 
 from ...models import PromptEmbeds, family_adapter_class
 from ...models.defaults import generation_card_lines
+from ...schedulers.flow_matching import flow_matching_error, noised_sample, sigma_timesteps
 from ..data.condition_images import load_condition_image
 from ..data.sampler import RepeatSampler
 from ..online_trainer import LossPart, OnlineRLTrainer
@@ -43,7 +44,6 @@ from ..seeds import seed_for
 from .dpo_config import CHOSEN_COLUMN, REJECTED_COLUMN, DiffusionDPOConfig
 from .dpo_loss import dpo_loss
 from .dpo_timesteps import sample_dpo_sigmas, scheduler_training_shift
-from .flow_matching import flow_matching_error, noised_sample, sigma_timesteps
 
 __all__ = ["DPORollout", "DiffusionDPOTrainer"]
 
@@ -129,9 +129,6 @@ class DiffusionDPOTrainer(OnlineRLTrainer):
             raise ValueError(f"dpo_mode='offline' encodes the preference images to training latents, which "
                              f"{index['_class_name']} does not support here (SD3 and FLUX.1 do); use "
                              "dpo_mode='online'.")
-
-    def _needs_reference(self, args: DiffusionDPOConfig) -> bool:
-        return True  # the loss compares the policy's errors with the reference's
 
     def _eval_ode_solver(self) -> str:
         return self.args.sampler

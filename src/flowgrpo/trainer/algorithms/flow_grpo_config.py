@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+from ..algorithm_spec import AlgorithmFacts, AlgorithmSpec, PlannedStep, RolloutRecord, TransitionProbe, WorkerNeeds
 from ..config_docs import document_config
 from ..online_config import DTYPES, QUANTIZATIONS, REWARD_AGGREGATIONS, SCALE_REWARDS, OnlineRLConfig, check_choice
 from .branch_grpo import BRANCH_PRUNINGS, BRANCH_WIDTH_MODES, SPLIT_LOG_PROBS, check_branch_steps
@@ -29,7 +30,8 @@ BRANCH_SPLIT_LOG_PROBS = SPLIT_LOG_PROBS
 
 __all__ = ["BRANCH_PRUNINGS", "BRANCH_SPLIT_LOG_PROBS", "BRANCH_WIDTH_MODES", "DTYPES", "KL_ESTIMATORS", "ODE_SOLVERS",
            "POLICY_LOSSES", "QUANTIZATIONS", "RATIO_NORMALIZATIONS", "REWARD_AGGREGATIONS", "SCALE_REWARDS", "SDE_TYPES",
-           "SDE_WINDOW_STRATEGIES", "FlowGRPOConfig"]
+           "SDE_WINDOW_STRATEGIES", "SPEC", "FlowGRPOConfig", "describe_flow_grpo", "last_recorded_step",
+           "recorded_steps"]
 
 
 @document_config
@@ -335,18 +337,6 @@ class FlowGRPOConfig(OnlineRLConfig):
         """Whether rollouts are BranchGRPO trees (branch_steps is not empty)."""
         return bool(self.branch_steps)
 
-    def ray_rollouts_refusal(self) -> str | None:
-        """Why ``rollout_backend: ray`` is refused (checked with the other rollout-backend settings): BranchGRPO's
-        trees are sampled in stretches that share prefixes across a group, and Flow-DPPO's anchor has not been run
-        against rollout workers yet."""
-        if self.branch_steps:
-            return (f"branch_steps={self.branch_steps} samples each group as a tree (BranchGRPO), which the rollout "
-                    "workers do not sample yet.")
-        if self.policy_loss == "dppo":
-            return ("policy_loss='dppo' anchors each transition to the sampling weights' means, which has not been "
-                    "run against rollout workers yet.")
-        return None
-
     def _check_window(self) -> None:
         steps = self.num_inference_steps
         k = self.sde_window_size
@@ -379,3 +369,73 @@ class FlowGRPOConfig(OnlineRLConfig):
                 f"0 <= lo < hi <= {steps - k}."
             )
         self.sde_window_range = [lo, hi]
+
+
+# ---- the algorithm spec (flowgrpo.trainer.algorithm_spec) ----------------------------------------------------------
+def recorded_steps(args: FlowGRPOConfig) -> int:
+    """SDE steps a rollout records per sample: the window, or every step but the last (a BranchGRPO tree records
+    them all)."""
+    steps = int(args.num_inference_steps or 0)
+    window = int(args.sde_window_size or 0)
+    return window if window > 0 else max(1, steps - 1)
+
+
+def last_recorded_step(args: FlowGRPOConfig) -> int | None:
+    """The last sampling step a rollout may record (None when the steps after the window are compressed, or the step
+    count is not known yet)."""
+    steps = args.num_inference_steps
+    if steps is None or args.ode_compression_ratio != 1.0:
+        return None
+    size = args.sde_window_size
+    return steps - 2 if size == 0 else args.sde_window_range[1] + size - 2
+
+
+def describe_flow_grpo(args: FlowGRPOConfig, use_lora: bool | None = None) -> AlgorithmFacts:
+    """Flow-GRPO's facts: SDE rollouts recording their window's transitions, one trained forward and backward per
+    recorded step (a tree: per edge), the clipped ratio against the rollout's own log-probs."""
+    recorded = recorded_steps(args)
+    trained = recorded if args.timestep_fraction >= 1 else max(1, int(recorded * args.timestep_fraction))
+    means = args.ratio_normalization == "grpo_guard" or args.policy_loss == "dppo" or bool(args.branch_steps)
+    rollout_passes = trained_per_sample = 0.0
+    if args.branch_steps and args.num_inference_steps:
+        from .branch_grpo import tree_passes
+
+        rollout_passes, trained_per_sample = tree_passes(int(args.num_inference_steps), args.branch_steps,
+                                                         args.branch_factor)
+    refusal = None
+    if args.branch_steps:
+        refusal = (f"branch_steps={args.branch_steps} samples each group as a tree (BranchGRPO), which the rollout "
+                   "workers do not sample yet.")
+    elif args.policy_loss == "dppo":
+        refusal = ("policy_loss='dppo' anchors each transition to the sampling weights' means, which has not been "
+                   "run against rollout workers yet.")
+    fields = ("latents", "next_latents", "log_probs", "timesteps", "sigmas", "sigmas_next", "window") + (
+        ("means",) if means else ())
+    return AlgorithmFacts(
+        copies=(),
+        reads_reference=args.beta > 0,
+        record=RolloutRecord("transitions", fields=fields, steps=recorded, means=means,
+                             last_step=last_recorded_step(args)),
+        workers=WorkerNeeds(
+            refusal=refusal, sampled_by="policy",
+            synced=("reference",) if args.base_model_tail_steps > 0 else (),
+            staleness="a sample k steps old is trained with its behaviour log-probs: the clipped ratio is taken "
+                      "against the weights that sampled it (PPO with stale samples; truncated_importance_cap "
+                      "reweights it by the replayed proximal policy instead).",
+            importance_weights=True),
+        probe=TransitionProbe("recorded_transition", noise_level=float(args.noise_level or 0.7), sde_type="sde"),
+        step=PlannedStep("recorded_transition", trained_timesteps=trained, trained_per_sample=trained_per_sample,
+                         rollout_passes=rollout_passes, frozen_forwards=("reference",) if args.beta > 0 else (),
+                         loss="ratio", stored_per_step=3 if means else 2,
+                         unsharded_reference=args.beta > 0),
+    )
+
+
+SPEC = AlgorithmSpec(
+    name="flow_grpo", title="Flow-GRPO",
+    config="flowgrpo.trainer.algorithms.flow_grpo_config:FlowGRPOConfig",
+    trainer="flowgrpo.trainer.algorithms.flow_grpo_trainer:FlowGRPOTrainer",
+    summary="SDE rollouts, the clipped likelihood ratio of each recorded step (Fast, CPS, MixGRPO, GRPO-Guard, "
+            "DanceGRPO, Flow-DPPO, BranchGRPO variants)",
+    describe=describe_flow_grpo,
+)

@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import warnings
 from collections import ChainMap
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ...models.defaults import generation_card_lines
-from ...schedulers import sde_step_from_sigmas
+from ...schedulers import sde_transition
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..outputs.lora_export import LORA_WEIGHTS_NAME
 from ..rollout.strategies import SDEWindowRollout
@@ -49,12 +51,36 @@ from .branch_grpo import edge_log_prob
 from .branch_grpo_rollout import BranchTreeRollout, is_tree_record, tree_parts, tree_step_std
 from .flow_dppo_loss import flow_dppo_loss
 from .flow_grpo_config import FlowGRPOConfig
+from .flow_grpo_importance import apply_truncated_importance_weights
 from .flow_grpo_loss import flow_grpo_loss, gated_mean, grpo_guard_log_ratio, kl_estimate
 
-__all__ = ["FlowGRPOTrainer", "LORA_WEIGHTS_NAME"]
+__all__ = ["FlowGRPOTrainer", "LORA_WEIGHTS_NAME", "TrainedTransition"]
 
 #: the per-step tensors of a recorded micro-batch (``(batch, steps, ...)``), reindexed by `_prepare_batch`
 STEP_KEYS = ("latents", "next_latents", "log_probs", "timesteps", "sigmas", "sigmas_next", "means")
+
+
+@dataclass
+class TrainedTransition:
+    """One trained step of a micro-batch, as Flow-GRPO's objective reads it: the recorded transition x -> x' at
+    (t, sigma -> sigma'), the prompts' embeddings, the trained policy's velocity and transition (log-prob, mean, std,
+    with gradient), the sampling policy's log-prob and mean (the anchor of Flow-DPPO and GRPO-Guard), the
+    advantages and GARDO's gate."""
+
+    state: torch.Tensor
+    next_state: torch.Tensor
+    timestep: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    embeds: Any
+    velocity: torch.Tensor
+    log_prob: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    old_log_prob: torch.Tensor | None = None
+    old_mean: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    kl_gate: torch.Tensor | None = None
 
 
 class FlowGRPOTrainer(OnlineRLTrainer):
@@ -111,63 +137,86 @@ class FlowGRPOTrainer(OnlineRLTrainer):
     def _batch_loss(self, model, batch: dict, j: int, first_pass: bool) -> LossPart:
         if is_tree_record(batch):
             return self._tree_loss(model, batch, j, first_pass)
-        x, x_next = batch["latents"][:, j], batch["next_latents"][:, j]
-        t, sigma, sigma_next = batch["timesteps"][:, j], batch["sigmas"][:, j], batch["sigmas_next"][:, j]
-        v, out = self._transition(model, x, x_next, t, sigma, sigma_next, batch["embeds"])
-        advantages = self._advantages(batch)  # the last rewards were scored while this forward ran
-        loss, metrics = self._objective(model, batch["embeds"], x, x_next, t, sigma, sigma_next, v, out.log_prob,
-                                        out.prev_sample_mean, out.std, batch["log_probs"][:, j],
-                                        batch["means"][:, j] if "means" in batch else None, advantages,
-                                        batch.get("kl_gate"), first_pass)
+        step = self._replay(model, batch, j)
+        step.old_log_prob = batch["log_probs"][:, j]
+        step.old_mean = batch["means"][:, j] if "means" in batch else None
+        step.advantages = self._advantages(batch)  # the last rewards were scored while the forward ran
+        step.kl_gate = batch.get("kl_gate")
+        loss, metrics = self._objective(model, step, first_pass)
         metrics["sde_window_start"] = float(batch["window"][0])
         return LossPart(loss, metrics)
 
-    def _transition(self, model, x, x_next, t, sigma, sigma_next, embeds):
-        """The trained policy's velocity at (x, t) and its transition to the recorded x_next (log-prob, mean, std)."""
+    def _replay(self, model, batch: dict, j: int | torch.Tensor, rows: torch.Tensor | None = None
+                ) -> TrainedTransition:
+        """Recorded step ``j`` of the micro-batch (of its rows ``rows``, default all) replayed by the trained policy:
+        its velocity at (x_j, t_j) and its transition to the recorded x_{j+1} (log-prob, mean, std)."""
         args = self.args
         height, width = args.image_size
+        pick = (lambda key: batch[key][:, j]) if rows is None else (lambda key: batch[key][rows, j])
+        x, x_next = pick("latents"), pick("next_latents")
+        t, sigma, sigma_next = pick("timesteps"), pick("sigmas"), pick("sigmas_next")
+        embeds = batch["embeds"] if rows is None else batch["embeds"].index_select(rows)
         with self.accelerator.autocast():
             v = self.policy.velocity(model, x, t, embeds, args.guidance_scale, height, width)
-        out = sde_step_from_sigmas(v, x, sigma, sigma_next, prev_sample=x_next, noise_level=args.noise_level,
-                                   sde_type=args.sde_type, sigma_max_fallback=float(self.rollouts.scheduler.sigmas[1]))
-        return v, out
+        out = sde_transition(v, x, sigma, sigma_next, self.rollouts.sde_settings(), next_state=x_next)
+        return TrainedTransition(state=x, next_state=x_next, timestep=t, sigma=sigma, sigma_next=sigma_next,
+                                 embeds=embeds, velocity=v, log_prob=out.log_prob, mean=out.prev_sample_mean,
+                                 std=out.std)
 
-    def _objective(self, model, embeds, x, x_next, t, sigma, sigma_next, v, log_prob, mean, std, old_log_prob,
-                   old_mean, advantages, kl_gate, first_pass) -> tuple[torch.Tensor, dict[str, float]]:
-        """The mean over the given transitions of the policy objective (``policy_loss``: the clipped ratio, or
-        Flow-DPPO's divergence trust region around the anchor ``old_mean``) plus ``beta`` x the KL estimate to the
-        reference, with the values to log."""
+    def _advantages(self, batch: dict) -> torch.Tensor:
+        """The micro-batch's advantages, times the truncated importance weights of a stale generation replayed by the
+        proximal policy (``truncated_importance_cap``, `flow_grpo_importance`)."""
+        advantages = super()._advantages(batch)
+        weights = batch.get("importance_weights")
+        return advantages if weights is None else advantages * weights
+
+    def _stale_generation_replay(self):
+        """``truncated_importance_cap`` on the Ray backend: every stale generation is replayed by the proximal policy
+        when it arrives (`flow_grpo_importance.apply_truncated_importance_weights`)."""
+        if self.args.truncated_importance_cap is None:
+            return None
+
+        def replay(records: list[dict]) -> torch.Tensor:
+            return apply_truncated_importance_weights(self.policy, self.rollouts, records, self.args)
+
+        return replay
+
+    def _objective(self, model, step: TrainedTransition, first_pass: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        """The mean over ``step``'s transitions of the policy objective (``policy_loss``: the clipped ratio, or
+        Flow-DPPO's divergence trust region around the anchor ``step.old_mean``) plus ``beta`` x the KL estimate to
+        the reference, with the values to log."""
         args = self.args
         height, width = args.image_size
+        x, x_next, mean, std = step.state, step.next_state, step.mean, step.std
         v_ref = ref_mean = None
         if args.beta > 0:
             with self.accelerator.autocast():
-                v_ref = self.policy.reference_velocity(model, x, t, embeds, height, width)
+                v_ref = self.policy.reference_velocity(model, x, step.timestep, step.embeds, height, width)
             if args.kl_estimator != "velocity":  # the reference's transition mean
                 with torch.no_grad():
-                    ref_mean = sde_step_from_sigmas(v_ref, x, sigma, sigma_next, noise_level=args.noise_level,
-                                                    sde_type=args.sde_type).prev_sample_mean
+                    ref_mean = sde_transition(v_ref, x, step.sigma, step.sigma_next,
+                                              self.rollouts.sde_settings()).prev_sample_mean
         metrics: dict[str, float] = {}
         if args.policy_loss == "dppo":
             if args.ratio_normalization == "grpo_guard":
-                log_ratio = grpo_guard_log_ratio(mean, old_mean, x_next, std)
+                log_ratio = grpo_guard_log_ratio(mean, step.old_mean, x_next, std)
             else:
-                log_ratio = log_prob - old_log_prob
-            dppo = flow_dppo_loss(log_ratio, advantages, mean, old_mean, std, dppo_tau=args.dppo_tau)
+                log_ratio = step.log_prob - step.old_log_prob
+            dppo = flow_dppo_loss(log_ratio, step.advantages, mean, step.old_mean, std, dppo_tau=args.dppo_tau)
             ratio, policy_loss, kl = dppo.ratio, dppo.loss, None
             loss = policy_loss
             if args.beta > 0:
-                kl = gated_mean(kl_estimate(args.kl_estimator, mean, ref_mean, std, prev_sample=x_next, velocity=v,
-                                            ref_velocity=v_ref), kl_gate)
+                kl = gated_mean(kl_estimate(args.kl_estimator, mean, ref_mean, std, prev_sample=x_next,
+                                            velocity=step.velocity, ref_velocity=v_ref), step.kl_gate)
                 loss = loss + args.beta * kl
             metrics.update({"dppo/dropped_frac": float(dppo.dropped_frac), "dppo/outside_frac": float(dppo.outside_frac),
                             "dppo/divergence_mean": float(dppo.mean_divergence),
                             "dppo/divergence_max": float(dppo.max_divergence)})
         else:
-            out = flow_grpo_loss(log_prob, old_log_prob, advantages, args.epsilon,
-                                 ratio_normalization=args.ratio_normalization, mean=mean, old_mean=old_mean,
+            out = flow_grpo_loss(step.log_prob, step.old_log_prob, step.advantages, args.epsilon,
+                                 ratio_normalization=args.ratio_normalization, mean=mean, old_mean=step.old_mean,
                                  prev_sample=x_next, std=std, beta=args.beta, kl_estimator=args.kl_estimator,
-                                 ref_mean=ref_mean, velocity=v, ref_velocity=v_ref, kl_gate=kl_gate)
+                                 ref_mean=ref_mean, velocity=step.velocity, ref_velocity=v_ref, kl_gate=step.kl_gate)
             ratio, log_ratio, policy_loss, kl, loss = out.ratio, out.log_ratio, out.policy_loss, out.kl, out.loss
             metrics["clip_frac"] = float(((ratio.detach() - 1).abs() > args.epsilon).float().mean())
         with torch.no_grad():
@@ -187,24 +236,21 @@ class FlowGRPOTrainer(OnlineRLTrainer):
         args = self.args
         parts, edges = batch["tree_parts"], batch["tree_edges"]
         if not parts:  # nothing to train here (pruned): a zero loss that still reaches every trained weight
-            step, rows, weight = batch["latents"].shape[1] - 1, torch.zeros(1, dtype=torch.long), 0.0
+            step_index, rows, weight = batch["latents"].shape[1] - 1, torch.zeros(1, dtype=torch.long), 0.0
         else:
-            step = parts[part]
-            rows = batch["edge_trained"][:, step].nonzero().flatten()
+            step_index = parts[part]
+            rows = batch["edge_trained"][:, step_index].nonzero().flatten()
             weight = len(rows) * len(parts) / edges
         rows = rows.to(batch["latents"].device)
-        x, x_next = batch["latents"][rows, step], batch["next_latents"][rows, step]
-        t, sigma, sigma_next = (batch[key][rows, step] for key in ("timesteps", "sigmas", "sigmas_next"))
-        embeds = batch["embeds"].index_select(rows)
-        v, out = self._transition(model, x, x_next, t, sigma, sigma_next, embeds)
-        split = bool(batch["tree_split"][step])
-        log_prob = edge_log_prob(x_next, out.prev_sample_mean, out.std, split, args.branch_noise_scale,
-                                 split_log_prob=args.branch_split_log_prob)
-        std = tree_step_std(batch, rows, step, out.std, args)
-        loss, metrics = self._objective(model, embeds, x, x_next, t, sigma, sigma_next, v, log_prob,
-                                        out.prev_sample_mean, std, batch["log_probs"][rows, step],
-                                        batch["means"][rows, step], batch["edge_advantages"][rows, step], None,
-                                        first_pass and bool(parts))
+        step = self._replay(model, batch, step_index, rows)
+        split = bool(batch["tree_split"][step_index])
+        step.log_prob = edge_log_prob(step.next_state, step.mean, step.std, split, args.branch_noise_scale,
+                                      split_log_prob=args.branch_split_log_prob)
+        step.std = tree_step_std(batch, rows, step_index, step.std, args)
+        step.old_log_prob = batch["log_probs"][rows, step_index]
+        step.old_mean = batch["means"][rows, step_index]
+        step.advantages = batch["edge_advantages"][rows, step_index]
+        loss, metrics = self._objective(model, step, first_pass and bool(parts))
         metrics.update({"sde_window_start": 0.0, "branch/trained_edges": float(edges)})
         return LossPart(loss * weight, metrics)
 

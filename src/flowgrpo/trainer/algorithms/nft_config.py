@@ -18,6 +18,15 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from ..algorithm_spec import (
+    AlgorithmFacts,
+    AlgorithmSpec,
+    PlannedStep,
+    PolicyCopy,
+    RolloutRecord,
+    TransitionProbe,
+    WorkerNeeds,
+)
 from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
 
@@ -166,4 +175,40 @@ def _reject_flow_grpo_settings(init):
 
 DiffusionNFTConfig.__init__ = _reject_flow_grpo_settings(DiffusionNFTConfig.__init__)
 
-__all__ = ["FLOW_GRPO_ONLY_SETTINGS", "NFT_SAMPLERS", "DiffusionNFTConfig", "flow_grpo_only_error"]
+
+
+# ---- the algorithm spec (flowgrpo.trainer.algorithm_spec) ----------------------------------------------------------
+def describe_nft(args: DiffusionNFTConfig, use_lora: bool | None = None) -> AlgorithmFacts:
+    """DiffusionNFT's facts: the old policy samples deterministic rollouts that keep x0; each sample trains
+    ``int(steps x timestep_fraction)`` noise levels, each a forward of the old policy (no gradient) and of the
+    trained one."""
+    steps = int(args.num_inference_steps or 0)
+    trained = max(1, int(steps * float(args.timestep_fraction)))
+    return AlgorithmFacts(
+        copies=(PolicyCopy("old_policy", "old policy (samples the rollouts, v_old in the loss)",
+                           samples_rollouts=True),),
+        reads_reference=args.beta > 0,
+        record=RolloutRecord("final_sample", fields=("x0", "sigmas", "timesteps")),
+        workers=WorkerNeeds(
+            sampled_by="old_policy", synced=("old_policy",),
+            staleness="the old policy samples; a sample k steps old was drawn by the old policy of k steps before, "
+                      "and the loss's v_old is the trainer's current old policy (the implicit negative policy is "
+                      "unchanged in form)."),
+        probe=TransitionProbe("noised_sample", noise_level=0.7),
+        step=PlannedStep("noised_sample", trained_timesteps=trained,
+                         frozen_forwards=("old_policy",) + (("reference",) if args.beta > 0 else ()),
+                         loss="velocity_mse"),
+    )
+
+
+SPEC = AlgorithmSpec(
+    name="diffusion_nft", title="DiffusionNFT",
+    config="flowgrpo.trainer.algorithms.nft_config:DiffusionNFTConfig",
+    trainer="flowgrpo.trainer.algorithms.nft_trainer:DiffusionNFTTrainer",
+    summary="deterministic rollouts of the old policy, the negative-aware flow-matching loss on the forward process",
+    describe=describe_nft,
+    refused_settings=FLOW_GRPO_ONLY_SETTINGS,
+)
+
+__all__ = ["FLOW_GRPO_ONLY_SETTINGS", "NFT_SAMPLERS", "SPEC", "DiffusionNFTConfig", "describe_nft",
+           "flow_grpo_only_error"]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .flow_matching import noised_sample, per_sample
+from ...schedulers.flow_matching import noised_sample, per_sample
 
 #: Smallest adaptive weight (w+ and w-), as published.
 MIN_ADAPTIVE_WEIGHT = 1e-5

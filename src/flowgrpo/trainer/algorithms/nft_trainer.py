@@ -35,11 +35,11 @@ from collections import ChainMap
 import torch
 
 from ...models.defaults import generation_card_lines
+from ...schedulers.flow_matching import noised_sample
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..policy.old_policy import old_policy_decay
 from ..rollout.strategies import FinalSampleRollout
 from ..seeds import seed_for
-from .flow_matching import noised_sample
 from .nft_config import DiffusionNFTConfig
 from .nft_loss import nft_loss, reward_weight
 
@@ -63,9 +63,6 @@ class DiffusionNFTTrainer(OnlineRLTrainer):
         ),
     }
     _config_class = DiffusionNFTConfig
-
-    def _uses_old_policy(self, args: DiffusionNFTConfig) -> bool:
-        return True  # it samples the rollouts and gives v_old in the loss
 
     def _eval_ode_solver(self) -> str:
         return self.args.sampler

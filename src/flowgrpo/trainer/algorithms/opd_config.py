@@ -15,6 +15,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..algorithm_spec import (
+    AlgorithmFacts,
+    AlgorithmSpec,
+    PlannedStep,
+    PolicyCopy,
+    RolloutRecord,
+    TransitionProbe,
+    WorkerNeeds,
+)
 from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
 
@@ -23,7 +32,7 @@ OPD_KL_MODES = ("exact", "ode")
 OPD_SDE_TYPES = ("sde", "cps", "dance")
 TEACHER_KEYS = ("lora", "guidance_scale", "dataset_name")
 
-__all__ = ["OPD_KL_MODES", "OPD_SDE_TYPES", "TEACHER_KEYS", "DiffusionOPDConfig", "TeacherSpec"]
+__all__ = ["OPD_KL_MODES", "OPD_SDE_TYPES", "SPEC", "TEACHER_KEYS", "DiffusionOPDConfig", "TeacherSpec", "describe_opd"]
 
 
 @dataclass(frozen=True)
@@ -104,10 +113,6 @@ class DiffusionOPDConfig(OnlineRLConfig):
     )
 
     _trainer_name = "DiffusionOPDTrainer"
-
-    def ray_rollouts_refusal(self) -> str | None:
-        """Why ``rollout_backend: ray`` is refused (checked with the other rollout-backend settings)."""
-        return "its teachers replay the student's states, which have not been run against rollout workers yet."
 
     def _check_algorithm(self) -> None:
         check_choice("opd_kl", self.opd_kl, OPD_KL_MODES)
@@ -195,3 +200,39 @@ class DiffusionOPDConfig(OnlineRLConfig):
         holds one domain and resuming at a generation picks the same teacher."""
         specs = self.teacher_specs
         return specs[generation % len(specs)]
+
+
+# ---- the algorithm spec (flowgrpo.trainer.algorithm_spec) ----------------------------------------------------------
+def describe_opd(args: DiffusionOPDConfig, use_lora: bool | None = None) -> AlgorithmFacts:
+    """On-policy distillation's facts: the student's SDE rollouts record their window's transitions; each recorded
+    step is trained with a teacher's replay of the state (a forward without gradient) and the KL of the two
+    transitions' means."""
+    steps = int(args.num_inference_steps or 0)
+    window = int(args.sde_window_size or 0)
+    recorded = window if window > 0 else max(1, steps - 1)
+    teachers = args.teacher_specs
+    kind = "adapter" if teachers[0].lora and use_lora is not False else "model"
+    return AlgorithmFacts(
+        copies=(PolicyCopy("teacher", "frozen teacher" + ("s" if len(teachers) > 1 else ""), count=len(teachers),
+                           kind=kind),),
+        reads_reference=args.beta > 0,
+        record=RolloutRecord("transitions", fields=("latents", "next_latents", "log_probs", "timesteps", "sigmas",
+                                                    "sigmas_next", "window", "teacher"), steps=recorded),
+        workers=WorkerNeeds(
+            refusal="its teachers replay the student's states, which have not been run against rollout workers yet.",
+            staleness="a state k steps old was visited by the student of k steps before; the teachers replay it as "
+                      "it is, so staleness only moves the visited states away from the current student's."),
+        probe=TransitionProbe("recorded_transition", noise_level=float(args.noise_level or 0.7), sde_type="sde"),
+        step=PlannedStep("recorded_transition", trained_timesteps=recorded,
+                         frozen_forwards=("teacher",) + (("reference",) if args.beta > 0 else ()),
+                         loss="transition_mean_mse", unsharded_reference=args.beta > 0),
+    )
+
+
+SPEC = AlgorithmSpec(
+    name="diffusion_opd", title="DiffusionOPD",
+    config="flowgrpo.trainer.algorithms.opd_config:DiffusionOPDConfig",
+    trainer="flowgrpo.trainer.algorithms.opd_trainer:DiffusionOPDTrainer",
+    summary="on-policy distillation: the student's SDE rollouts, each state replayed by frozen teachers",
+    describe=describe_opd,
+)

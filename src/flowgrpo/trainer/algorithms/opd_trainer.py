@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ...models.defaults import generation_card_lines
-from ...schedulers import sample_sde_window, sde_step_from_sigmas
+from ...schedulers import sample_sde_window, sde_transition
 from ..data.sampler import DomainRepeatSampler
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..rollout.strategies import RolloutStrategy
@@ -193,16 +193,14 @@ class DiffusionOPDTrainer(OnlineRLTrainer):
         x, x_next = batch["latents"][:, j], batch["next_latents"][:, j]
         t, sigma, sigma_next = batch["timesteps"][:, j], batch["sigmas"][:, j], batch["sigmas_next"][:, j]
         embeds = batch["embeds"]
-        fallback = float(self.rollouts.scheduler.sigmas[1])
+        sde = self.rollouts.sde_settings()
         with self.accelerator.autocast():
             v_teacher = policy.teacher_velocity(model, index, x, t, embeds, spec.guidance_scale, height, width)
             v = policy.velocity(model, x, t, embeds, args.guidance_scale, height, width)
         self.rollouts.resolve_scoring()  # the rewards are only logged; scored while the forwards ran
 
         def step(velocity: torch.Tensor):
-            return sde_step_from_sigmas(velocity, x, sigma, sigma_next, prev_sample=x_next,
-                                        noise_level=args.noise_level, sde_type=args.sde_type,
-                                        sigma_max_fallback=fallback)
+            return sde_transition(velocity, x, sigma, sigma_next, sde, next_state=x_next)
 
         student = step(v)
         with torch.no_grad():

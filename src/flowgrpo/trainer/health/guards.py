@@ -32,6 +32,9 @@ import torch
 from transformers.utils import logging
 
 from ...rewards import RewardResult, RewardSet, resolve_reward_funcs
+from ...schedulers import sde_transition
+from ...schedulers.flow_matching import noised_sample
+from ..collectives import any_process, max_over_processes
 from ..rollout.generation import Generation
 from ..seeds import seed_for
 from ..step_metrics import StepMetrics
@@ -81,23 +84,23 @@ def needs_reference_copy(args: Any) -> bool:
     return bool(args.beta > 0 or args.sync_ref_model or args.base_model_tail_steps > 0 or args.regularizer == "gardo")
 
 
-def check_health_setup(args: Any, reward_names: list[str]) -> None:
-    """The checks that need the rewards but nothing loaded."""
+def check_health_setup(args: Any, reward_names: list[str], algorithm: Any = None) -> None:
+    """The checks that need the rewards but nothing loaded (``algorithm``: the run's `AlgorithmFacts`, whose record
+    says which sampling steps a rollout may train)."""
     if args.regularizer == "gardo":
         missing = [n for n in args.gardo_auxiliary_rewards if n not in reward_names]
         if missing:
             raise ValueError(f"gardo_auxiliary_rewards {missing} are not among reward_funcs {reward_names}; add them "
                              "there with weight 0.")
     tail = args.base_model_tail_steps
-    size = getattr(args, "sde_window_size", None)
-    if tail and size is not None and getattr(args, "ode_compression_ratio", 1.0) == 1.0:
+    last_trained = algorithm.record.last_step if algorithm is not None else None
+    if tail and last_trained is not None:
         steps = args.num_inference_steps
-        last_trained = steps - 2 if size == 0 else args.sde_window_range[1] + size - 2
         if tail > steps - 1 - last_trained:
             raise ValueError(f"base_model_tail_steps={tail} reaches the trained SDE window (its last step can be "
-                             f"step {last_trained} of {steps}: sde_window_size={size}, sde_window_range="
-                             f"{args.sde_window_range}); use at most {steps - 1 - last_trained} or move the "
-                             "window earlier.")
+                             f"step {last_trained} of {steps}: sde_window_size={args.sde_window_size}, "
+                             f"sde_window_range={args.sde_window_range}); use at most {steps - 1 - last_trained} or "
+                             "move the window earlier.")
     if args.filter_zero_std_groups:
         share = args.per_device_train_batch_size * args.steps_per_generation
         if share % args.num_generations:
@@ -123,11 +126,14 @@ class HealthGuards:
         policy: the `Policy` (the reference, the trained weights, velocities).
         accelerator: gathers and reductions over processes.
         metrics: where logged values go.
+        algorithm: the run's `AlgorithmFacts` (``flowgrpo.trainer.algorithm_spec``): where the KL probe starts.
     """
 
     def __init__(self, args: Any, rewards: RewardSet, gold_rewards: RewardSet | None, policy: Any, accelerator: Any,
-                 metrics: StepMetrics):
+                 metrics: StepMetrics, algorithm: Any):
         self.args = args
+        #: the run's `AlgorithmFacts` (the KL probe's state and step)
+        self.algorithm = algorithm
         self.rewards = rewards
         self.gold_rewards = gold_rewards
         self.policy = policy
@@ -269,16 +275,11 @@ class HealthGuards:
 
     def _any_process(self, flag: bool) -> bool:
         """Logical OR of ``flag`` over all processes."""
-        return self._max_over_processes(int(bool(flag))) > 0
+        return any_process(self.accelerator, flag)
 
     def _max_over_processes(self, value: int) -> int:
         """The largest ``value`` over all processes (every process then runs the same number of rollouts)."""
-        t = torch.tensor(int(value), dtype=torch.int64)
-        if self.accelerator.num_processes > 1 and torch.distributed.is_available() and \
-                torch.distributed.is_initialized():
-            t = t.to(self.accelerator.device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return int(t.item())
+        return max_over_processes(self.accelerator, value)
 
     # ------------------------------------------------------------------------------------------------
     # every scored rollout: diagnostics and GARDO
@@ -352,19 +353,18 @@ class HealthGuards:
 
     @torch.no_grad()
     def _kl_to_reference(self, batch: dict, rollouts: Any) -> float:
-        """The analytic KL of one SDE step between the policy and the reference on a few samples of ``batch``."""
-        from ...schedulers import sde_step_from_sigmas
-        from ..algorithms.flow_matching import noised_sample
-
+        """The analytic KL of one SDE step between the policy and the reference on a few samples of ``batch``, from
+        the state the algorithm's probe names (`AlgorithmFacts.probe`)."""
         args = self.args
         policy = self.policy
+        probe = self.algorithm.probe
         height, width = args.image_size
         n = min(KL_PROBE_SAMPLES, len(batch["embeds"]))
         embeds = batch["embeds"][:n]
-        if "latents" in batch:  # Flow-GRPO: the first recorded transition
+        if probe.source == "recorded_transition":  # the first recorded transition
             x, t = batch["latents"][:n, 0], batch["timesteps"][:n, 0]
             sigma, sigma_next = batch["sigmas"][:n, 0], batch["sigmas_next"][:n, 0]
-        else:  # DiffusionNFT and others: the final latent noised to a middle level of the rollout
+        else:  # the final latent noised to a middle level of the rollout
             levels = batch["sigmas"].shape[1]
             k = levels // 2
             x0 = batch["x0"][:n]
@@ -374,15 +374,12 @@ class HealthGuards:
             sigma_next = batch["sigmas"][:n, k + 1] if k + 1 < levels else torch.zeros_like(sigma)
             t = batch["timesteps"][:n, k]
             x = noised_sample(x0, noise, sigma)
-        noise_level = float(getattr(args, "noise_level", 0.7) or 0.7)
         with policy.generation_context() as model:
             v = policy.velocity(model, x, t, embeds, args.guidance_scale, height, width)
             v_ref = policy.reference_velocity(model, x, t, embeds, height, width)
-        fallback = float(rollouts.scheduler.sigmas[1])
-        out = sde_step_from_sigmas(v, x, sigma, sigma_next, noise_level=noise_level, sde_type="sde",
-                                   sigma_max_fallback=fallback)
-        ref = sde_step_from_sigmas(v_ref, x, sigma, sigma_next, noise_level=noise_level, sde_type="sde",
-                                   sigma_max_fallback=fallback)
+        sde = rollouts.sde_settings(noise_level=probe.noise_level, sde_type=probe.sde_type)
+        out = sde_transition(v, x, sigma, sigma_next, sde)
+        ref = sde_transition(v_ref, x, sigma, sigma_next, sde)
         return hm.kl_between_transitions(out.prev_sample_mean, ref.prev_sample_mean, out.std)
 
     # ------------------------------------------------------------------------------------------------

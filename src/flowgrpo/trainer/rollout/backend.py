@@ -54,8 +54,9 @@ class RolloutBackend:
         """This process's share of generation ``gen_index``, sampled, decoded and with its rewards submitted."""
         raise NotImplementedError
 
-    def save(self, folder: str) -> None:
-        """Write what resuming needs into a checkpoint folder (nothing for the local backend)."""
+    def save(self, folder: str, step: int) -> None:
+        """Write what resuming needs into a checkpoint folder of optimizer step ``step`` (nothing for the local
+        backend)."""
 
     def load(self, folder: str) -> None:
         """Read what `save` wrote (a checkpoint without it starts afresh)."""

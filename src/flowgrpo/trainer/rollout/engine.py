@@ -31,7 +31,7 @@ from ...cpu_threads import background_task, limit_worker_threads
 from ...models import PromptEmbeds
 from ...rewards import RewardResult, RewardSet
 from ...rewards.composition import metric_means
-from ...schedulers import FlowMatchSDEScheduler, FlowODESolver, rollout_steps, sde_step_from_sigmas
+from ...schedulers import FlowMatchSDEScheduler, FlowODESolver, SDESettings, rollout_steps, sde_transition
 from ..console import rollout_progress
 from ..data.condition_images import IMAGE_COLUMN, image_key
 from ..data.datasets import INDEX_COLUMN
@@ -104,6 +104,16 @@ class RolloutEngine:
         self.last_samples: tuple | None = None
         self.last_sample_notes: list[str] | None = None
         self.last_timing: dict[str, float] = {}
+
+    def sde_settings(self, noise_level: float | None = None, sde_type: str | None = None) -> SDESettings:
+        """The stochastic step of this engine's rollouts (the strategy's noise level and step type unless given) with
+        the schedule's ``sigmas[1]`` as the sigma_max fallback: what every replay of a recorded step passes to
+        `sde_transition` (the trainers' losses, the health guards' probe, the importance weights)."""
+        options = self.strategy.scheduler_options()
+        level = options.get("noise_level", 0.0) if noise_level is None else noise_level
+        return SDESettings(noise_level=float(level or 0.0),
+                           sde_type=sde_type or options.get("sde_type", self.strategy.sde_type),
+                           sigma_max_fallback=float(self.scheduler.sigmas[1]))
 
     def clock(self) -> float:
         if self.timing_sync and self.accelerator.device.type == "cuda":
@@ -226,16 +236,14 @@ class RolloutEngine:
             else:
                 v = self.policy.velocity(model, latents, t, embeds, guidance_scale, height, width)
             if step.stochastic or solver is None:
-                step_kwargs = dict(noise_level=noise_level if step.stochastic else 0.0, sde_type=sde_type,
-                                   sigma_max_fallback=float(sigmas[1]))
+                sde = SDESettings(noise_level if step.stochastic else 0.0, sde_type, float(sigmas[1]))
                 drawn = None
                 if step.stochastic and step_noise is not None:  # the caller's draws: x' = mean + std * z
-                    moments = sde_step_from_sigmas(v, latents, step.sigma, step.sigma_next, prev_sample=latents,
-                                                   **step_kwargs)
+                    moments = sde_transition(v, latents, step.sigma, step.sigma_next, sde, next_state=latents)
                     std = moments.std.reshape((batch,) + (1,) * (latents.ndim - 1))
                     drawn = moments.prev_sample_mean + std * step_noise(index).to(device=device, dtype=torch.float32)
-                out = sde_step_from_sigmas(v, latents, step.sigma, step.sigma_next, prev_sample=drawn,
-                                           generator=generator if drawn is None else None, **step_kwargs)
+                out = sde_transition(v, latents, step.sigma, step.sigma_next, sde, next_state=drawn,
+                                     generator=generator if drawn is None else None)
                 if solver is not None:
                     solver.reset()  # a deterministic stretch after the window starts a new history
                 if record and step.stochastic:

@@ -42,12 +42,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ...collectives import any_process
 from ...data.condition_images import IMAGE_COLUMN
 from ...data.datasets import INDEX_COLUMN
 from ..backend import RolloutBackend, RolloutWorkerError
@@ -56,7 +57,7 @@ from ..images import load_images
 from .read_ahead import ReadAhead
 from .reward_workers import RewardWorkers
 from .session import NAMESPACE, RaySession, actor_died, resource_options, worker_env
-from .weights import collect_policy_state, rollout_reads_reference, state_digest
+from .weights import collect_policy_state, state_digest
 
 __all__ = ["BACKEND_STATE_NAME", "BACKEND_WEIGHTS_NAME", "RayRolloutBackend", "check_record_precision", "row_columns"]
 
@@ -105,37 +106,42 @@ class _Pending:
 
 
 class RayRolloutBackend(RolloutBackend):
-    """See the module docstring. Built by the trainer (`rollout.backend.build_rollout_backend`) from its parts;
-    ``source``: what the workers load the pipeline from (`rollout.backend.model_source`)."""
+    """See the module docstring. Built by the trainer (`rollout.backend_choice.build_rollout_backend`) from its parts:
+    the configuration, the `Policy` (the weights to send), the `RolloutEngine` (the strategy the workers run, the
+    rewards, scoring), the accelerator (the launch's processes), the metrics sink, the run's `AlgorithmFacts` (what a
+    worker needs) and ``source``, what the workers load the pipeline from (`rollout.backend.model_source`);
+    ``stale_replay``: the algorithm's correction of a stale generation (``records -> weights``, e.g. Flow-GRPO's
+    truncated importance weights), or None."""
 
     logs_rollout_metrics = True
     #: called in a collector thread with ``(generation, micro-batch index, worker name, worker pid)`` as each
     #: micro-batch arrives (progress reporting; the fault tests stop or kill a worker from here)
     on_micro_batch = None
 
-    def __init__(self, trainer: Any, source: Any):
-        from ..strategies import SDEWindowRollout
-
-        args = trainer.args
-        self.trainer = trainer
+    def __init__(self, args: Any, policy: Any, engine: Any, accelerator: Any, metrics: Any, algorithm: Any,
+                 source: Any, *, stale_replay: Callable[[list[dict]], torch.Tensor] | None = None):
         self.args = args
-        self.policy = trainer.policy
-        self.engine = trainer.rollouts
-        self.accelerator = trainer.accelerator
-        self.metrics = trainer.metrics.train
+        self.policy = policy
+        self.engine = engine
+        self.accelerator = accelerator
+        self.metrics = metrics.train
+        self.algorithm = algorithm
         self.source = source
-        self.strategy = self.engine.strategy
-        if args.truncated_importance_cap is not None and not isinstance(self.strategy, SDEWindowRollout):
+        self.strategy = engine.strategy
+        self.stale_replay = stale_replay
+        if args.truncated_importance_cap is not None and (not algorithm.workers.importance_weights
+                                                         or stale_replay is None):
             raise ValueError(f"truncated_importance_cap={args.truncated_importance_cap} weighs the behaviour "
-                             "log-probs of SDE-window rollouts (the Flow-GRPO family); "
-                             f"{type(trainer).__name__} records none. Unset it.")
+                             "log-probs of SDE-window rollouts (the Flow-GRPO family); this algorithm records none. "
+                             "Unset it.")
         self.session = RaySession(args, self.accelerator)
-        self.rewards = RewardWorkers(trainer, self.session) if args.reward_backend == "ray" else None
+        self.rewards = RewardWorkers(args, engine, accelerator, self.session) if args.reward_backend == "ray" \
+            else None
         period = args.steps_per_generation * args.num_iterations
         self.period = period
         #: batches read ahead of the one being trained: enough to see generation g + max_staleness at g's start
         self.depth = args.max_staleness * period + 1 if args.max_staleness > 0 else 0
-        self.include_reference = rollout_reads_reference(args)
+        self.include_reference = "reference" in algorithm.workers.synced
         self.workers: list = []
         self.worker_names: list[str] = []
         #: process 0: what each worker said when it was ready (pid, node, device, threads, niceness, start-up time)
@@ -237,7 +243,7 @@ class RayRolloutBackend(RolloutBackend):
                 self._check_fingerprints(rollout_fingerprint(self.engine))
             except (RolloutWorkerError, ValueError) as err:
                 failed = err
-        if self.trainer._any_process(failed is not None):
+        if any_process(self.accelerator, failed is not None):
             self.close()
             raise failed or RolloutWorkerError("The rollout workers failed to start (see process 0).")
         self._ready = True
@@ -383,7 +389,7 @@ class RayRolloutBackend(RolloutBackend):
             generation = self._await(gen_index)
         except RolloutWorkerError as err:
             error = err
-        if self.trainer._any_process(error is not None):
+        if any_process(self.accelerator, error is not None):
             # the request stays in flight: a checkpoint saved now records it, and the resumed run samples it again
             raise error or RolloutWorkerError("A rollout worker failed on another process (see its error).")
         pending = self._requests.pop(gen_index)
@@ -487,10 +493,8 @@ class RayRolloutBackend(RolloutBackend):
         generation = Generation(records=records, jobs=jobs, chunks=chunks, prompts=pending.prompts,
                                 group_ids=pending.group_ids, timing=timing, step=request.step)
         self.staleness = staleness
-        if self.args.truncated_importance_cap is not None:
-            from .importance import apply_truncated_importance_weights
-
-            weights = apply_truncated_importance_weights(self.policy, self.engine, generation.records, self.args)
+        if self.stale_replay is not None:
+            weights = self.stale_replay(generation.records)
             self.metrics["rollout/importance_weight_mean"].append(float(weights.mean()))
             self.metrics["rollout/importance_weight_truncated"].append(
                 float((weights >= self.args.truncated_importance_cap).float().mean()))
@@ -543,7 +547,7 @@ class RayRolloutBackend(RolloutBackend):
                 error = err
             except Exception as err:  # the object store, the coordinator
                 error = RolloutWorkerError(f"The weight sync of version {version} failed: {type(err).__name__}: {err}")
-        if self.trainer._any_process(error is not None):
+        if any_process(self.accelerator, error is not None):
             raise error or RolloutWorkerError(f"The weight sync of version {version} failed on process 0.")
         self.session.barrier()
         self.version = version
@@ -578,11 +582,10 @@ class RayRolloutBackend(RolloutBackend):
             del self._states[version]
 
     # ---- checkpoints ---------------------------------------------------------------------------------
-    def save(self, folder: str) -> None:
+    def save(self, folder: str, step: int) -> None:
         if self.version is None:
             return
         in_flight = {str(g): p.request.version for g, p in self._requests.items()}
-        step = self.trainer.state.global_step
         keep = set(in_flight.values())
         if step - self.version < self.args.weight_sync_steps:  # the next generation still samples with it
             keep.add(self.version)

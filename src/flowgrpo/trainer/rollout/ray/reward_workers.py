@@ -12,12 +12,15 @@ __all__ = ["RewardWorkers"]
 
 
 class RewardWorkers:
-    """``reward_backend: ray``: `RewardWorker` actors scoring for the trainer's reward set, which the trainer's
-    `RolloutEngine` then uses in place of its own (`RayRewardSet`); evaluation keeps scoring in the trainer."""
+    """``reward_backend: ray``: `RewardWorker` actors scoring for the rollout engine's reward set, which the engine
+    then uses in place of its own (`RayRewardSet`); evaluation keeps scoring in the trainer. Built from the parts it
+    uses: the configuration, the `RolloutEngine` and the accelerator (or a session shared with the rollout
+    workers)."""
 
-    def __init__(self, trainer: Any, session: RaySession | None = None):
-        self.trainer = trainer
-        self.session = session or RaySession(trainer.args, trainer.accelerator)
+    def __init__(self, args: Any, engine: Any, accelerator: Any, session: RaySession | None = None):
+        self.args = args
+        self.engine = engine
+        self.session = session or RaySession(args, accelerator)
         self._owns_session = session is None
         self.handles: list = []
         self._local = None
@@ -30,10 +33,10 @@ class RewardWorkers:
 
         from .worker import RewardWorker
 
-        args = self.trainer.args
+        args = self.args
         self.session.open()
         resources = dict(args.reward_worker_resources or {"num_cpus": 1})
-        reward_set = self.trainer.rollouts.rewards
+        reward_set = self.engine.rewards
         threads = int(resources.get("num_cpus") or 1)
         funcs = self._reward_specs(reward_set)
 
@@ -53,8 +56,8 @@ class RewardWorkers:
         from .rewards import RayRewardSet
 
         self.launch()
-        args = self.trainer.args
-        reward_set = self.trainer.rollouts.rewards
+        args = self.args
+        reward_set = self.engine.rewards
         names = [f"reward worker {i}" for i in range(len(self.handles))]
         described = self.session.wait([h.describe.remote() for h in self.handles], args.rollout_startup_timeout_s,
                                       "at start", names)
@@ -63,7 +66,7 @@ class RewardWorkers:
                 raise RolloutWorkerError(f"A reward worker built rewards {info['names']}, the trainer "
                                          f"{list(reward_set.names)}.")
         self._local = reward_set
-        self.trainer.rollouts.rewards = RayRewardSet(reward_set, self.handles, args.rollout_timeout_s)
+        self.engine.rewards = RayRewardSet(reward_set, self.handles, args.rollout_timeout_s)
 
     def _reward_specs(self, reward_set: Any) -> list:
         """The reward functions as the workers rebuild them: registry names or ``module:function`` paths; a callable
@@ -89,8 +92,8 @@ class RewardWorkers:
         import ray
 
         if self._local is not None:
-            self.trainer.rollouts.rewards.close(wait=False)
-            self.trainer.rollouts.rewards = self._local
+            self.engine.rewards.close(wait=False)
+            self.engine.rewards = self._local
             self._local = None
         if self.session.is_main:
             for handle in self.handles:

@@ -6,8 +6,8 @@ What a worker samples with, by algorithm:
 * the trained tensors (a LoRA's, or the whole transformer for full fine-tuning): every sampler;
 * the old-policy copy (DiffusionNFT samples with its old policy; AWM off-policy with its EMA adapter), when the
   trainer keeps one: the second adapter's tensors, or the frozen copy's;
-* the reference, when a rollout reads it (``base_model_tail_steps``) and it can change (a ``ref`` adapter or a frozen
-  copy refreshed by ``sync_ref_model`` or GARDO).
+* the reference, when a rollout reads it (the algorithm's `WorkerNeeds.synced` names it: ``base_model_tail_steps``)
+  and it can change (a ``ref`` adapter or a frozen copy refreshed by ``sync_ref_model`` or GARDO).
 
 Keys name where a tensor lives: ``policy/<parameter name>`` (every adapter of a LoRA-trained model, or the trained
 transformer's parameters), ``old_policy/<name>`` and ``reference/<name>`` (frozen copies). The digest is BLAKE2b over
@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["collect_policy_state", "load_policy_state", "policy_state_digest", "rollout_reads_reference",
-           "state_digest"]
+__all__ = ["collect_policy_state", "load_policy_state", "policy_state_digest", "state_digest"]
 
 
 def _trained_model(policy: Any) -> torch.nn.Module:
@@ -123,9 +122,3 @@ def policy_state_digest(policy: Any, *, include_reference: bool = False) -> str:
     """The digest of what ``policy`` holds now (a worker's answer after loading: read back from its own tensors, not
     from what it was sent)."""
     return state_digest(_named_tensors(policy, include_reference))
-
-
-def rollout_reads_reference(args: Any) -> bool:
-    """Whether a training rollout samples some steps with the reference (``base_model_tail_steps``), which must then
-    reach the workers too."""
-    return int(getattr(args, "base_model_tail_steps", 0) or 0) > 0

@@ -1,4 +1,6 @@
-r"""Truncated importance weights for stale SDE-window rollouts (``truncated_importance_cap``).
+r"""Truncated importance weights for stale SDE-window rollouts (``truncated_importance_cap``): Flow-GRPO's correction
+of samples drawn by older weights on the Ray backend, which calls it through the trainer
+(`FlowGRPOTrainer._stale_generation_replay`) when a stale generation arrives.
 
 A worker records the behaviour log-probs log mu(x_{j+1} | x_j) of the weights that sampled (version v). With
 ``max_staleness >= 1`` the trainer's weights at the start of the step (the proximal policy pi_prox, version s(g)) may
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ....schedulers import sde_step_from_sigmas
+from ...schedulers import sde_transition
 
 __all__ = ["apply_truncated_importance_weights"]
 
@@ -36,7 +38,7 @@ def apply_truncated_importance_weights(policy: Any, engine: Any, records: list[d
     ``means``) of pi_prox, ``behaviour_log_probs`` (the worker's) and ``importance_weights`` (w, one per sample).
     Returns every sample's w."""
     height, width = args.image_size
-    fallback = float(engine.scheduler.sigmas[1])
+    sde = engine.sde_settings()
     weights = []
     with policy.generation_context() as model:
         for record in records:
@@ -46,9 +48,8 @@ def apply_truncated_importance_weights(policy: Any, engine: Any, records: list[d
                 x, x_next = record["latents"][:, j], record["next_latents"][:, j]
                 v = policy.velocity(model, x, record["timesteps"][:, j], record["embeds"], args.guidance_scale, height,
                                     width)
-                out = sde_step_from_sigmas(v, x, record["sigmas"][:, j], record["sigmas_next"][:, j],
-                                           prev_sample=x_next, noise_level=args.noise_level, sde_type=args.sde_type,
-                                           sigma_max_fallback=fallback)
+                out = sde_transition(v, x, record["sigmas"][:, j], record["sigmas_next"][:, j], sde,
+                                     next_state=x_next)
                 log_probs.append(out.log_prob.float())
                 means.append(out.prev_sample_mean.float())
             proximal = torch.stack(log_probs, dim=1)

@@ -1,0 +1,216 @@
+"""What an algorithm *is*, declared once next to its trainer: `AlgorithmSpec`, and the facts it gives for a run
+(`AlgorithmFacts`).
+
+An algorithm is registered in the entry-point group ``flowgrpo.trainers`` (`flowgrpo.trainer.registry`), the
+built-ins the same way as a third-party package. Its spec names the algorithm, its configuration and trainer classes
+(``"module:Class"`` paths, imported on first use) and gives, through ``describe(args, use_lora)``, the facts that every
+part outside the algorithm asks instead of knowing algorithms by name:
+
+=================  ===================================================================================================
+fact               who reads it
+=================  ===================================================================================================
+``copies``         the trainer (which copies of the policy to build and save), the planner (their memory), the
+                   rollout workers (the ones that sample)
+``reads_reference``the trainer (full fine-tuning keeps a frozen reference copy when the loss reads it)
+``record``         the health guards (which recorded steps their probe may read, the last trained step), the planner
+                   (the latents kept per recorded step), docs/architecture.md
+``workers``        the Ray backend (whether the algorithm runs there, what a worker holds and samples with, what
+                   staleness means for it, whether stale samples get importance weights)
+``probe``          the health guards' KL probe (from which state, with which stochastic step)
+``step``           the planner: the trained forward's input, how many trained timesteps a micro-batch has, the
+                   forwards without gradient each one adds, the loss's form, the rollout's passes
+=================  ===================================================================================================
+
+Nothing here imports torch or the trainers: ``--help``, recipe checks and ``flowgrpo plan`` read specs cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["AlgorithmFacts", "AlgorithmSpec", "PlannedStep", "PolicyCopy", "RolloutRecord", "TransitionProbe",
+           "WorkerNeeds", "load_path"]
+
+#: where a recorded step comes from for the planner and the probe
+TRAINED_INPUTS = ("recorded_transition", "noised_sample")
+#: the form of the loss the planner runs on fake tensors
+PLANNED_LOSSES = ("ratio", "transition_mean_mse", "velocity_mse")
+#: what a rollout records per micro-batch
+RECORD_KINDS = ("transitions", "final_sample", "pairs")
+
+
+def load_path(path: str) -> Any:
+    """The object a ``"package.module:attribute"`` path names (imported now)."""
+    module, _, attribute = path.partition(":")
+    if not module or not attribute:
+        raise ValueError(f"{path!r} is not a 'package.module:attribute' path.")
+    target = importlib.import_module(module)
+    for part in attribute.split("."):
+        target = getattr(target, part)
+    return target
+
+
+@dataclass(frozen=True)
+class PolicyCopy:
+    """A copy of the trained weights that the algorithm keeps beside them (LoRA: a further adapter of the trained
+    model; full fine-tuning: a frozen copy of the transformer), saved in every checkpoint and left out of exports.
+
+    ``name``: ``"old_policy"`` (``policy.old_policy``), a named copy (``policy.copies[name]``, e.g. CRD's
+    ``"sampling"``) or ``"teacher"`` (on-policy distillation's frozen teachers, never saved); ``role``: what it is,
+    in words; ``samples_rollouts``: whether some or all rollouts are sampled by it (a rollout worker must then hold
+    it); ``count``: how many (teachers); ``kind``: ``"adapter"`` (as large as the trained LoRA) or ``"model"`` (a whole
+    transformer), ``""`` when it follows the training (adapter under LoRA, model otherwise)."""
+
+    name: str
+    role: str
+    samples_rollouts: bool = False
+    count: int = 1
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class RolloutRecord:
+    """What a training rollout records per micro-batch.
+
+    ``kind``: ``"transitions"`` (the recorded SDE steps: x_j, x_{j+1}, log p_old, t_j and the noise levels, per step),
+    ``"final_sample"`` (the clean latent x0 and the rollout's noise levels) or ``"pairs"`` (preference pairs read from
+    data); ``fields``: the record's tensors the loss reads; ``steps``: recorded steps per sample (``transitions``);
+    ``means``: whether each recorded step keeps its transition mean; ``last_step``: the last sampling step a rollout
+    may record and train (None when it trains no recorded step), which sampling with the base model's tail must not
+    reach."""
+
+    kind: str
+    fields: tuple[str, ...] = ()
+    steps: int = 0
+    means: bool = False
+    last_step: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerNeeds:
+    """What a Ray rollout worker needs for this algorithm.
+
+    ``refusal``: why ``rollout_backend: ray`` cannot run it (None: it can); ``sampled_by``: the copy whose weights
+    sample the rollouts (``"policy"`` or a `PolicyCopy` name), ``synced``: every copy a worker holds and receives at
+    each weight sync besides the trained weights (``"old_policy"``, named copies; the reference when a rollout reads
+    it); ``staleness``: what a sample ``k`` optimizer steps old means for the loss, in words (docs/distributed.md);
+    ``importance_weights``: whether ``truncated_importance_cap`` applies (the rollout records behaviour log-probs of
+    SDE transitions)."""
+
+    refusal: str | None = None
+    sampled_by: str = "policy"
+    synced: tuple[str, ...] = ()
+    staleness: str = ""
+    importance_weights: bool = False
+
+
+@dataclass(frozen=True)
+class TransitionProbe:
+    """The health guards' KL probe (``health/kl_to_reference``): one stochastic transition of the policy and of the
+    reference from the same state. ``source``: ``"recorded_transition"`` (the record's first recorded step) or
+    ``"noised_sample"`` (the final sample x0 noised to the middle of the rollout's levels); ``noise_level`` and
+    ``sde_type``: the stochastic step the two transitions are compared under."""
+
+    source: str
+    noise_level: float
+    sde_type: str = "sde"
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """The training step the planner (`flowgrpo plan`) measures on fake tensors, per micro-batch.
+
+    ``trained_input``: ``"recorded_transition"`` (the trained forward replays a recorded SDE step and its transition is
+    recomputed) or ``"noised_sample"`` (the final sample noised to a level of the forward process); ``trained_timesteps``:
+    trained timesteps per micro-batch (each a forward and a backward of the trained model); ``trained_per_sample``:
+    trained transitions per sample when a micro-batch's samples do not all train the same count (BranchGRPO: a tree's
+    edges per leaf; 0: ``trained_timesteps``); ``trained_batch``: rows of one trained pass per sample (AWM's
+    ``train_timesteps`` noise levels go through one forward); ``rollout_passes``: transformer passes per sample in a rollout (0:
+    ``num_inference_steps``; a tree's samples share their prefixes); ``frozen_forwards``: forwards without gradient that
+    each trained timestep adds besides the KL reference's (``"old_policy"``, ``"teacher"``); ``loss``: the loss's form
+    on the fake step (``"ratio"``, ``"transition_mean_mse"``, ``"velocity_mse"``); ``stored_per_step``: latents kept per
+    recorded step (x_j, x_{j+1}, and the transition mean); ``unsharded_reference``: full fine-tuning with a KL term
+    keeps a frozen reference copy outside FSDP / ZeRO, whole on every GPU."""
+
+    trained_input: str
+    trained_timesteps: int
+    trained_per_sample: float = 0.0
+    trained_batch: int = 1
+    rollout_passes: float = 0.0
+    frozen_forwards: tuple[str, ...] = ()
+    loss: str = "ratio"
+    stored_per_step: int = 2
+    unsharded_reference: bool = False
+
+
+@dataclass(frozen=True)
+class AlgorithmFacts:
+    """The facts of one run of an algorithm (a configuration): see the module docstring."""
+
+    copies: tuple[PolicyCopy, ...]
+    reads_reference: bool
+    record: RolloutRecord
+    workers: WorkerNeeds
+    probe: TransitionProbe
+    step: PlannedStep
+
+    def copy(self, name: str) -> PolicyCopy | None:
+        """The copy called ``name``, or None."""
+        return next((c for c in self.copies if c.name == name), None)
+
+    @property
+    def keeps_old_policy(self) -> bool:
+        return self.copy("old_policy") is not None
+
+    @property
+    def named_copies(self) -> tuple[str, ...]:
+        """The copies kept beside the old policy under their own names (``policy.copies``)."""
+        return tuple(c.name for c in self.copies if c.name not in ("old_policy", "teacher"))
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """One algorithm, declared once (see the module docstring).
+
+    ``name``: the recipe's ``trainer:`` value; ``title``: its name in words (``--help``, the model card);
+    ``config`` / ``trainer``: ``"module:Class"`` paths of its configuration and trainer; ``summary``: one line for
+    ``--help``; ``describe(args, use_lora)``: the `AlgorithmFacts` of a configuration (``use_lora``: whether the
+    transformer is trained with a LoRA, None when not known yet); ``refused_settings``: settings of other trainers'
+    configurations that this one does not accept, each with the reason the command line gives."""
+
+    name: str
+    title: str
+    config: str
+    trainer: str
+    summary: str
+    describe: Callable[[Any, bool | None], AlgorithmFacts]
+    refused_settings: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def config_name(self) -> str:
+        return self.config.partition(":")[2]
+
+    @property
+    def trainer_name(self) -> str:
+        return self.trainer.partition(":")[2]
+
+    def config_class(self) -> type:
+        """The configuration class (imports transformers)."""
+        return load_path(self.config)
+
+    def trainer_class(self) -> type:
+        """The trainer class (imports transformers, diffusers and peft)."""
+        return load_path(self.trainer)
+
+    def facts(self, args: Any, use_lora: bool | None = None) -> AlgorithmFacts:
+        """The facts of the run that ``args`` (an instance of the configuration class) configures."""
+        return self.describe(args, use_lora)
+
+    def derive(self, **changes: Any) -> AlgorithmSpec:
+        """A spec for a variant: this one with ``changes`` (e.g. a plugin's name, title, config and trainer over
+        Flow-GRPO's facts)."""
+        return dataclasses.replace(self, **changes)
