@@ -83,7 +83,8 @@ def _preset_case(name: str):
         num_inference_steps=preset.num_inference_steps, trained_steps=preset.sde_window_size,
         guidance_scale=preset.guidance_scale, text_tokens=preset.max_sequence_length, dtype=torch.float32,
         use_lora=True, lora_r=preset.lora_rank, lora_alpha=2 * preset.lora_rank, lora_targets=targets,
-        checkpointing=False, beta=preset.beta, trainer="flow_grpo", noise_level=0.7, sde_type="sde",
+        checkpointing=False, beta=preset.beta, trained_input="recorded_transition",
+        frozen_forwards=("reference",) if preset.beta > 0 else (), loss="ratio", noise_level=0.7, sde_type="sde",
         decode_batch=preset.per_device_train_batch_size)
     return spec, settings
 

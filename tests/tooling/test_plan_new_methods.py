@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from flowgrpo.plan import plan_recipe
-from flowgrpo.plan.planner import tree_passes
+from flowgrpo.trainer.algorithms.branch_grpo import tree_passes
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "recipes" / "tiny_cpu.yaml")
@@ -44,7 +44,7 @@ def test_plan_of_trees_distillation_and_dppo():
     ("toy_flow_grpo.yaml", [], dict(rollout_passes=0.0, trained_passes=0.0, stored_per_step=2, teachers=0)),
     ("toy_branchgrpo.yaml", [], dict(rollout_passes=44 / 8, trained_passes=36 / 8, stored_per_step=3, teachers=0)),
     ("toy_flowdppo.yaml", [], dict(stored_per_step=3, trained_steps=2)),  # the anchor's means are kept
-    ("toy_opd.yaml", [], dict(teachers=1, teacher_kind="lora", trainer="diffusion_opd")),
+    ("toy_opd.yaml", [], dict(teachers=1, teacher_kind="lora", loss="transition_mean_mse")),
     ("toy_opd.yaml", ["--use_peft", "false"], dict(teachers=1, teacher_kind="model")),  # a merged copy
     ("toy_opd.yaml", ["--teacher_lora", "", "--teachers", '[{"lora": "a", "dataset_name": "x"}, '
                                                           '{"lora": "b", "dataset_name": "y"}]'],

@@ -81,6 +81,7 @@ allocated on a CPU; on a machine without CUDA, :func:`build_preset_pipeline` rai
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,7 +168,7 @@ class BenchmarkPreset:
     default_steps: int = 5
     warmup_steps: int = 1
     extra_args: dict[str, Any] = field(default_factory=dict)
-    trainer: str = "flow_grpo"       # flowgrpo.trainer.registry: "flow_grpo" | "diffusion_nft"
+    trainer: str = "flow_grpo"       # a name of flowgrpo.trainer.registry
 
     @property
     def images_per_step(self) -> int:
@@ -175,7 +176,8 @@ class BenchmarkPreset:
 
     def config_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the preset trainer's config (``FlowGRPOConfig`` or ``DiffusionNFTConfig``; without
-        output_dir / max_steps). The SDE window and noise level go to Flow-GRPO only."""
+        output_dir / max_steps). The SDE window and noise level go to the trainers whose configuration has them (the
+        Flow-GRPO family)."""
         if self.images_per_step % self.per_device_train_batch_size:
             raise ValueError(f"preset {self.name!r}: {self.images_per_step} images per step is not a multiple of the "
                              f"micro-batch {self.per_device_train_batch_size}")
@@ -188,7 +190,10 @@ class BenchmarkPreset:
             max_sequence_length=self.max_sequence_length, beta=self.beta, dtype=self.dtype, learning_rate=1e-4,
             use_cpu=self.device == "cpu", cpu_threads=str(self.threads),
         )
-        if self.trainer == "flow_grpo":
+        from ..trainer.registry import config_class
+
+        fields = {f.name for f in dataclasses.fields(config_class(self.trainer))}
+        if {"sde_window_size", "noise_level"} <= fields:  # an SDE-window sampler (the Flow-GRPO family)
             kwargs.update(sde_window_size=self.sde_window_size, noise_level=0.7)
         if self.reward_weights is not None:
             kwargs["reward_weights"] = list(self.reward_weights)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..models import FAMILIES
-from ..trainer.registry import TRAINERS
+from ..trainer.registry import BUILTIN_TRAINERS, DEFAULT_TRAINER, trainer_names
 
 #: LoRA targets of the published Flow-GRPO SD3.5 recipes: the joint attention's image and text projections, the
 #: default of the SD3, FLUX(-Kontext) and Qwen-Image(-Edit) families (FLUX's single-stream blocks have no ``add_*``
@@ -42,10 +42,11 @@ class ScriptArguments:
     """Which trainer runs, where the prompts come from and which rewards score the images."""
 
     trainer: str = field(
-        default="flow_grpo",
+        default=DEFAULT_TRAINER,
         metadata={"help": "The algorithm, a name of the trainer registry: "
-                          + ", ".join(f"'{spec.name}' ({spec.trainer_name})"
-                                      for spec in TRAINERS.values())
+                          + ", ".join(f"'{name}' ({BUILTIN_TRAINERS[name][2].partition(':')[2]})"
+                                      if name in BUILTIN_TRAINERS else f"'{name}' (a plugin)"
+                                      for name in trainer_names())
                           + ". 'flow_grpo' is Flow-GRPO and its variants (Flow-DPPO with policy_loss: dppo, "
                           "BranchGRPO with branch_steps). The other keys of a recipe are the fields of that trainer's "
                           "configuration; `--trainer diffusion_nft --help` lists them."},

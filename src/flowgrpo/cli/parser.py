@@ -4,9 +4,10 @@
     accelerate launch --config_file accelerate_configs/fsdp8.yaml src/train.py recipes/ocr.yaml
 
 A recipe is a flat YAML mapping whose keys are the fields of :class:`ScriptArguments`, :class:`ModelArguments` and
-the configuration of the trainer it names with ``trainer:`` (``flow_grpo``, the default: :class:`~flowgrpo.FlowGRPOConfig`;
-``diffusion_nft``: :class:`~flowgrpo.DiffusionNFTConfig`; ``src/train.py --help`` lists them, ``--trainer
-diffusion_nft --help`` with DiffusionNFT's), plus an optional ``env`` mapping of environment variables set before
+the configuration of the trainer it names with ``trainer:`` (a name of the trainer registry,
+``flowgrpo.trainer.registry``: ``flow_grpo``, the default, :class:`~flowgrpo.FlowGRPOConfig`; ``diffusion_nft``,
+:class:`~flowgrpo.DiffusionNFTConfig`; ... and any plugin's; ``src/train.py --help`` lists Flow-GRPO's settings,
+``--trainer NAME --help`` another trainer's), plus an optional ``env`` mapping of environment variables set before
 anything else (as in TRL's recipes). The same parsing is importable::
 
     from flowgrpo.cli import parse_recipe
@@ -27,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..trainer.registry import DEFAULT_TRAINER, TRAINERS, config_class
+from ..trainer.registry import DEFAULT_TRAINER, TRAINERS, check_trainer_name, config_class, trainer_names, trainer_table
 from .arguments import LORA_INITS, TINY_PIPELINE_FAMILIES, ModelArguments, ScriptArguments
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
@@ -47,42 +48,40 @@ def _suggest(name: str, valid: Sequence[str]) -> str:
 
 
 def _other_trainer_epilog(trainer: str) -> str:
-    """What the other trainer's configuration adds or refuses (the end of ``--help``)."""
+    """The end of ``--help``: the settings of other trainers this one refuses (its spec's ``refused_settings``) and
+    every other trainer of the registry: what it is and the settings it has beyond this one's."""
     import dataclasses
 
-    from ..trainer.algorithms.nft_config import FLOW_GRPO_ONLY_SETTINGS, DiffusionNFTConfig
-    from ..trainer.online_config import OnlineRLConfig
-
-    if trainer == "diffusion_nft":
-        return ("Flow-GRPO's sampler and objective settings are not accepted with trainer: diffusion_nft ("
-                + ", ".join(FLOW_GRPO_ONLY_SETTINGS) + ").")
-    if trainer != "flow_grpo":
-        return (f"trainer: {trainer} has the settings above; the other trainers ("
-                + ", ".join(name for name in TRAINERS if name != trainer)
-                + ") are listed by `--trainer NAME --help`.")
-    shared = {f.name: f.default for f in dataclasses.fields(OnlineRLConfig)}
-    nft_fields = [f for f in dataclasses.fields(DiffusionNFTConfig) if f.name not in shared]
-    changed = [f"{f.name} {f.default!r}" for f in dataclasses.fields(DiffusionNFTConfig)
-               if f.name in shared and f.default != shared[f.name]]
-    return ("trainer: diffusion_nft (DiffusionNFTTrainer, DiffusionNFTConfig) replaces the Flow-GRPO sampler and "
-            "objective settings (" + ", ".join(FLOW_GRPO_ONLY_SETTINGS) + ") by its own: "
-            + ", ".join(f"--{f.name} (default {f.default!r})" for f in nft_fields)
-            + "; its defaults differ for " + ", ".join(changed)
-            + ". `--trainer diffusion_nft --help` lists every setting with DiffusionNFT's help and defaults.")
+    spec = TRAINERS[trainer]
+    own = {f.name for f in dataclasses.fields(spec.config_class())}
+    lines = []
+    if spec.refused_settings:
+        lines.append(f"Settings of other trainers that {spec.title} does not accept: "
+                     + ", ".join(spec.refused_settings) + ".")
+    others = []
+    for name, title, summary in trainer_table():
+        if name == trainer:
+            continue
+        try:
+            extra = [f"--{f.name}" for f in dataclasses.fields(config_class(name)) if f.name not in own]
+        except ImportError:  # a broken plugin: listed with its error
+            extra = []
+        others.append(f"trainer: {name} ({title}: {summary}" + (f"; adds {', '.join(extra)}" if extra else "") + ")")
+    lines.append("The other trainers: " + "; ".join(others) + ". `--trainer NAME --help` lists a trainer's settings "
+                 "with their help and defaults.")
+    return " ".join(lines)
 
 
 def build_parser(trainer: str = DEFAULT_TRAINER):
     """The argument parser over the three argument groups (``HfArgumentParser``, no abbreviations): the script's, the
-    model's and the configuration of ``trainer`` (``"flow_grpo"`` or ``"diffusion_nft"``)."""
+    model's and the configuration of ``trainer`` (a name of the trainer registry)."""
     from transformers import HfArgumentParser
 
-    config = config_class(trainer)
-    what = {"flow_grpo": "Flow-GRPO", "diffusion_nft": "DiffusionNFT", "awm": "AWM",
-            "diffusion_dpo": "Diffusion-DPO", "dgpo": "DGPO", "crd": "CRD"}.get(trainer, trainer)
-    return HfArgumentParser((ScriptArguments, ModelArguments, config), allow_abbrev=False,
-                            description=f"{what} training of a flow-matching text-to-image pipeline from a YAML "
+    spec = TRAINERS[check_trainer_name(trainer)]
+    return HfArgumentParser((ScriptArguments, ModelArguments, spec.config_class()), allow_abbrev=False,
+                            description=f"{spec.title} training of a flow-matching text-to-image pipeline from a YAML "
                                         "recipe; --key value flags override the recipe. The recipe key trainer "
-                                        f"({' | '.join(TRAINERS)}) picks the algorithm.",
+                                        f"({' | '.join(trainer_names())}) picks the algorithm.",
                             epilog=_other_trainer_epilog(trainer),
                             usage="%(prog)s [RECIPE.yaml] [--key value ...]")
 
@@ -167,21 +166,28 @@ def _coerce(action: argparse.Action, key: str, value: Any, source: str) -> Any:
 
 
 def _other_trainer_setting(name: str, trainer: str) -> str | None:
-    """Why ``name`` is not a setting of ``trainer`` when it is one of the other trainer's, else None."""
+    """Why ``name`` is not a setting of ``trainer`` when it is one of another trainer's (the first in the registry's
+    order that has it), with the reason the trainer's spec gives when it refuses it; else None."""
     import dataclasses
 
-    from ..trainer.algorithms.nft_config import FLOW_GRPO_ONLY_SETTINGS, DiffusionNFTConfig
-    from ..trainer.online_config import OnlineRLConfig
-
-    if trainer == "diffusion_nft" and name in FLOW_GRPO_ONLY_SETTINGS:
-        return f"a Flow-GRPO setting that DiffusionNFT does not use: {FLOW_GRPO_ONLY_SETTINGS[name]}; remove it."
-    shared = {f.name for f in dataclasses.fields(OnlineRLConfig)}
-    if trainer == "flow_grpo" and name in {f.name for f in dataclasses.fields(DiffusionNFTConfig)} - shared:
-        return "a DiffusionNFT setting: add trainer: diffusion_nft to the recipe (or --trainer diffusion_nft)."
-    own = {f.name for f in dataclasses.fields(config_class(trainer))}
-    for other in TRAINERS:
-        if other != trainer and name not in own and name in {f.name for f in dataclasses.fields(config_class(other))}:
-            return f"a setting of trainer {other}: add trainer: {other} to the recipe (or --trainer {other})."
+    spec = TRAINERS[trainer]
+    if name in {f.name for f in dataclasses.fields(spec.config_class())}:
+        return None
+    owner = None
+    for other in trainer_names():
+        if other == trainer:
+            continue
+        try:
+            if name in {f.name for f in dataclasses.fields(config_class(other))}:
+                owner = TRAINERS[other]
+                break
+        except ImportError:  # a broken plugin: not a hint worth failing for
+            continue
+    if name in spec.refused_settings:
+        whose = f"a {owner.title} setting" if owner is not None else "a setting"
+        return f"{whose} that {spec.title} does not use: {spec.refused_settings[name]}; remove it."
+    if owner is not None:
+        return f"a {owner.title} setting: add trainer: {owner.name} to the recipe (or --trainer {owner.name})."
     return None
 
 
@@ -436,8 +442,10 @@ def _select_trainer(config: Mapping[str, Any], overrides: Mapping[str, Any] | No
             name, source = cli[i + 1], "command line"
         elif arg.startswith("--trainer="):
             name, source = arg.split("=", 1)[1], "command line"
-    if name not in TRAINERS:
-        raise RecipeError(f"{source}: trainer={name!r} is not a trainer; choose one of {list(TRAINERS)}.")
+    try:
+        check_trainer_name(name)
+    except ValueError as err:
+        raise RecipeError(f"{source}: {err}") from None
     return str(name)
 
 

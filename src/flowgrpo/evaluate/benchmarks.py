@@ -192,7 +192,7 @@ def read_recipe_settings(path: str | os.PathLike) -> RecipeSettings:
             if recipe.get(key) is not None:
                 overrides[target] = recipe[key]
                 break
-    if recipe.get("trainer") == "diffusion_nft" and recipe.get("sampler"):
+    if recipe.get("sampler"):  # the trainers with a `sampler` setting evaluate with that deterministic solver
         overrides["ode_solver"] = recipe["sampler"]
     if "guidance_scale" in overrides:
         overrides["guidance_scale"] = float(overrides["guidance_scale"])

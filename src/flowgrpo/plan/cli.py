@@ -86,7 +86,7 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str 
     if training_args.rollout_backend == "ray":  # the trainer and a rollout worker on their own GPUs
         from .disaggregated import plan_rollout_backend
 
-        backend = plan_rollout_backend(plan, training_args, script_args.trainer)
+        backend = plan_rollout_backend(plan, training_args)
         result["rollout_backend"] = backend
         result["fits"] = backend["trainer_fits"] and backend["worker_fits"]
     if check_sharding and parallel.kind == "fsdp":

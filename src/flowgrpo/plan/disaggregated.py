@@ -50,7 +50,7 @@ def _sig(seconds: float) -> float:
     return float(f"{seconds:.4g}")
 
 
-def plan_rollout_backend(plan: Plan, training_args: Any, trainer: str) -> dict[str, Any]:
+def plan_rollout_backend(plan: Plan, training_args: Any) -> dict[str, Any]:
     """The worker's memory, the trainer's added records and the step times of ``plan`` on the Ray backend."""
     from .calibration import MFU
 
@@ -63,8 +63,7 @@ def plan_rollout_backend(plan: Plan, training_args: Any, trainer: str) -> dict[s
     frozen_bytes = frozen_weight_bytes(frozen, linear, b, inputs.quantization)
     trained_bytes = trainable * (4 if s.use_lora else b)
     other = other_weight_bytes(spec, b, inputs.offload_text_encoders)
-    samples_with_old = trainer == "diffusion_nft" or (trainer == "awm" and bool(getattr(training_args, "off_policy",
-                                                                                         False)))
+    samples_with_old = s.samples_with_copy  # the algorithm's rollouts are sampled by a copy (its spec's workers)
     old_copy = (trainable * 4 if s.use_lora else params["total"] * b) if samples_with_old else 0.0
     ga = inputs.gradient_accumulation_steps
     trajectories = ga * measure.latent_bytes * (2 * s.trained_steps + 1)

@@ -37,7 +37,8 @@ are freed by ``zero_grad``); ``training`` = persistent terms + gradients + activ
 
 FLOPs: the rollout's transformer passes per sample (BranchGRPO: a tree's rows summed over the steps, divided by its
 leaves, since the samples of a tree share their prefixes) and the trained transitions per sample (a tree's edges per
-leaf; on-policy distillation: each with a teacher forward without gradient).
+leaf), each with the forwards without gradient the algorithm's spec names (the reference, a teacher, the old policy).
+What the step is comes from the algorithm's spec (`AlgorithmFacts.step` and ``copies``), never from its name.
 """
 
 from __future__ import annotations
@@ -106,61 +107,40 @@ class Plan:
         return max(self.phases.values())
 
 
-#: trainers whose trained noise levels per micro-batch are one configuration field
-TRAINED_STEP_FIELDS = {"dgpo": "dgpo_num_timesteps", "crd": "crd_num_timesteps"}
-#: copies of the trained weights each trainer keeps beside the EMA (the old policy and named copies): DiffusionNFT's
-#: old policy, DGPO's EMA reference, CRD's old and sampling copies
-POLICY_COPIES = {"diffusion_nft": 1, "dgpo": 1, "crd": 2}
-
-
 def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> StepSettings:
+    """The step the planner measures, from the recipe's arguments and what the algorithm's spec plans
+    (`AlgorithmFacts.step`: the trained forward's input, the trained timesteps, the forwards without gradient, the
+    copies of the policy)."""
+    from ..trainer.registry import TRAINERS
+
     args = training_args
+    facts = TRAINERS[trainer].facts(args, use_lora=bool(model_args.use_peft))
+    planned = facts.step
     height, width = args.image_size
     steps = int(args.num_inference_steps)
-    rollout_passes = trained_passes = 0.0
-    stored = 2
-    if trainer == "diffusion_nft":
-        trained = max(1, int(math.floor(steps * float(getattr(args, "timestep_fraction", 1.0)))))
-    elif trainer in TRAINED_STEP_FIELDS:  # the trained noise levels per micro-batch, each its own backward pass
-        trained = int(getattr(args, TRAINED_STEP_FIELDS[trainer]))
-    else:
-        window = int(getattr(args, "sde_window_size", 0) or 0)
-        trained = window if window > 0 else max(1, steps - 1)
-    if getattr(args, "policy_loss", "clip") == "dppo" or getattr(args, "ratio_normalization", "none") == "grpo_guard":
-        stored = 3
-    if getattr(args, "branch_steps", None):
-        rollout_passes, trained_passes = tree_passes(steps, args.branch_steps, args.branch_factor)
-        stored = 3
-    teachers, teacher_kind = 0, ""
-    if trainer == "diffusion_opd":
-        specs = args.teacher_specs
-        teachers = len(specs)
-        teacher_kind = "lora" if specs[0].lora and model_args.use_peft else "model"
+    teachers = sum(c.count for c in facts.copies if c.name == "teacher")
+    teacher_kind = next((("lora" if c.kind == "adapter" else "model") for c in facts.copies if c.name == "teacher"),
+                        "")
+    copies = sum(c.count for c in facts.copies if c.name != "teacher")
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
         str(args.dtype), torch.bfloat16)
     micro = int(args.per_device_train_batch_size)
     return StepSettings(
         height=int(height), width=int(width), num_frames=int(getattr(args, "num_frames", 1) or 1), micro_batch=micro,
-        num_inference_steps=steps, trained_steps=trained, guidance_scale=float(args.guidance_scale),
+        num_inference_steps=steps, trained_steps=planned.trained_timesteps, guidance_scale=float(args.guidance_scale),
         text_tokens=int(args.max_sequence_length), dtype=dtype, use_lora=bool(model_args.use_peft),
         lora_r=int(model_args.lora_r), lora_alpha=int(model_args.lora_alpha),
         lora_targets=tuple(model_args.lora_target_modules or ()),
         checkpointing=bool(args.activation_checkpointing or args.gradient_checkpointing),
-        beta=float(args.beta), trainer=trainer, noise_level=float(getattr(args, "noise_level", 0.7) or 0.0),
+        beta=float(args.beta), trained_input=planned.trained_input, frozen_forwards=planned.frozen_forwards,
+        loss=planned.loss, unsharded_reference=planned.unsharded_reference, policy_copies=copies,
+        samples_with_copy=facts.workers.sampled_by != "policy",
+        noise_level=float(getattr(args, "noise_level", 0.7) or 0.0),
         sde_type=str(getattr(args, "sde_type", "sde") or "sde"),
         decode_batch=min(micro, int(getattr(args, "vae_decode_batch_size", None) or micro)),
-        rollout_passes=rollout_passes, trained_passes=trained_passes, stored_per_step=stored, teachers=teachers,
+        rollout_passes=planned.rollout_passes, trained_passes=planned.trained_per_sample,
+        trained_batch=planned.trained_batch, stored_per_step=planned.stored_per_step, teachers=teachers,
         teacher_kind=teacher_kind)
-
-
-def tree_passes(num_inference_steps: int, branch_steps: list[int], branch_factor: int) -> tuple[float, float]:
-    """A BranchGRPO tree's transformer passes and trained edges per leaf: step s evaluates the nodes it creates
-    (a split repeats each parent once per child), and every step but the last (deterministic) is an edge."""
-    from ..trainer.algorithms.branch_grpo import branch_tree_plan
-
-    plan = branch_tree_plan(num_inference_steps, branch_steps, branch_factor)
-    rows = [plan.width(s + 1) for s in range(num_inference_steps)]
-    return sum(rows) / plan.num_leaves, sum(rows[:-1]) / plan.num_leaves
 
 
 def _opt_bytes_per_param(optimizer: str, param_bytes: int) -> float:
@@ -227,12 +207,12 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
     if inputs.use_ema:
         copies += trainable * 4 / shard
     per_copy = trainable * 4 / shard if s.use_lora else params["total"] * b / shard
-    copies += POLICY_COPIES.get(s.trainer, 0) * per_copy
+    copies += s.policy_copies * per_copy  # the old policy, EMA reference, sampling copy of the algorithm's spec
     if s.teacher_kind == "lora":  # each teacher a further adapter, as large as the trained one (its rank assumed)
         copies += s.teachers * trainable * 4 / shard
     elif s.teacher_kind == "model":  # another transformer (or a merged copy for full fine-tuning), frozen
         copies += s.teachers * params["total"] * b / shard
-    if s.beta > 0 and not s.use_lora and s.trainer in ("flow_grpo", "diffusion_opd"):
+    if s.beta > 0 and not s.use_lora and s.unsharded_reference:
         copies += params["total"] * b  # the frozen reference copy lives outside FSDP / ZeRO: whole on every GPU
         if n > 1 and par.kind in ("fsdp", "zero2", "zero3"):
             notes.append("full fine-tuning with beta > 0 keeps an unsharded reference copy of the transformer on "
@@ -328,7 +308,7 @@ def _collective_bytes(par: Parallelism, params: dict[str, float], trainable: flo
     # FSDP2 / ZeRO-3: every forward gathers the parameters; every backward gathers them again and reduce-scatters
     # the gradients
     trained = s.trained_passes or s.trained_steps
-    extra = (1 if s.beta > 0 else 0) + (1 if s.teacher_kind else 0)  # reference, teacher: forwards without gradient
+    extra = len(s.frozen_forwards)  # the reference, a teacher, the old policy: forwards without gradient
     forwards = ga * ((s.rollout_passes or s.num_inference_steps) + trained * (2 + extra))
     backwards = ga * trained
     return ring * (forwards * params["total"] * b + backwards * (params["total"] * b + trainable * train_bytes))
@@ -441,4 +421,4 @@ def suggestions(plan: Plan) -> list[dict[str, Any]]:
 
 
 __all__ = ["Plan", "PlanInputs", "REWARD_MODEL_PARAMS", "check_wrap_classes", "compose", "make_plan", "plan_inputs",
-           "settings_from_args", "suggestions", "tree_passes"]
+           "settings_from_args", "suggestions"]

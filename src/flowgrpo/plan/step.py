@@ -6,8 +6,10 @@ The transformer is built from its config on the meta device, gets the recipe's L
 checkpointing, and is materialised as CPU fake tensors (``FakeTensorMode``; fake "cuda" tensors would break the
 device lookups of a machine without CUDA). The step calls the family adapter's own ``prepare_latents``,
 ``set_timesteps`` (on the real scheduler: schedules stay real tensors) and ``predict_velocity`` (CFG included), the
-SDE step with its log-probability (``sde_step_from_sigmas``), the reference forward of the KL term, DiffusionNFT's
-old-policy forward, and the VAE's decode.
+SDE transition with its log-probability (``sde_transition``, the one every replay calls), the forwards without
+gradient the algorithm's spec names (the KL reference, the old policy, a teacher), and the VAE's decode. What the
+training step is comes from the algorithm's spec (``flowgrpo.trainer.algorithm_spec.PlannedStep``), never from the
+algorithm's name.
 
 Depth scaling. A full-size step is linear in the number of blocks of each kind, so the planner measures small
 copies with the real widths: the base copy has every depth key (``num_layers``, ``num_single_layers``) at 2 (so
@@ -62,7 +64,10 @@ class StepSettings:
     lora_targets: tuple[str, ...]
     checkpointing: bool
     beta: float
-    trainer: str                     # "flow_grpo" | "diffusion_opd", or a forward-process one ("diffusion_nft", "dgpo", ...)
+    trained_input: str               # the algorithm's spec (PlannedStep): "recorded_transition" | "noised_sample"
+    frozen_forwards: tuple[str, ...]  # forwards without gradient per trained timestep: "old_policy", "teacher",
+                                      # "reference"
+    loss: str                        # "ratio" | "transition_mean_mse" | "velocity_mse"
     noise_level: float
     sde_type: str
     decode_batch: int
@@ -72,6 +77,10 @@ class StepSettings:
     stored_per_step: int = 2         # latents kept per recorded step: x_j, x_{j+1} (3 with the transition means)
     teachers: int = 0                # on-policy distillation: the teachers kept
     teacher_kind: str = ""           # "lora" (a further adapter) | "model" (another transformer) | "" (none)
+    trained_batch: int = 1           # rows of one trained pass per sample (AWM: its train_timesteps levels at once)
+    policy_copies: int = 0           # copies of the trained weights besides the EMA (old policy, sampling copy)
+    unsharded_reference: bool = False  # full fine-tuning with beta > 0 keeps a whole frozen reference on every GPU
+    samples_with_copy: bool = False  # the rollouts are sampled by a copy (a rollout worker holds it)
 
 
 @dataclass
@@ -306,7 +315,7 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
     (``real_modules``: the (transformer, vae) to use), for the fidelity checks. ``also_track(phase)`` (phase
     ``"rollout"``, ``"decode"`` or ``"training"``) returns a context entered beside the counting mode for that phase,
     e.g. torch's ``MemTracker`` to cross-check the counts."""
-    from ..schedulers.sde_step import sde_step_from_sigmas
+    from ..schedulers.transition import SDESettings, sde_transition
 
     config = dict(transformer_config if transformer_config is not None else spec.transformer_config)
     if real_modules is None:
@@ -370,8 +379,8 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
         live, flops = _counting("rollout", also_track)
         with torch.no_grad(), live, flops:
             v = velocity(model, latents, timesteps[0])
-            out = sde_step_from_sigmas(v, latents, sigmas[0], sigmas[1], noise_level=settings.noise_level,
-                                       sde_type=settings.sde_type, generator=None, sigma_max_fallback=sigmas[1])
+            out = sde_transition(v, latents, sigmas[0], sigmas[1],
+                                 SDESettings(settings.noise_level, settings.sde_type, sigma_max_fallback=sigmas[1]))
             x_next, old_log_prob = out.prev_sample, out.log_prob
             del v, out
         measure.rollout_bytes = live.peak
@@ -390,42 +399,62 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
         if rollout_only:
             return measure
         # ---- training: one trained step's forward and backward (one backward per step: each step alike) -----------
+        # The algorithm's spec says what the step is (its PlannedStep): the trained forward's input (a recorded SDE
+        # transition, or the final sample noised to a level), the forwards without gradient it adds (the old policy
+        # before it; a teacher and the KL reference after it, as the trainers run them) and the loss's form.
         live, flops = _counting("training", also_track)
         hooks = [p.register_post_accumulate_grad_hook(lambda param: live.exclude(param.grad))
                  for p in model.parameters() if p.requires_grad]
+        rows_embeds, rows_negative = embeds, negative
+        if settings.trained_batch > 1:  # one forward over trained_batch noise levels of each sample
+            rows_latents = torch.cat([latents] * settings.trained_batch)
+            rows_embeds = conditioning(spec, config, batch * settings.trained_batch, settings.text_tokens,
+                                       rows_latents, settings.dtype)
+            rows_negative = conditioning(spec, config, batch * settings.trained_batch, settings.text_tokens,
+                                         rows_latents, settings.dtype) if negative is not None else None
+
+        def trained_velocity(net, x, t_value):
+            t = torch.full((x.shape[0],), t_value, dtype=torch.float32)
+            return adapter.predict_velocity(net, x.to(settings.dtype), t, rows_embeds, settings.guidance_scale,
+                                            rows_negative, height, width).float()
+
         with live, flops:
-            if settings.trainer in ("flow_grpo", "diffusion_opd"):
-                v = velocity(model, latents, timesteps[0])
-                out = sde_step_from_sigmas(v, latents, sigmas[0], sigmas[1], prev_sample=x_next,
-                                           noise_level=settings.noise_level, sde_type=settings.sde_type,
-                                           sigma_max_fallback=sigmas[1])
-                if settings.trainer == "diffusion_opd":  # the teacher replays the state: a forward without gradient
-                    with torch.no_grad():
-                        v_teacher = velocity(model, latents, timesteps[0])
-                        teacher_mean = sde_step_from_sigmas(v_teacher, latents, sigmas[0], sigmas[1],
-                                                            noise_level=settings.noise_level,
-                                                            sde_type=settings.sde_type,
-                                                            sigma_max_fallback=sigmas[1]).prev_sample_mean
-                    loss = ((out.prev_sample_mean - teacher_mean) ** 2).mean()
-                else:
-                    loss = -torch.exp(out.log_prob - old_log_prob).mean()
-                if settings.beta > 0:
-                    with torch.no_grad():
-                        v_ref = _reference_velocity(model, velocity, latents, timesteps[0], settings)
-                    loss = loss + settings.beta * ((v - v_ref) ** 2).mean()
-            else:  # DiffusionNFT (DGPO, CRD alike): old-policy forward (no gradient), trained forward, reference forward
+            if settings.trained_input == "recorded_transition":
+                x_in = latents
+            else:  # the forward process: x_t = (1 - sigma) x0 + sigma eps
                 sigma = sigmas[0]
-                x_t = (1 - sigma) * x_next + sigma * latents
+                x_in = (1 - sigma) * x_next + sigma * latents
+            if settings.trained_batch > 1:
+                x_in = torch.cat([x_in] * settings.trained_batch)
+            frozen: dict[str, torch.Tensor] = {}
+            with torch.no_grad():  # the old policy's forward runs before the trained one
+                for name in settings.frozen_forwards:
+                    if name == "old_policy":
+                        frozen[name] = trained_velocity(model, x_in, timesteps[0])
+            v = trained_velocity(model, x_in, timesteps[0])
+            with torch.no_grad():  # a teacher's and the reference's run after it, beside its activations
+                for name in settings.frozen_forwards:
+                    if name == "teacher":
+                        frozen[name] = trained_velocity(model, x_in, timesteps[0])
+                    elif name == "reference":
+                        frozen[name] = _reference_velocity(model, trained_velocity, x_in, timesteps[0], settings)
+            sde = SDESettings(settings.noise_level, settings.sde_type, sigma_max_fallback=sigmas[1])
+            if settings.loss == "ratio":
+                out = sde_transition(v, latents, sigmas[0], sigmas[1], sde, next_state=x_next)
+                loss = -torch.exp(out.log_prob - old_log_prob).mean()
+            elif settings.loss == "transition_mean_mse":
+                out = sde_transition(v, latents, sigmas[0], sigmas[1], sde, next_state=x_next)
                 with torch.no_grad():
-                    v_old = velocity(model, x_t, timesteps[0])
-                v = velocity(model, x_t, timesteps[0])
-                loss = ((v - v_old) ** 2).mean()
-                if settings.beta > 0:
-                    with torch.no_grad():
-                        v_ref = _reference_velocity(model, velocity, x_t, timesteps[0], settings)
-                    loss = loss + settings.beta * ((v - v_ref) ** 2).mean()
+                    target = sde_transition(frozen.get("teacher", frozen.get("reference", v.detach())), latents,
+                                            sigmas[0], sigmas[1], sde).prev_sample_mean
+                loss = ((out.prev_sample_mean - target) ** 2).mean()
+            else:
+                target = frozen.get("old_policy", frozen.get("reference"))
+                loss = ((v - (target if target is not None else v.detach())) ** 2).mean()
+            if "reference" in frozen and settings.beta > 0:
+                loss = loss + settings.beta * ((v - frozen["reference"]) ** 2).mean()
             loss.backward()
-            del loss, v
+            del loss, v, frozen
         for hook in hooks:
             hook.remove()
         measure.training_bytes = live.peak_excluding  # gradients are a term of their own (sharded by FSDP / ZeRO)

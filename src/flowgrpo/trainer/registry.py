@@ -24,7 +24,8 @@ from typing import Any
 from .algorithm_spec import AlgorithmSpec, load_path
 
 __all__ = ["BUILTIN_TRAINERS", "DEFAULT_TRAINER", "ENTRY_POINT_GROUP", "TRAINERS", "TrainerPluginError",
-           "check_trainer_name", "config_class", "lazy_exports", "spec_of", "trainer_class", "trainer_names"]
+           "check_trainer_name", "config_class", "lazy_exports", "spec_of", "trainer_class", "trainer_names",
+           "trainer_table"]
 
 ENTRY_POINT_GROUP = "flowgrpo.trainers"
 _ALGORITHMS = "flowgrpo.trainer.algorithms"
@@ -131,6 +132,20 @@ TRAINERS = _SpecTable()
 def trainer_names() -> list[str]:
     """Every registered trainer name, without loading any."""
     return TRAINERS.names()
+
+
+def trainer_table() -> list[tuple[str, str, str]]:
+    """(name, title, summary) of every registered trainer, for listings (``--help``): each entry point is loaded; one
+    that fails is listed with its error instead of breaking the listing."""
+    rows = []
+    for name in trainer_names():
+        try:
+            spec = TRAINERS[name]
+        except TrainerPluginError as err:
+            rows.append((name, "cannot be loaded", str(err)))
+            continue
+        rows.append((name, spec.title, spec.summary))
+    return rows
 
 
 def check_trainer_name(name: str) -> str:
