@@ -113,15 +113,14 @@ class FloorRunner:
         self.rows = micro * (2 if self.cfg else 1)
         self.micro_batches = args.steps_per_generation
         self.rollout_calls = self.micro_batches * args.num_inference_steps
-        # DiffusionNFT trains num_trained_timesteps noise levels, each with a forward of the old policy too.
+        # the trained timesteps and the forwards without gradient each adds, as the algorithm's spec plans them
+        # (DiffusionNFT: num_trained_timesteps noise levels, each with a forward of the old policy too)
+        planned = trainer.algorithm.step
         self.old_policy = trainer.policy.old_policy
-        if self.old_policy is not None:
-            self.trained_steps = args.num_trained_timesteps
-        else:
-            self.trained_steps = args.sde_window_size if args.sde_window_size > 0 else args.num_inference_steps - 1
+        self.trained_steps = planned.trained_timesteps
         self.train_calls = self.micro_batches * self.trained_steps * args.num_iterations
-        self.ref_calls = self.train_calls if args.beta > 0 else 0
-        self.old_calls = self.train_calls if self.old_policy is not None else 0
+        self.ref_calls = self.train_calls if "reference" in planned.frozen_forwards else 0
+        self.old_calls = self.train_calls if "old_policy" in planned.frozen_forwards else 0
 
         dtype = trainer.policy.dtype
         gen = torch.Generator().manual_seed(seed)

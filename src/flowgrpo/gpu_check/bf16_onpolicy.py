@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     install_memory_recorder("bf16_onpolicy")
     work = Path(args.output)
     work.mkdir(parents=True, exist_ok=True)
-    from ..trainer.algorithms.flow_grpo_config import FlowGRPOConfig
+    from ..trainer import FlowGRPOConfig
 
     tolerance = FlowGRPOConfig.__dataclass_fields__["on_policy_tolerance"].default
     per_model: dict[str, Any] = {}

@@ -60,7 +60,8 @@ class _ToyTrainers(Mapping):
 
 TOY_TRAINERS: Mapping[str, tuple[str, str]] = _ToyTrainers()
 
-#: RLSettings fields that configure Flow-GRPO's sampler and objective: passed only to the ``flow_grpo`` trainer.
+#: RLSettings fields that configure Flow-GRPO's sampler and objective: passed only to the trainers whose configuration
+#: has them all (the Flow-GRPO family).
 FLOW_GRPO_FIELDS = (
     "noise_level", "sde_type", "sde_window_size", "sde_window_range", "epsilon", "sde_window_strategy",
     "sde_window_shift_interval", "sde_window_stride", "sde_window_roll_back", "ode_solver", "ode_compression_ratio",
@@ -124,8 +125,9 @@ class RLSettings:
     def config_kwargs(self) -> dict[str, Any]:
         """The trainer config's fields for this setting (``extra_config`` last, so it can add or override).
 
-        Flow-GRPO's sampler and objective fields (`FLOW_GRPO_FIELDS`) go to the ``flow_grpo`` trainer only; another
-        trainer refuses a setting that changes one of them (it would have no effect there).
+        Flow-GRPO's sampler and objective fields (`FLOW_GRPO_FIELDS`) go to the trainers whose configuration has every
+        one of them (the Flow-GRPO family, and a plugin built on it); another trainer refuses a setting that changes one
+        of them (it would have no effect there).
         """
         kwargs = dict(
             learning_rate=self.learning_rate, lr_scheduler_type=self.lr_scheduler_type,
@@ -136,7 +138,8 @@ class RLSettings:
             max_sequence_length=self.max_sequence_length, seed=self.seed, max_steps=self.max_steps,
             reward_weights=self.reward_weights, reward_aggregation=self.reward_aggregation,
         )
-        if self.trainer == "flow_grpo":
+        config_fields = {f.name for f in dataclasses.fields(toy_trainer_classes(self.trainer)[0])}
+        if set(FLOW_GRPO_FIELDS) <= config_fields:
             kwargs.update({name: getattr(self, name) for name in FLOW_GRPO_FIELDS})
         else:
             default = RLSettings()
@@ -239,7 +242,7 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
                               train_dataset=Dataset.from_dict({"prompt": train_prompts}), peft_config=peft_config)
     pipeline = trainer.pipeline
 
-    also_raw = trainer.policy.ema is not None and bool(getattr(args, "eval_raw_weights", False))
+    also_raw = trainer.policy.ema is not None and trainer.evaluator.raw_weights
 
     def evaluate(return_images: bool = False) -> dict[str, Any]:
         # as the trainer's own evaluation: with use_ema, the EMA of the weights is what is evaluated, and with

@@ -134,7 +134,9 @@ class PlannedStep:
     each trained timestep adds besides the KL reference's (``"old_policy"``, ``"teacher"``); ``loss``: the loss's form
     on the fake step (``"ratio"``, ``"transition_mean_mse"``, ``"velocity_mse"``); ``stored_per_step``: latents kept per
     recorded step (x_j, x_{j+1}, and the transition mean); ``unsharded_reference``: full fine-tuning with a KL term
-    keeps a frozen reference copy outside FSDP / ZeRO, whole on every GPU."""
+    keeps a frozen reference copy outside FSDP / ZeRO, whole on every GPU; ``noise_level`` / ``sde_type``: the
+    stochastic step of the planned rollout step and of the recomputed transition (a deterministic sampler's memory and
+    FLOPs are the same)."""
 
     trained_input: str
     trained_timesteps: int
@@ -145,6 +147,8 @@ class PlannedStep:
     loss: str = "ratio"
     stored_per_step: int = 2
     unsharded_reference: bool = False
+    noise_level: float = 0.7
+    sde_type: str = "sde"
 
 
 @dataclass(frozen=True)

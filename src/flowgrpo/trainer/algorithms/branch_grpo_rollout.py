@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from ...schedulers import sde_step_from_sigmas
-from ..rollout.strategies import SDEWindowRollout
 from .branch_grpo import (
     TreePlan,
     branch_tree_plan,
@@ -48,6 +47,7 @@ from .branch_grpo import (
     node_rewards,
     pruned_edges,
 )
+from .flow_grpo_rollout import SDEWindowRollout
 
 __all__ = ["BranchTreeRollout", "is_tree_record", "step_std", "tree_parts"]
 
@@ -71,12 +71,8 @@ class BranchTreeRollout(SDEWindowRollout):
     """BranchGRPO's tree rollout (see the module docstring); built from a `FlowGRPOConfig` with ``branch_steps``."""
 
     def __init__(self, args: Any):
-        super().__init__(args)
+        super().__init__(args, records_means=True)  # the split-aware log-probs are computed from the recorded means
         self._shape_plan: TreePlan | None = None
-
-    @property
-    def records_means(self) -> bool:
-        return True  # the split-aware log-probs are computed from the recorded means
 
     def plan(self, gen_index: int, step: int) -> tuple[int, int]:
         return 0, self.args.num_inference_steps - 1  # every step but the last is an SDE step (an edge)

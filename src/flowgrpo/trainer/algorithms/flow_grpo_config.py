@@ -427,6 +427,7 @@ def describe_flow_grpo(args: FlowGRPOConfig, use_lora: bool | None = None) -> Al
         step=PlannedStep("recorded_transition", trained_timesteps=trained, trained_per_sample=trained_per_sample,
                          rollout_passes=rollout_passes, frozen_forwards=("reference",) if args.beta > 0 else (),
                          loss="ratio", stored_per_step=3 if means else 2,
+                         noise_level=float(args.noise_level or 0.0), sde_type=args.sde_type,
                          unsharded_reference=args.beta > 0),
     )
 

@@ -3,7 +3,7 @@
 
 One optimizer step (with the default ``steps_per_generation = gradient_accumulation_steps``):
 
-1. *Rollout* (`rollout.strategies.SDEWindowRollout`). Images are sampled in micro-batches with SDE steps inside the
+1. *Rollout* (`flow_grpo_rollout.SDEWindowRollout`). Images are sampled in micro-batches with SDE steps inside the
    rollout's window and deterministic steps outside; for the window's steps the record keeps x_j, x_{j+1},
    log p_old(x_{j+1} | x_j), t_j and the noise levels.
 2. *Reward.* Decoded and scored in the background; gathered into group advantages while the first training forward
@@ -45,7 +45,6 @@ from ...models.defaults import generation_card_lines
 from ...schedulers import sde_transition
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..outputs.lora_export import LORA_WEIGHTS_NAME
-from ..rollout.strategies import SDEWindowRollout
 from ..seeds import seed_for
 from .branch_grpo import edge_log_prob
 from .branch_grpo_rollout import BranchTreeRollout, is_tree_record, tree_parts, tree_step_std
@@ -53,6 +52,7 @@ from .flow_dppo_loss import flow_dppo_loss
 from .flow_grpo_config import FlowGRPOConfig
 from .flow_grpo_importance import apply_truncated_importance_weights
 from .flow_grpo_loss import flow_grpo_loss, gated_mean, grpo_guard_log_ratio, kl_estimate
+from .flow_grpo_rollout import SDEWindowRollout
 
 __all__ = ["FlowGRPOTrainer", "LORA_WEIGHTS_NAME", "TrainedTransition"]
 
@@ -102,7 +102,9 @@ class FlowGRPOTrainer(OnlineRLTrainer):
     _warned_off_policy = False
 
     def _rollout_strategy(self, args: FlowGRPOConfig) -> SDEWindowRollout:
-        return BranchTreeRollout(args) if args.uses_branching else SDEWindowRollout(args)
+        if args.uses_branching:
+            return BranchTreeRollout(args)
+        return SDEWindowRollout(args, records_means=self.spec.facts(args).record.means)
 
     def _prepare_batch(self, record: dict) -> dict:
         """With ``timestep_fraction < 1`` (DanceGRPO), each sample keeps a random ``max(1, int(n * fraction))`` of

@@ -225,7 +225,8 @@ def describe_opd(args: DiffusionOPDConfig, use_lora: bool | None = None) -> Algo
         probe=TransitionProbe("recorded_transition", noise_level=float(args.noise_level or 0.7), sde_type="sde"),
         step=PlannedStep("recorded_transition", trained_timesteps=recorded,
                          frozen_forwards=("teacher",) + (("reference",) if args.beta > 0 else ()),
-                         loss="transition_mean_mse", unsharded_reference=args.beta > 0),
+                         loss="transition_mean_mse", unsharded_reference=args.beta > 0,
+                         noise_level=float(args.noise_level or 0.0), sde_type=args.sde_type),
     )
 
 

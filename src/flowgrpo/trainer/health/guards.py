@@ -97,10 +97,9 @@ def check_health_setup(args: Any, reward_names: list[str], algorithm: Any = None
     if tail and last_trained is not None:
         steps = args.num_inference_steps
         if tail > steps - 1 - last_trained:
-            raise ValueError(f"base_model_tail_steps={tail} reaches the trained SDE window (its last step can be "
-                             f"step {last_trained} of {steps}: sde_window_size={args.sde_window_size}, "
-                             f"sde_window_range={args.sde_window_range}); use at most {steps - 1 - last_trained} or "
-                             "move the window earlier.")
+            raise ValueError(f"base_model_tail_steps={tail} reaches the trained SDE window (a rollout may record "
+                             f"and train step {last_trained} of {steps}); use at most {steps - 1 - last_trained} or "
+                             "move the window earlier (sde_window_range / sde_window_size).")
     if args.filter_zero_std_groups:
         share = args.per_device_train_batch_size * args.steps_per_generation
         if share % args.num_generations:

@@ -3,6 +3,6 @@
 
 from .engine import RolloutEngine
 from .generation import Generation
-from .strategies import FinalSampleRollout, RolloutStrategy, SDEWindowRollout
+from .strategies import FinalSampleRollout, RolloutStrategy
 
-__all__ = ["FinalSampleRollout", "Generation", "RolloutEngine", "RolloutStrategy", "SDEWindowRollout"]
+__all__ = ["FinalSampleRollout", "Generation", "RolloutEngine", "RolloutStrategy"]
