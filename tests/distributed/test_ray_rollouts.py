@@ -16,6 +16,7 @@ samples, the token, and one two-process launch (which starts its own cluster, as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -27,7 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from support.trainer_cases import PROMPTS, lora_config
+from support.plugin_package import ensure_plugin_installed
+from support.trainer_cases import PROMPTS, kind_classes, lora_config
 
 from flowgrpo import (
     AWMConfig,
@@ -74,14 +76,14 @@ CLASSES = {"flow_grpo": (FlowGRPOConfig, FlowGRPOTrainer), "diffusion_nft": (Dif
 
 
 def build(kind: str, path, out: Path, **overrides):
-    config_class, trainer_class = CLASSES[kind]
+    config_class, trainer_class = CLASSES[kind] if kind in CLASSES else kind_classes(kind)  # a plugin: installed
     settings = dict(
         output_dir=str(out), report_to=[], per_device_train_batch_size=4, gradient_accumulation_steps=2,
         num_generations=4, resolution=64, num_inference_steps=4, eval_num_inference_steps=4, guidance_scale=1.0,
         max_steps=2, learning_rate=1e-2, beta=0.0, max_sequence_length=16, logging_steps=1, save_strategy="no",
         disable_tqdm=True, seed=0, log_images_steps=0, dtype="float32", cpu_threads="1", rollout_timeout_s=120.0,
     )
-    if kind == "flow_grpo":
+    if "sde_window_size" in {f.name for f in dataclasses.fields(config_class)}:
         settings.update(sde_window_size=2, sde_window_range=[0, 2])
     settings.update(overrides)
     return trainer_class(model=str(path), reward_funcs=REWARD, args=config_class(**settings),
@@ -167,14 +169,19 @@ def test_joining_a_cluster_without_token_authentication_warns(caplog):
 # Long (each case: a local run, a Ray run and its worker's start-up; Flow-GRPO also a reward worker's): the equality
 # of the two backends is the contract item 5 names, for the log-prob and the old-policy paths.
 @pytest.mark.run_first
-@pytest.mark.parametrize("kind", ["flow_grpo", "diffusion_nft"])
+@pytest.mark.parametrize("kind", ["flow_grpo", "diffusion_nft", "scaled_grpo"])
 def test_ray_backend_samples_scores_and_trains_exactly_as_the_local_one(kind, ray_cluster, tiny_sd3_path, tmp_path):
     """max_staleness 0 on the CPU with one thread everywhere: the same rewards at every step and the same weights
     after two steps. Flow-GRPO's rewards are scored by a reward worker; DiffusionNFT samples with its old policy,
-    which must reach the worker at every sync."""
+    which must reach the worker at every sync; a third-party algorithm (support/plugin_package.py, advantages
+    reversed) runs there as its spec allows."""
+    if kind == "scaled_grpo":
+        ensure_plugin_installed()  # before the workers start: they find the package on PYTHONPATH
+    overrides = {"advantage_scale": -1.0} if kind == "scaled_grpo" else {}
     extra = {"reward_backend": "ray"} if kind == "flow_grpo" else {}
-    remote = build(kind, tiny_sd3_path, tmp_path / "ray", rollout_backend="ray", **extra)  # its workers start loading
-    local = build(kind, tiny_sd3_path, tmp_path / "local")
+    remote = build(kind, tiny_sd3_path, tmp_path / "ray", rollout_backend="ray", **extra,
+                   **overrides)  # its workers start loading
+    local = build(kind, tiny_sd3_path, tmp_path / "local", **overrides)
     local.train()
     remote.train()
     assert isinstance(remote.rollout_backend, RayRolloutBackend)
@@ -186,7 +193,7 @@ def test_ray_backend_samples_scores_and_trains_exactly_as_the_local_one(kind, ra
     for logs in step_logs(remote):
         assert logs["rollout/staleness_max"] == 0 and logs["rollout/worker_restarts"] == 0
         assert logs["rollout/worker_weight_loads"] == logs["step"]  # one load per sync, one sync per step
-    if kind == "flow_grpo":
+    if kind != "diffusion_nft":
         assert all(h["rollout/first_pass_ratio"] == 1.0 for h in step_logs(remote))
 
 

@@ -72,7 +72,24 @@ TRAINER_KINDS = {
                   ("ratio_mean", "policy_loss", "dppo/divergence_mean", "grad_norm")),
     "branch_grpo": (FlowGRPOConfig, FlowGRPOTrainer, dict(branch_steps=[0, 1], noise_level=1.0),
                     ("reward", "policy_loss", "ratio_mean", "branch/trained_edges", "grad_norm")),
+    # a third-party algorithm (support/plugin_package.py), found by its entry point; its classes load with it
+    "scaled_grpo": (None, None, dict(sde_window_size=2, sde_window_range=[0, 2], advantage_scale=-1.0),
+                    ("reward", "policy_loss", "ratio_mean", "grad_norm")),
 }
+
+
+def kind_classes(kind: str) -> tuple[type, type]:
+    """The configuration and trainer classes of ``kind`` (a plugin's from the registry, once installed)."""
+    config_class, trainer_class = TRAINER_KINDS[kind][:2]
+    if config_class is None:
+        from flowgrpo.trainer.registry import TRAINERS
+
+        from .plugin_package import ensure_plugin_installed
+
+        ensure_plugin_installed()
+        spec = TRAINERS[kind]
+        config_class, trainer_class = spec.config_class(), spec.trainer_class()
+    return config_class, trainer_class
 
 
 def teacher_lora_folder(pipeline_path, seed: int = 1, rank: int = 4) -> Path:
@@ -120,7 +137,7 @@ def make_args(tmp_path, config_class=FlowGRPOConfig, **kwargs):
 def make_trainer(path, tmp_path, reward=brightness_reward, peft=True, dataset=None, kind="flow_grpo", **kwargs):
     """A trainer of ``kind`` (`TRAINER_KINDS`) on the tiny pipeline at ``path`` with test-sized defaults (``kwargs``
     go to its configuration)."""
-    config_class, trainer_class, _, _ = TRAINER_KINDS[kind]
+    config_class, trainer_class = kind_classes(kind)
     if kind == "diffusion_opd" and not any(kwargs.get(k) for k in ("teacher_lora", "teacher_model_name_or_path",
                                                                        "teachers")):
         kwargs["teacher_lora"] = str(teacher_lora_folder(path))
