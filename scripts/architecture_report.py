@@ -1,8 +1,16 @@
 """Figures of the package's shape: the largest class and function, the trainer chain, import circles, private
-imports across modules, and the files one training step runs through.
+imports across modules, the files one training step runs through, the places outside ``trainer/algorithms/`` and
+the registry that restate an algorithm, and the files a new algorithm touches.
 
     PYTHONPATH=src python scripts/architecture_report.py              # all figures, as JSON
     PYTHONPATH=src python scripts/architecture_report.py --no-step    # without the traced training step
+    PYTHONPATH=src python scripts/architecture_report.py --before 4e9f473   # and the same figures at that commit
+
+A restatement is a place that knows an algorithm by name instead of asking its spec (``flowgrpo.trainer.
+algorithm_spec``): a comparison with a trainer's name, a table keyed by one, an ``isinstance`` on an algorithm's
+configuration, an import of ``flowgrpo.trainer.algorithms``, and, in the parts that must ask the spec (``plan/``,
+``cli/``, ``trainer/`` outside ``algorithms/``), a read of a setting that only an algorithm's configuration has.
+``tests/trainer/test_algorithm_spec.py`` holds the package to none.
 
 The traced step: one optimizer step of ``FlowGRPOTrainer`` on the shipped toy world (4 prompts x 4 images), with
 every Python function call recorded (``sys.setprofile``); the count is of the package's source files whose code ran
@@ -23,19 +31,134 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "flowgrpo"
 
 
-def largest_definitions() -> dict:
+def largest_definitions(package: Path = PACKAGE) -> dict:
     biggest_class, biggest_function = ("", 0), ("", 0)
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
-                where = f"{path.relative_to(ROOT)}:{node.name}"
+                where = f"src/flowgrpo/{path.relative_to(package).as_posix()}:{node.name}"
                 if isinstance(node, ast.ClassDef) and lines > biggest_class[1]:
                     biggest_class = (where, lines)
                 elif not isinstance(node, ast.ClassDef) and lines > biggest_function[1]:
                     biggest_function = (where, lines)
     return {"largest_class": biggest_class, "largest_function": biggest_function}
+
+
+# ---- algorithms: where they are restated, what a new one touches -------------------------------------------------
+#: the parts that must ask the algorithm's spec for every fact about an algorithm
+ASKING_PARTS = ("plan/", "cli/", "trainer/")
+
+
+def _algorithm_names() -> tuple[set[str], set[str], set[str]]:
+    """(trainer names, configuration class names, settings that belong to an algorithm, not to OnlineRLConfig)."""
+    import dataclasses
+
+    from flowgrpo.trainer.online_config import OnlineRLConfig
+    from flowgrpo.trainer.registry import TRAINERS
+
+    shared = {f.name for f in dataclasses.fields(OnlineRLConfig)}
+    configs, own = set(), set()
+    for name in TRAINERS:
+        cls = TRAINERS[name].config_class()
+        configs.add(cls.__name__)
+        own |= {f.name for f in dataclasses.fields(cls)} - shared
+    return set(TRAINERS), configs, own
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def _imports_algorithms(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        modules = [a.name for a in node.names]
+    else:
+        modules = [node.module or ""] + [f"{node.module or ''}.{a.name}" for a in node.names]
+    return any(f".{m}.".find(".algorithms.") >= 0 for m in modules)
+
+
+def algorithm_restatements(package: Path = PACKAGE) -> list[str]:
+    """Every place of the package under ``package`` outside ``trainer/algorithms/`` and the registry that restates an
+    algorithm (the module docstring), as ``path:line: what``."""
+    names, configs, own = _algorithm_names()
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        if rel.startswith("trainer/algorithms/") or rel == "trainer/registry.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        typing_only = _type_checking_lines(tree)
+        asks_spec = rel.startswith(ASKING_PARTS)
+        for node in ast.walk(tree):
+            where = f"{rel}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    elements = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                    found += [f"{where}: compares with the trainer name {e.value!r}" for e in elements
+                              if isinstance(e, ast.Constant) and e.value in names]
+            elif isinstance(node, ast.Dict):
+                found += [f"{where}: a table keyed by the trainer name {k.value!r}" for k in node.keys
+                          if isinstance(k, ast.Constant) and k.value in names]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" \
+                    and len(node.args) == 2:
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                found += [f"{where}: isinstance on {k.id}" for k in kinds
+                          if isinstance(k, ast.Name) and k.id in configs]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)) and node.lineno not in typing_only \
+                    and _imports_algorithms(node):
+                found.append(f"{where}: imports from trainer.algorithms")
+            if not asks_spec:
+                continue
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in own:
+                found.append(f"{where}: reads the algorithm setting {node.args[1].value!r}")
+            elif isinstance(node, ast.Attribute) and node.attr in own and isinstance(node.value, ast.Name) \
+                    and node.value.id in ("args", "training_args"):
+                found.append(f"{where}: reads the algorithm setting {node.attr!r}")
+    return found
+
+
+def new_algorithm_files() -> dict:
+    """What the plugin of the tests (tests/support/plugin_package.py, a complete algorithm) adds: its source files and
+    its entry points."""
+    import importlib.util
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location("plugin_package", ROOT / "tests" / "support" / "plugin_package.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory() as folder:
+        site = module.install_plugin_package(Path(folder))
+        sources = sorted(p.name for p in site.glob("*.py"))
+        points = [line for p in site.glob("*.dist-info/entry_points.txt")
+                  for line in p.read_text(encoding="utf-8").splitlines() if "=" in line]
+    return {"source_files": sources, "entry_points": points}
+
+
+def revision_tree(revision: str, into: Path) -> Path:
+    """The package's source at a git ``revision``, extracted under ``into``; returns its ``flowgrpo`` folder."""
+    import subprocess
+    import tarfile
+
+    archive = into / "src.tar"
+    with open(archive, "wb") as f:
+        subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", revision, "src/flowgrpo"], stdout=f,
+                       check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into / "src" / "flowgrpo"
+
+
+def algorithm_figures(package: Path = PACKAGE) -> dict:
+    places = algorithm_restatements(package)
+    return {"restatements": len(places), "restatement_list": places}
 
 
 def trainer_chain() -> dict:
@@ -109,8 +232,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-step", action="store_true", help="skip the traced training step")
     parser.add_argument("--output", default=None, help="write the JSON here instead of standard output")
+    parser.add_argument("--before", default=None, metavar="REVISION",
+                        help="also the largest definitions and the algorithm restatements at this git revision")
     cli = parser.parse_args()
-    report = {**largest_definitions(), "trainer_chain": trainer_chain(), **import_figures()}
+    report = {**largest_definitions(), "trainer_chain": trainer_chain(), **import_figures(),
+              "algorithms": algorithm_figures(), "new_algorithm": new_algorithm_files()}
+    if cli.before:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            old = revision_tree(cli.before, Path(folder))
+            report["before"] = {"revision": cli.before, **largest_definitions(old),
+                                "algorithms": algorithm_figures(old)}
     if not cli.no_step:
         report["training_step"] = traced_step_files()
     text = json.dumps(report, indent=1)

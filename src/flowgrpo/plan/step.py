@@ -398,68 +398,85 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
 
         if rollout_only:
             return measure
-        # ---- training: one trained step's forward and backward (one backward per step: each step alike) -----------
-        # The algorithm's spec says what the step is (its PlannedStep): the trained forward's input (a recorded SDE
-        # transition, or the final sample noised to a level), the forwards without gradient it adds (the old policy
-        # before it; a teacher and the KL reference after it, as the trainers run them) and the loss's form.
+        # ---- training: one trained step's forward and backward (one backward per step: each step alike), as the
+        # algorithm's spec plans it (`_trained_step_loss`) ----------------------------------------------------------
         live, flops = _counting("training", also_track)
         hooks = [p.register_post_accumulate_grad_hook(lambda param: live.exclude(param.grad))
                  for p in model.parameters() if p.requires_grad]
-        rows_embeds, rows_negative = embeds, negative
-        if settings.trained_batch > 1:  # one forward over trained_batch noise levels of each sample
-            rows_latents = torch.cat([latents] * settings.trained_batch)
-            rows_embeds = conditioning(spec, config, batch * settings.trained_batch, settings.text_tokens,
-                                       rows_latents, settings.dtype)
-            rows_negative = conditioning(spec, config, batch * settings.trained_batch, settings.text_tokens,
-                                         rows_latents, settings.dtype) if negative is not None else None
-
-        def trained_velocity(net, x, t_value):
-            t = torch.full((x.shape[0],), t_value, dtype=torch.float32)
-            return adapter.predict_velocity(net, x.to(settings.dtype), t, rows_embeds, settings.guidance_scale,
-                                            rows_negative, height, width).float()
-
+        trained_velocity = _trained_velocity(spec, config, adapter, settings, latents, embeds, negative)
         with live, flops:
-            if settings.trained_input == "recorded_transition":
-                x_in = latents
-            else:  # the forward process: x_t = (1 - sigma) x0 + sigma eps
-                sigma = sigmas[0]
-                x_in = (1 - sigma) * x_next + sigma * latents
-            if settings.trained_batch > 1:
-                x_in = torch.cat([x_in] * settings.trained_batch)
-            frozen: dict[str, torch.Tensor] = {}
-            with torch.no_grad():  # the old policy's forward runs before the trained one
-                for name in settings.frozen_forwards:
-                    if name == "old_policy":
-                        frozen[name] = trained_velocity(model, x_in, timesteps[0])
-            v = trained_velocity(model, x_in, timesteps[0])
-            with torch.no_grad():  # a teacher's and the reference's run after it, beside its activations
-                for name in settings.frozen_forwards:
-                    if name == "teacher":
-                        frozen[name] = trained_velocity(model, x_in, timesteps[0])
-                    elif name == "reference":
-                        frozen[name] = _reference_velocity(model, trained_velocity, x_in, timesteps[0], settings)
-            sde = SDESettings(settings.noise_level, settings.sde_type, sigma_max_fallback=sigmas[1])
-            if settings.loss == "ratio":
-                out = sde_transition(v, latents, sigmas[0], sigmas[1], sde, next_state=x_next)
-                loss = -torch.exp(out.log_prob - old_log_prob).mean()
-            elif settings.loss == "transition_mean_mse":
-                out = sde_transition(v, latents, sigmas[0], sigmas[1], sde, next_state=x_next)
-                with torch.no_grad():
-                    target = sde_transition(frozen.get("teacher", frozen.get("reference", v.detach())), latents,
-                                            sigmas[0], sigmas[1], sde).prev_sample_mean
-                loss = ((out.prev_sample_mean - target) ** 2).mean()
-            else:
-                target = frozen.get("old_policy", frozen.get("reference"))
-                loss = ((v - (target if target is not None else v.detach())) ** 2).mean()
-            if "reference" in frozen and settings.beta > 0:
-                loss = loss + settings.beta * ((v - frozen["reference"]) ** 2).mean()
+            loss = _trained_step_loss(settings, model, trained_velocity, latents, x_next, old_log_prob, sigmas,
+                                      timesteps[0])
             loss.backward()
-            del loss, v, frozen
+            del loss
         for hook in hooks:
             hook.remove()
         measure.training_bytes = live.peak_excluding  # gradients are a term of their own (sharded by FSDP / ZeRO)
         measure.training_flops = live.get_total_flops() * (settings.trained_passes or settings.trained_steps)
     return measure
+
+
+def _trained_velocity(spec: ModelSpec, config: dict[str, Any], adapter, settings: StepSettings,
+                      latents: torch.Tensor, embeds, negative):
+    """``velocity(net, x, t)`` over the rows of one trained pass: the micro-batch, or ``trained_batch`` copies of it
+    (one forward over several noise levels of each sample)."""
+    rows_embeds, rows_negative = embeds, negative
+    if settings.trained_batch > 1:
+        rows = latents.shape[0] * settings.trained_batch
+        rows_latents = torch.cat([latents] * settings.trained_batch)
+        rows_embeds = conditioning(spec, config, rows, settings.text_tokens, rows_latents, settings.dtype)
+        rows_negative = conditioning(spec, config, rows, settings.text_tokens, rows_latents, settings.dtype) \
+            if negative is not None else None
+
+    def velocity(net, x, t_value):
+        t = torch.full((x.shape[0],), t_value, dtype=torch.float32)
+        return adapter.predict_velocity(net, x.to(settings.dtype), t, rows_embeds, settings.guidance_scale,
+                                        rows_negative, settings.height, settings.width).float()
+
+    return velocity
+
+
+def _trained_step_loss(settings: StepSettings, model, velocity, latents: torch.Tensor, x_next: torch.Tensor,
+                       old_log_prob: torch.Tensor, sigmas: list[float], t_value: float) -> torch.Tensor:
+    """The loss of one trained timestep as the algorithm's spec plans it (`PlannedStep`): the trained forward's input
+    (the recorded transition x_j -> x_{j+1}, or the final sample noised to a level, x_t = (1 - sigma) x0 + sigma eps),
+    the forwards without gradient it adds (the old policy's before it; a teacher's and the reference's after it, as
+    the trainers run them) and the loss's form (the ratio of the recomputed transition, the distance of its mean to a
+    teacher's, a velocity regression), plus ``beta`` x the velocity KL to the reference."""
+    from ..schedulers.transition import SDESettings, sde_transition
+
+    if settings.trained_input == "recorded_transition":
+        x_in = latents
+    else:
+        x_in = (1 - sigmas[0]) * x_next + sigmas[0] * latents
+    if settings.trained_batch > 1:
+        x_in = torch.cat([x_in] * settings.trained_batch)
+    frozen: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        if "old_policy" in settings.frozen_forwards:
+            frozen["old_policy"] = velocity(model, x_in, t_value)
+    v = velocity(model, x_in, t_value)
+    with torch.no_grad():
+        if "teacher" in settings.frozen_forwards:
+            frozen["teacher"] = velocity(model, x_in, t_value)
+        if "reference" in settings.frozen_forwards:
+            frozen["reference"] = _reference_velocity(model, velocity, x_in, t_value, settings)
+    sde = SDESettings(settings.noise_level, settings.sde_type, sigma_max_fallback=sigmas[1])
+    if settings.loss == "ratio":
+        out = sde_transition(v, latents, sigmas[0], sigmas[1], sde, next_state=x_next)
+        loss = -torch.exp(out.log_prob - old_log_prob).mean()
+    elif settings.loss == "transition_mean_mse":
+        out = sde_transition(v, latents, sigmas[0], sigmas[1], sde, next_state=x_next)
+        with torch.no_grad():
+            target = sde_transition(frozen.get("teacher", frozen.get("reference", v.detach())), latents, sigmas[0],
+                                    sigmas[1], sde).prev_sample_mean
+        loss = ((out.prev_sample_mean - target) ** 2).mean()
+    else:
+        target = frozen.get("old_policy", frozen.get("reference"))
+        loss = ((v - (target if target is not None else v.detach())) ** 2).mean()
+    if "reference" in frozen and settings.beta > 0:
+        loss = loss + settings.beta * ((v - frozen["reference"]) ** 2).mean()
+    return loss
 
 
 def _reference_velocity(model, velocity, x, t_value, settings: StepSettings):
