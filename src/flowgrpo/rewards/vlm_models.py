@@ -16,11 +16,12 @@ in-process ``unifiedreward``; ``hpsv3`` uses the processor loading, prompting an
   generation prompt, so the next token the model predicts is the first token of its answer.
 * `vlm_batch` tokenises a batch of rendered texts with their images, left-padded by default, so that position -1
   of every row is that row's answer position.
-* `resize_like_torchvision_processor` resizes an image as a Qwen2-VL-family image processor with the torchvision
-  backend does (torch's uint8 bicubic kernel), before the processor sees it: the processor then keeps its size, so the
-  pixels are the torchvision backend's whether transformers has torchvision here or falls back to PIL (whose bicubic
-  differs by up to a few 8-bit levels per pixel). The rewards whose official code ran that backend use it
-  (``geneval2``; docs/rewards.md, "Image preprocessing of the VLM rewards").
+* `resize_like_processor` resizes an image as a Qwen2-VL-family image processor with a given backend does (torchvision:
+  torch's uint8 bicubic kernel; PIL: PIL's bicubic), before the processor sees it: the processor then keeps its size,
+  so the pixels are that backend's whether transformers has torchvision here or falls back to PIL (the two bicubics
+  differ by up to a few 8-bit levels per pixel). `vlm_batch` does it with the backend the official code ran
+  (`official_resize_backend`: torchvision for Qwen3-VL, PIL for Qwen2-VL and Qwen2.5-VL; docs/rewards.md, "Image
+  preprocessing of the VLM rewards").
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from PIL import Image
 from .placement import ModelReward
 
 __all__ = ["VLMReward", "as_rgb", "cached_vlm", "chat_content_text", "chat_text", "load_vlm", "load_vlm_processor",
-           "processor_pixel_bounds", "qwen_vl_processor_size", "resize_like_torchvision_processor", "vlm_batch"]
+           "official_resize_backend", "processor_pixel_bounds", "qwen_vl_processor_size", "resize_like_processor",
+           "resize_like_torchvision_processor", "vlm_batch"]
 
 _MODELS: dict[tuple, tuple[Any, Any]] = {}
 _MODELS_LOCK = threading.Lock()
@@ -225,7 +227,11 @@ def vlm_batch(processor: Any, texts: Sequence[str], images: Sequence[Image.Image
               padding_side: str = "left") -> dict[str, Any]:
     """Processor outputs for ``texts`` (each with one image placeholder) and ``images``, padded on
     ``padding_side`` (per call: the shared processor is not modified), moved to ``device`` (pixel values stay
-    float32; the model casts them)."""
+    float32; the model casts them). A Qwen-VL processor's images are resized first as the official code's backend
+    resizes them (`official_resize_backend`, `resize_like_processor`)."""
+    backend = official_resize_backend(processor)
+    if backend is not None:  # the official resize, whichever backend transformers has here
+        images = [resize_like_processor(im, processor.image_processor, backend) for im in images]
     batch = processor(text=list(texts), images=[as_rgb(im) for im in images], padding=True,
                       padding_side=padding_side, return_tensors="pt")
     return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
@@ -270,24 +276,55 @@ def qwen_vl_processor_size(height: int, width: int, factor: int, min_pixels: int
     return h_bar, w_bar
 
 
-def resize_like_torchvision_processor(image: Any, image_processor: Any) -> Image.Image:
-    """``image`` (RGB) resized as a Qwen2-VL-family image processor with the torchvision backend resizes it on the CPU.
+def resize_like_processor(image: Any, image_processor: Any, backend: str = "torchvision") -> Image.Image:
+    """``image`` (RGB) resized as a Qwen2-VL-family image processor with the given ``backend`` resizes it on the CPU.
 
-    The size is `qwen_vl_processor_size` with the processor's ``patch_size * merge_size`` and pixel bounds; the pixels
-    come from ``torch.nn.functional.interpolate`` on the uint8 tensor (bicubic, antialiased, ``align_corners=False``),
-    which is what torchvision's ``resize`` runs for uint8 images on the CPU (transformers' torchvision backend keeps
-    images uint8 until it normalises them). An image already at that size is returned as it is. Given the result, either
-    backend of the processor keeps the size, so its pixels are the torchvision backend's.
+    The size is `qwen_vl_processor_size` with the processor's ``patch_size * merge_size`` and pixel bounds. The pixels:
+    ``backend="torchvision"``: ``torch.nn.functional.interpolate`` on the uint8 tensor (bicubic, antialiased,
+    ``align_corners=False``), which is what torchvision's ``resize`` runs for uint8 images on the CPU (transformers'
+    torchvision backend keeps images uint8 until it normalises them); ``"pil"``: PIL's bicubic ``Image.resize``, as
+    the PIL backend. An image already at that size is returned as it is. Given the result, either backend of the
+    processor keeps the size, so the pixels are those of ``backend`` whichever one transformers runs here.
     """
     import numpy as np
     import torch
 
+    if backend not in ("torchvision", "pil"):
+        raise ValueError(f"backend must be 'torchvision' or 'pil', got {backend!r}")
     image = as_rgb(image)
     factor = int(image_processor.patch_size) * int(image_processor.merge_size)
     height, width = qwen_vl_processor_size(image.height, image.width, factor, *processor_pixel_bounds(image_processor))
     if (height, width) == (image.height, image.width):
         return image
+    if backend == "pil":
+        return image.resize((width, height), Image.Resampling.BICUBIC)
     pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)[None]
     resized = torch.nn.functional.interpolate(pixels, size=(height, width), mode="bicubic", align_corners=False,
                                               antialias=True)
     return Image.fromarray(resized[0].permute(1, 2, 0).contiguous().numpy())
+
+
+def resize_like_torchvision_processor(image: Any, image_processor: Any) -> Image.Image:
+    """`resize_like_processor` with the torchvision backend (what every official Qwen3-VL stack runs)."""
+    return resize_like_processor(image, image_processor, "torchvision")
+
+
+def official_resize_backend(processor: Any) -> str | None:
+    """The image processor backend the official code of a Qwen-VL reward ran: ``"torchvision"`` for Qwen3-VL (its
+    transformers processor cannot be built without torchvision, so every official stack, transformers or vLLM, had
+    it), ``"pil"`` for Qwen2-VL and Qwen2.5-VL (qwen-vl-utils' PIL resize, transformers' PIL image processor); None
+    for a processor of another family (left to the processor)."""
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None or getattr(image_processor, "merge_size", None) is None \
+            or getattr(image_processor, "patch_size", None) is None:
+        return None
+    try:
+        processor_pixel_bounds(image_processor)
+    except ValueError:
+        return None
+    name = type(processor).__name__
+    if "Qwen3VL" in name:
+        return "torchvision"
+    if "Qwen2VL" in name or "Qwen2_5_VL" in name:
+        return "pil"
+    return None
