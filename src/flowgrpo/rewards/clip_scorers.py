@@ -64,10 +64,12 @@ def load_clip(model_id: str, processor_id: str | None, device: Any, dtype: Any) 
         cached = _MODELS.get(key)
         if cached is not None:
             return cached
+        import torch
         from transformers import CLIPModel, CLIPProcessor
 
-        model = CLIPModel.from_pretrained(model_id, dtype=dtype)
-        model.to(device).eval().requires_grad_(False)
+        with torch.inference_mode(False):  # normal tensors even for a caller in inference mode: a differentiable
+            model = CLIPModel.from_pretrained(model_id, dtype=dtype)  # call may use the shared model later
+            model.to(device).eval().requires_grad_(False)
         processor = CLIPProcessor.from_pretrained(processor_id or model_id)
         _MODELS[key] = (model, processor)
         return model, processor
@@ -339,10 +341,13 @@ class AestheticScorer(_CLIPScorer):
         self._mlp: Any = None
 
     def _prepare(self) -> None:
+        import torch
+
         model, _ = self.load()
-        if self._mlp is None:
-            self._mlp = load_aesthetic_mlp(self.mlp_path)
-        self._mlp.to(model.device)
+        with torch.inference_mode(False):
+            if self._mlp is None:
+                self._mlp = load_aesthetic_mlp(self.mlp_path)
+            self._mlp.to(model.device)
 
     def _score_embeddings(self, prompts: list[str], image_embeddings: Any) -> Any:
         if self._mlp.input_dim != image_embeddings.shape[-1]:

@@ -156,7 +156,10 @@ class ModelReward:
         """The ``nn.Module`` holding every weight, loaded on the first call (what `to` and `offload` move)."""
         with self._lock:
             if self._module is None:
-                module = self._load(self.reward_device, self.dtype)
+                import torch
+
+                with torch.inference_mode(False):  # normal tensors whoever calls: a differentiable call may follow
+                    module = self._load(self.reward_device, self.dtype)
                 self._module = module.eval().requires_grad_(False)
             return self._module
 
