@@ -179,3 +179,35 @@ def test_a_ranked_reward_is_not_differentiable(rewards):
     assert RewardSet([rank], ["pickscore_rank"]).non_differentiable_rewards == ["pickscore_rank"]
     with pytest.raises(TypeError, match="'PickScoreRank' is not differentiable"):
         rank(PROMPTS, torch.rand(2, 3, 32, 32))
+
+
+class _Placed:
+    """A differentiable reward with the offloading methods, recording where its weights were asked to be."""
+
+    differentiable = True
+
+    def __init__(self):
+        self.weight = torch.tensor([0.5, -1.0, 2.0])
+        self.placements = []
+
+    def to(self, device=None):
+        self.placements.append("device")
+        return self
+
+    def offload(self):
+        self.placements.append("cpu")
+
+    def __call__(self, prompts, images, **columns):
+        return (images.mean(dim=(2, 3)) * self.weight).sum(-1)
+
+
+def test_offloaded_weights_stay_for_the_backward_pass():
+    reward = _Placed()
+    reward_set = RewardSet([reward], ["placed"], offload=True)
+    pixels = torch.rand(2, 3, 4, 4, requires_grad=True)
+    result = reward_set.score_with_grad(["a", "b"], pixels)
+    assert reward.placements == ["device"]  # not offloaded before the backward pass
+    result.total.sum().backward()
+    reward_set.offload_rewards()
+    assert reward.placements == ["device", "cpu"]
+    assert torch.allclose(pixels.grad[0, :, 0, 0], reward.weight / 16)

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .failures import collect_failed_samples, resolve_on_failure
-from .placement import scoring_on_device
+from .placement import scoring_on_device, supports_offload
 from .registry import get_reward, list_rewards
 
 logger = logging.getLogger(__name__)
@@ -581,7 +581,8 @@ class RewardSet:
         Returns a `TensorRewardResult`: each reward's tensor ``(N,)`` and ``total = sum_k weight_k * score_k`` (the
         weighting of ``__call__``), NaN where a reward could not score (``valid`` is False there). ``columns`` are the
         dataset's other columns, as for ``__call__``. Every reward must be differentiable (`require_differentiable`);
-        the ``on_failure`` policy does not apply here: a reward that raises fails the call.
+        the ``on_failure`` policy does not apply here: a reward that raises fails the call. With ``offload=True`` the
+        weights move to their device here and stay there for the backward pass; `offload_rewards` moves them back.
 
         Raises:
             TypeError: ``images`` is not a tensor (PIL images are scored by ``__call__``).
@@ -606,8 +607,9 @@ class RewardSet:
             if weight == 0.0:
                 continue
             try:
-                with scoring_on_device(fn, self.offload):
-                    raw = fn(prompts, images, **(cols if accepts_audio(fn) else without_audio))
+                if self.offload and supports_offload(fn):
+                    fn.to()  # stays on its device until `offload_rewards`: the backward pass still needs the weights
+                raw = fn(prompts, images, **(cols if accepts_audio(fn) else without_audio))
             except Exception as e:
                 if hasattr(e, "add_note"):  # Python >= 3.11
                     e.add_note(f"while computing reward {name!r} with gradient")
@@ -617,6 +619,20 @@ class RewardSet:
             total = total + weight * scores
         return TensorRewardResult(per_reward=per_reward, total=total, valid=torch.isfinite(total),
                                   weights=dict(zip(self.names, self.weights)))
+
+    def offload_rewards(self) -> None:
+        """Move the weights of every reward that supports it back to the CPU (with ``offload=True``, call it after the
+        backward pass that follows `score_with_grad`, which leaves them on their device for that pass)."""
+        moved = False
+        for fn in self.funcs:
+            if supports_offload(fn):
+                fn.offload()
+                moved = True
+        if moved:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     @staticmethod
     def _aligned_columns(columns: Mapping[str, Sequence[Any]], n: int) -> dict[str, list[Any]]:
