@@ -33,6 +33,19 @@ OFFICIAL_SCORE_LISTS = [
 OFFICIAL_AM_TOTAL = 0.05086140427653479  # "Score:" printed for soft_tifa_am (100 x mean over prompts)
 OFFICIAL_GM_TOTAL = 0.04131540098437467  # ... and for soft_tifa_gm
 
+# The same run on images the processor resizes (sizes not multiples of the 32-pixel windows): with torchvision the
+# official processor resizes them with torch's uint8 bicubic kernel. PIL's bicubic (the processor's backend when
+# transformers lacks torchvision) scored these up to 2.9e-3 away; the reward resizes with torch's kernel first.
+RESIZED_SIZES = [(50, 70), (45, 100), (90, 60)]  # -> 64x64, 32x96, 96x64
+OFFICIAL_RESIZED_SCORE_LISTS = [
+    [9.369057821118076e-05, 0.00030262984114415303, 0.0004890073753358593, 0.0005128810271344264,
+     0.0006058085039057914],
+    [0.001061759873664414, 0.0004549352192952938, 0.00026594352812026045],
+    [0.000980829447087217, 0.0004370529600237205, 0.00044074006541450217],
+]
+OFFICIAL_RESIZED_AM_TOTAL = 0.053818572100491714
+OFFICIAL_RESIZED_GM_TOTAL = 0.047159405887552415
+
 
 def _image(seed: int, height: int, width: int) -> Image.Image:
     rng = np.random.default_rng(seed)
@@ -85,6 +98,34 @@ def test_question_scores_are_the_official_ones(judge, rows):
     gm = [soft_tifa_mean(s, "geometric") for s in OFFICIAL_SCORE_LISTS]
     assert 100 * sum(am) / len(am) == pytest.approx(OFFICIAL_AM_TOTAL, rel=1e-12)
     assert 100 * sum(gm) / len(gm) == pytest.approx(OFFICIAL_GM_TOTAL, rel=1e-12)
+
+
+def test_resized_images_score_as_the_official_torchvision_processor(judge, rows):
+    images = [_image(i + 1, *size) for i, size in enumerate(RESIZED_SIZES)]
+    scores = _reward(judge, batch_size=5).question_scores(images, [r["vqa_list"] for r in rows])
+    flat, official = np.concatenate(scores), np.concatenate(OFFICIAL_RESIZED_SCORE_LISTS)
+    assert np.allclose(flat, official, rtol=1e-5, atol=0), (flat, official)  # measured: 1.7e-6
+    for aggregation, total in (("arithmetic", OFFICIAL_RESIZED_AM_TOTAL), ("geometric", OFFICIAL_RESIZED_GM_TOTAL)):
+        ours = 100 * np.mean([soft_tifa_mean(s, aggregation) for s in scores])
+        assert ours == pytest.approx(total, rel=1e-5)
+
+
+def test_resize_is_torchs_uint8_kernel_and_the_processor_keeps_it(judge):
+    import torch
+
+    from flowgrpo.rewards.vlm_models import resize_like_torchvision_processor
+
+    processor = _reward(judge).load()[1]
+    image = _image(1, 50, 70)
+    resized = resize_like_torchvision_processor(image, processor.image_processor)
+    pixels = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)[None]
+    expected = torch.nn.functional.interpolate(pixels, size=(64, 64), mode="bicubic", align_corners=False,
+                                               antialias=True)[0].permute(1, 2, 0).numpy()
+    assert np.array_equal(np.asarray(resized), expected)
+    again = resize_like_torchvision_processor(resized, processor.image_processor)
+    assert np.array_equal(np.asarray(again), np.asarray(resized))  # a size the processor picks is kept
+    grid = processor.image_processor(images=[resized], return_tensors="pt")["image_grid_thw"]
+    assert grid.tolist() == [[1, 4, 4]]  # 64 / 16 patches a side: the processor kept the size
 
 
 def test_geometric_mean_is_scipys():

@@ -47,7 +47,7 @@ from .registry import register_reward
 logger = logging.getLogger(__name__)
 
 __all__ = ["AestheticScorer", "CLIPScore", "ImageSimilarity", "PickScore", "PickScoreRank", "build_aesthetic_mlp",
-           "load_aesthetic_mlp", "reference_clip_pixels"]
+           "clip_pixels_from_tensor", "load_aesthetic_mlp", "reference_clip_pixels"]
 
 DEFAULT_CLIP_L14 = "openai/clip-vit-large-patch14"
 DEFAULT_PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
@@ -64,10 +64,12 @@ def load_clip(model_id: str, processor_id: str | None, device: Any, dtype: Any) 
         cached = _MODELS.get(key)
         if cached is not None:
             return cached
+        import torch
         from transformers import CLIPModel, CLIPProcessor
 
-        model = CLIPModel.from_pretrained(model_id, dtype=dtype)
-        model.to(device).eval().requires_grad_(False)
+        with torch.inference_mode(False):  # normal tensors even for a caller in inference mode: a differentiable
+            model = CLIPModel.from_pretrained(model_id, dtype=dtype)  # call may use the shared model later
+            model.to(device).eval().requires_grad_(False)
         processor = CLIPProcessor.from_pretrained(processor_id or model_id)
         _MODELS[key] = (model, processor)
         return model, processor
@@ -156,6 +158,19 @@ class _CLIPScorer:
             chunks.append(feats / feats.norm(dim=-1, keepdim=True))
         return torch.cat(chunks)
 
+    def image_embeddings_from_tensor(self, images: Any) -> Any:
+        """`image_embeddings` of float images ``(N, 3, H, W)`` in [0, 1], preprocessed in torch as the processor does
+        (`clip_pixels_from_tensor`), with gradient; float32 on the model's device."""
+        import torch
+
+        model, processor = self.load()
+        chunks = []
+        for start in range(0, images.shape[0], self.batch_size):
+            pixels = clip_pixels_from_tensor(images[start:start + self.batch_size], processor.image_processor)
+            feats = model_features(model.get_image_features(pixel_values=pixels.to(model.device, model.dtype))).float()
+            chunks.append(feats / feats.norm(dim=-1, keepdim=True))
+        return torch.cat(chunks)
+
     def text_embeddings(self, texts: Sequence[str]) -> Any:
         """L2-normalised projected text embeddings, float32, shape ``(n, projection_dim)``."""
         import torch
@@ -174,18 +189,54 @@ class _CLIPScorer:
         return torch.cat(chunks)
 
     def __call__(self, prompts: Sequence[str], images: Sequence[Any], **columns: Any) -> list[float | None]:
+        from .differentiable import is_image_tensor
+
+        if is_image_tensor(images):
+            return self._call_with_grad(prompts, images)
         if len(prompts) != len(images):
             raise ValueError(f"{type(self).__name__} got {len(prompts)} prompts and {len(images)} images")
         if not images:
             return []
         import torch
 
-        with self._lock, torch.inference_mode():
-            scores = self._score(list(prompts), list(images))
+        with self._lock:
+            self._prepare()  # outside inference mode: the weights stay usable by a differentiable call
+            with torch.inference_mode():
+                scores = self._score(list(prompts), list(images))
         return [float(s) for s in scores.cpu().tolist()]
 
+    def _call_with_grad(self, prompts: Sequence[str], images: Any) -> Any:
+        """The differentiable call (`flowgrpo.rewards.differentiable`): float32 scores ``(N,)`` on the images'
+        device, with their gradient; the text embeddings carry none."""
+        from .differentiable import check_image_tensor, check_score_tensor
+
+        name = type(self).__name__
+        if not getattr(self, "differentiable", False):
+            raise TypeError(f"reward {name!r} is not differentiable: it scores PIL images (a list), not a tensor")
+        check_image_tensor(images, len(prompts), name)
+        if not len(prompts):
+            return images.new_zeros(0, dtype=images.dtype)
+        with self._lock:
+            self._prepare()
+            scores = self._score_embeddings(list(prompts), self.image_embeddings_from_tensor(images))
+        return check_score_tensor(scores, len(prompts), name).to(images.device)
+
+    def _prepare(self) -> None:
+        """Load every weight the scorer uses (before inference mode is entered)."""
+        self.load()
+
     def _score(self, prompts: list[str], images: list[Any]) -> Any:
+        return self._score_embeddings(prompts, self.image_embeddings(images))
+
+    def _score_embeddings(self, prompts: list[str], image_embeddings: Any) -> Any:
+        """The scores from the normalised image embeddings (the text ones are computed here, without gradient)."""
         raise NotImplementedError
+
+    def _text(self, prompts: list[str]) -> Any:
+        import torch
+
+        with torch.no_grad():
+            return self.text_embeddings(prompts)
 
 
 # ---- aesthetic -------------------------------------------------------------------------------------
@@ -267,6 +318,8 @@ class AestheticScorer(_CLIPScorer):
         device / reward_device, dtype, batch_size: placement and chunking of the CLIP forward passes.
     """
 
+    differentiable = True
+
     def __init__(
         self,
         mlp_path: str | Path | None = None,
@@ -287,14 +340,20 @@ class AestheticScorer(_CLIPScorer):
         self.mlp_path = mlp_path
         self._mlp: Any = None
 
-    def _score(self, prompts: list[str], images: list[Any]) -> Any:
-        embeddings = self.image_embeddings(images)
-        if self._mlp is None:
-            self._mlp = load_aesthetic_mlp(self.mlp_path).to(embeddings.device)
-        if self._mlp.input_dim != embeddings.shape[-1]:
+    def _prepare(self) -> None:
+        import torch
+
+        model, _ = self.load()
+        with torch.inference_mode(False):
+            if self._mlp is None:
+                self._mlp = load_aesthetic_mlp(self.mlp_path)
+            self._mlp.to(model.device)
+
+    def _score_embeddings(self, prompts: list[str], image_embeddings: Any) -> Any:
+        if self._mlp.input_dim != image_embeddings.shape[-1]:
             raise ValueError(f"aesthetic MLP expects {self._mlp.input_dim}-d embeddings but {self.model_id!r} gives "
-                             f"{embeddings.shape[-1]}-d ones; use the CLIP model the MLP was trained on")
-        return self._mlp(embeddings).squeeze(-1)
+                             f"{image_embeddings.shape[-1]}-d ones; use the CLIP model the MLP was trained on")
+        return self._mlp(image_embeddings.to(self._mlp.layers[0].weight.device)).squeeze(-1)
 
 
 # ---- clipscore -------------------------------------------------------------------------------------
@@ -311,6 +370,8 @@ class CLIPScore(_CLIPScorer):
         device / reward_device, dtype, batch_size: placement and chunking of the CLIP forward passes.
     """
 
+    differentiable = True
+
     def __init__(
         self,
         model_id: str = DEFAULT_CLIP_L14,
@@ -324,8 +385,8 @@ class CLIPScore(_CLIPScorer):
         super().__init__(model_id, processor_id, device, dtype, batch_size, reward_device)
         self.scale = float(scale)
 
-    def _score(self, prompts: list[str], images: list[Any]) -> Any:
-        cos = (self.image_embeddings(images) * self.text_embeddings(prompts)).sum(-1)
+    def _score_embeddings(self, prompts: list[str], image_embeddings: Any) -> Any:
+        cos = (image_embeddings * self._text(prompts)).sum(-1)
         return self.scale * cos.clamp(min=0.0)
 
 
@@ -343,6 +404,8 @@ class PickScore(_CLIPScorer):
         device / reward_device, dtype, batch_size: placement and chunking of the CLIP forward passes.
     """
 
+    differentiable = True
+
     def __init__(
         self,
         model_id: str = DEFAULT_PICKSCORE_MODEL,
@@ -358,10 +421,10 @@ class PickScore(_CLIPScorer):
         super().__init__(model_id, processor_id, device, dtype, batch_size, reward_device)
         self.divide_by = float(divide_by)
 
-    def _score(self, prompts: list[str], images: list[Any]) -> Any:
+    def _score_embeddings(self, prompts: list[str], image_embeddings: Any) -> Any:
         model, _ = self.load()
-        cos = (self.image_embeddings(images) * self.text_embeddings(prompts)).sum(-1)
-        return model.logit_scale.exp().float() * cos / self.divide_by
+        cos = (image_embeddings * self._text(prompts)).sum(-1)
+        return model.logit_scale.detach().exp().float() * cos / self.divide_by
 
 
 # ---- pickscore_rank --------------------------------------------------------------------------------
@@ -382,6 +445,7 @@ class PickScoreRank(PickScore):
     """
 
     groupwise = True
+    differentiable = False  # a rank has no gradient
 
     def score_samples(self, prompts: Sequence[str], images: Sequence[Any], **columns: Any) -> list[float | None]:
         """Raw PickScores, one per sample."""
@@ -432,6 +496,55 @@ def _size_field(value: Any, key: str) -> int:
     if getattr(value, key, None) is not None:
         return int(getattr(value, key))
     return int(value)
+
+
+def _size_pair(value: Any) -> tuple[int, int] | None:
+    """``(height, width)`` of a processor size with both keys, else None."""
+    if isinstance(value, dict):
+        h, w = value.get("height"), value.get("width")
+    else:
+        h, w = getattr(value, "height", None), getattr(value, "width", None)
+    return (int(h), int(w)) if h is not None and w is not None else None
+
+
+def clip_pixels_from_tensor(images: Any, image_processor: Any) -> Any:
+    """A CLIP image processor's preprocessing (``CLIPImageProcessor``: resize, centre crop, normalise) of float images
+    ``(N, 3, H, W)`` in [0, 1], in torch and differentiable: float32 ``(N, 3, crop_h, crop_w)``.
+
+    The processor's settings are read from it: ``size`` (``shortest_edge``: the short side to it and the long side to
+    ``int(size * long / short)``; or ``height`` and ``width``), its bicubic ``resample`` as PIL does it on 8-bit
+    pixels (`flowgrpo.rewards.differentiable.resize_bicubic_like_pil`), ``crop_size`` with offsets ``(H - h) // 2``,
+    ``image_mean`` / ``image_std``. On ``uint8 / 255`` images the pixels agree with the processor's within 1.1 / 255
+    (its rounding to 8 bits).
+
+    Raises:
+        ValueError: a processor setting the tensor path does not reproduce (another resample filter, no rescaling).
+    """
+    from .differentiable import center_crop, normalize, resize_bicubic_like_pil, shortest_side_size
+
+    pixels = images.float()
+    if getattr(image_processor, "do_rescale", True) is False:
+        raise ValueError(f"{type(image_processor).__name__} does not rescale pixels to [0, 1], which the differentiable "
+                         f"path assumes; use a processor with do_rescale=True")
+    if getattr(image_processor, "do_resize", True):
+        resample = int(getattr(image_processor, "resample", 3))
+        if resample != 3:  # PIL.Image.BICUBIC
+            raise ValueError(f"the differentiable CLIP preprocessing resizes bicubic, as CLIP's processors do; "
+                             f"{type(image_processor).__name__} has resample={resample}")
+        pair = _size_pair(image_processor.size)
+        if pair is None:
+            pair = shortest_side_size(pixels.shape[-2], pixels.shape[-1], _size_field(image_processor.size,
+                                                                                   "shortest_edge"))
+        pixels = resize_bicubic_like_pil(pixels, *pair)
+    if getattr(image_processor, "do_center_crop", False):
+        crop = _size_pair(image_processor.crop_size)
+        if crop is None:
+            side = _size_field(image_processor.crop_size, "height")
+            crop = (side, side)
+        pixels = center_crop(pixels, *crop, offsets="floor")
+    if getattr(image_processor, "do_normalize", True):
+        pixels = normalize(pixels, image_processor.image_mean, image_processor.image_std)
+    return pixels
 
 
 @register_reward("image_similarity")
@@ -497,10 +610,12 @@ class ImageSimilarity(_CLIPScorer):
             return out
         import torch
 
-        with self._lock, torch.inference_mode():
-            generated = self._pixel_embeddings([images[i] for i in keep])
-            reference = self._pixel_embeddings([sources[i] for i in keep])
-            cos = (generated * reference).sum(-1).cpu().tolist()
+        with self._lock:
+            self._prepare()  # outside inference mode, as the other scorers (the CLIP model may be shared)
+            with torch.inference_mode():
+                generated = self._pixel_embeddings([images[i] for i in keep])
+                reference = self._pixel_embeddings([sources[i] for i in keep])
+                cos = (generated * reference).sum(-1).cpu().tolist()
         for i, c in zip(keep, cos):
             out[i] = float(c)
         return out

@@ -49,6 +49,12 @@ the totals.
 
 Offloading: with ``offload=True``, every reward that supports it (`flowgrpo.rewards.placement.OffloadableReward`)
 has its weights moved to its device for each call and back to the CPU after it.
+
+Reward gradients: a reward whose callable has ``differentiable = True`` also scores the decoded images as a float
+tensor ``(N, 3, H, W)`` in [0, 1] and returns a tensor ``(N,)`` that carries the gradient (the interface is in
+`flowgrpo.rewards.differentiable`). `RewardSet.score_with_grad` scores such a batch with every reward of non-zero
+weight and returns ``total = sum_k weight_k * score_k`` as a tensor, weighted as ``__call__`` weights the PIL scores;
+`RewardSet.non_differentiable_rewards` names the rewards it cannot use, which a reward-gradient trainer refuses.
 """
 
 from __future__ import annotations
@@ -65,13 +71,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .failures import collect_failed_samples, resolve_on_failure
-from .placement import scoring_on_device
+from .placement import scoring_on_device, supports_offload
 from .registry import get_reward, list_rewards
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AUDIO_COLUMNS", "GROUP_IDS_COLUMN", "RewardOutput", "RewardResult", "RewardSet", "accepts_audio",
-           "accepts_video", "combine_in_groups", "is_groupwise", "resolve_reward_funcs", "reward_statistics"]
+__all__ = ["AUDIO_COLUMNS", "GROUP_IDS_COLUMN", "RewardOutput", "RewardResult", "RewardSet", "TensorRewardResult",
+           "accepts_audio", "accepts_video", "combine_in_groups", "is_differentiable", "is_groupwise",
+           "resolve_reward_funcs", "reward_statistics"]
 
 #: the column that tells a group-wise reward which samples belong together
 GROUP_IDS_COLUMN = "group_ids"
@@ -206,6 +213,37 @@ class RewardResult:
         )
 
 
+@dataclass
+class TensorRewardResult:
+    """Scores of one batch of image tensors with their gradient (`RewardSet.score_with_grad`).
+
+    ``per_reward[name]``: that reward's float32 tensor ``(N,)`` (NaN where it could not score); ``total``: ``sum_k
+    weight_k * score_k`` over the rewards of non-zero weight, NaN where one of them is NaN; ``valid``: where ``total``
+    is finite (train on ``total[valid]``: a NaN score carries no gradient path, so masking it out is safe).
+    """
+
+    per_reward: dict[str, Any]
+    total: Any
+    valid: Any
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.total.shape[0])
+
+    def statistics(self, prefix: str = "rewards") -> dict[str, float]:
+        """The logging statistics of `RewardResult.statistics` (NaN left out), from the detached scores."""
+        per_reward = {name: _tensor_scores(values) for name, values in self.per_reward.items()}
+        stats = reward_statistics(per_reward, prefix)
+        total = reward_statistics({"total": _tensor_scores(self.total)}, "")
+        stats["reward"] = total["total/mean"]
+        stats["reward_std"] = total["total/std"]
+        return stats
+
+
+def _tensor_scores(values: Any) -> list[float | None]:
+    return [None if not math.isfinite(v) else v for v in values.detach().float().cpu().tolist()]
+
+
 def _has_flag(fn: Any, flag: str) -> bool:
     """Whether ``fn`` (or the function a functools.partial wraps, at any depth) has ``flag`` set true."""
     while True:
@@ -225,6 +263,12 @@ def accepts_audio(fn: Any) -> bool:
     """Whether the reward ``fn`` scores sound (``fn.accepts_audio = True``, also through functools.partial): it then
     receives the ``audio`` and ``audio_sampling_rate`` columns (`AUDIO_COLUMNS`)."""
     return _has_flag(fn, "accepts_audio")
+
+
+def is_differentiable(fn: Any) -> bool:
+    """Whether the reward ``fn`` also scores image tensors with gradient (``fn.differentiable = True``, also through
+    functools.partial; see `flowgrpo.rewards.differentiable`)."""
+    return _has_flag(fn, "differentiable")
 
 
 def is_groupwise(fn: Any) -> bool:
@@ -495,6 +539,111 @@ class RewardSet:
         """Whether a reward of the set is group-wise."""
         return any(is_groupwise(fn) for fn in self.funcs)
 
+    # ---- scoring with gradient -------------------------------------------------------------------
+
+    @property
+    def differentiable_rewards(self) -> list[str]:
+        """The names of the rewards that score image tensors with gradient (`is_differentiable`, not group-wise)."""
+        return [name for name, fn in zip(self.names, self.funcs) if is_differentiable(fn) and not is_groupwise(fn)]
+
+    @property
+    def non_differentiable_rewards(self) -> list[str]:
+        """The names of the rewards of non-zero weight that give no gradient: not `is_differentiable`, or group-wise
+        (a rank has no gradient). `score_with_grad` refuses a set that has any; a weight-0 reward never enters the
+        gradient and is not listed (it is scored on the PIL path only, for logging)."""
+        usable = set(self.differentiable_rewards)
+        return [name for name, w in zip(self.names, self.weights) if w != 0.0 and name not in usable]
+
+    def require_differentiable(self, user: str = "RewardSet.score_with_grad") -> None:
+        """Raise a ValueError naming the rewards of non-zero weight that ``user`` cannot backpropagate through.
+
+        Raises:
+            ValueError: `non_differentiable_rewards` is not empty, or no reward has a non-zero weight.
+        """
+        bad = self.non_differentiable_rewards
+        if bad:
+            usable = self.differentiable_rewards
+            raise ValueError(
+                f"{user} backpropagates the reward into the images, but the reward(s) {bad} are not differentiable "
+                f"(they score PIL images only, or rank within groups). Remove them from reward_funcs or give them "
+                f"reward_weights 0 (logged, not trained on)"
+                + (f"; the differentiable ones here are {usable}" if usable else "")
+                + ". Differentiable rewards declare `differentiable = True` and accept a float tensor (N, 3, H, W) in "
+                  "[0, 1] (docs/rewards.md, 'Differentiable rewards').")
+        if not any(w != 0.0 for w in self.weights):
+            raise ValueError(f"{user}: every reward of {self!r} has weight 0, so there is nothing to backpropagate; give "
+                             f"a differentiable reward a non-zero weight")
+
+    def score_with_grad(self, prompts: Sequence[str], images: Any, **columns: Sequence[Any]) -> TensorRewardResult:
+        """Score a batch of decoded images given as a float tensor ``(N, 3, H, W)`` in [0, 1] with every reward of
+        non-zero weight, keeping the gradient with respect to ``images``.
+
+        Returns a `TensorRewardResult`: each reward's tensor ``(N,)`` and ``total = sum_k weight_k * score_k`` (the
+        weighting of ``__call__``), NaN where a reward could not score (``valid`` is False there). ``columns`` are the
+        dataset's other columns, as for ``__call__``. Every reward must be differentiable (`require_differentiable`);
+        the ``on_failure`` policy does not apply here: a reward that raises fails the call. With ``offload=True`` the
+        weights move to their device here and stay there for the backward pass; `offload_rewards` moves them back.
+
+        Raises:
+            TypeError: ``images`` is not a tensor (PIL images are scored by ``__call__``).
+            ValueError: a reward of non-zero weight is not differentiable; misaligned prompts, images or columns.
+        """
+        import torch
+
+        from .differentiable import check_image_tensor, check_score_tensor, is_image_tensor
+
+        if not is_image_tensor(images):
+            raise TypeError(f"score_with_grad scores a float tensor (N, 3, H, W) in [0, 1], got "
+                            f"{type(images).__name__}; score PIL images by calling the RewardSet")
+        self.require_differentiable()
+        prompts = list(prompts)
+        n = len(prompts)
+        check_image_tensor(images, n, "RewardSet")
+        cols = self._aligned_columns(columns, n)
+        without_audio = {k: v for k, v in cols.items() if k not in AUDIO_COLUMNS}
+        per_reward: dict[str, Any] = {}
+        total = torch.zeros(n, dtype=torch.float32, device=images.device)
+        for name, fn, weight in zip(self.names, self.funcs, self.weights):
+            if weight == 0.0:
+                continue
+            try:
+                if self.offload and supports_offload(fn):
+                    fn.to()  # stays on its device until `offload_rewards`: the backward pass still needs the weights
+                raw = fn(prompts, images, **(cols if accepts_audio(fn) else without_audio))
+            except Exception as e:
+                if hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(f"while computing reward {name!r} with gradient")
+                raise
+            scores = check_score_tensor(raw, n, name).to(images.device)
+            per_reward[name] = scores
+            total = total + weight * scores
+        return TensorRewardResult(per_reward=per_reward, total=total, valid=torch.isfinite(total),
+                                  weights=dict(zip(self.names, self.weights)))
+
+    def offload_rewards(self) -> None:
+        """Move the weights of every reward that supports it back to the CPU (with ``offload=True``, call it after the
+        backward pass that follows `score_with_grad`, which leaves them on their device for that pass)."""
+        moved = False
+        for fn in self.funcs:
+            if supports_offload(fn):
+                fn.offload()
+                moved = True
+        if moved:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    @staticmethod
+    def _aligned_columns(columns: Mapping[str, Sequence[Any]], n: int) -> dict[str, list[Any]]:
+        cols = {}
+        for key, values in columns.items():
+            values = list(values)
+            if len(values) != n:
+                raise ValueError(f"column {key!r} has {len(values)} values but there are {n} prompts")
+            cols[key] = values
+        return cols
+
     def __call__(self, prompts: Sequence[str], images: Sequence[Any], *, defer_groupwise: bool = False,
                  **columns: Sequence[Any]) -> RewardResult:
         """Score a batch of images (or of videos: lists of frames) with every reward; see the module docstring for
@@ -505,12 +654,7 @@ class RewardSet:
         n = len(prompts)
         if len(images) != n:
             raise ValueError(f"{n} prompts but {len(images)} images; they must be aligned")
-        cols = {}
-        for key, values in columns.items():
-            values = list(values)
-            if len(values) != n:
-                raise ValueError(f"column {key!r} has {len(values)} values but there are {n} prompts")
-            cols[key] = values
+        cols = self._aligned_columns(columns, n)
         videos = [_is_video(im) for im in images]
         is_video = bool(videos) and all(videos)
         if any(videos) and not is_video:

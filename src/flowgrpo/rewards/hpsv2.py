@@ -45,6 +45,7 @@ __all__ = [
     "build_hps_clip",
     "heads_from_open_clip_config",
     "hps_pixels",
+    "hps_pixels_from_tensor",
     "load_hps_clip",
     "open_clip_to_ours",
     "ours_to_open_clip",
@@ -285,30 +286,33 @@ def load_hps_clip(checkpoint: str | Path, heads: tuple[int | None, int | None] |
 
 def hps_pixels(image: Any) -> Any:
     """HPS's evaluation transform of one image: a float32 tensor ``(3, 224, 224)`` (see the module docstring)."""
-    import numpy as np
-    import torch
-    import torch.nn.functional as F
-    from PIL import Image
+    from .differentiable import pil_to_tensor
 
-    if isinstance(image, np.ndarray):
-        image = Image.fromarray(image)
-    if not isinstance(image, Image.Image):
-        raise TypeError(f"hpsv2 needs PIL images (or HxWxC uint8 arrays), got {type(image).__name__}")
-    pixels = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1)
-    pixels = pixels.float().div(255.0)
-    height, width = pixels.shape[1:]
+    try:
+        pixels = pil_to_tensor(image)
+    except TypeError:
+        raise TypeError(f"hpsv2 needs PIL images (or HxWxC uint8 arrays), got {type(image).__name__}") from None
+    return hps_pixels_from_tensor(pixels[None])[0]
+
+
+def hps_pixels_from_tensor(images: Any) -> Any:
+    """HPS's evaluation transform of float images ``(N, 3, H, W)`` in [0, 1] (the module docstring's letterbox and
+    normalisation), differentiable: float32 ``(N, 3, 224, 224)``. The PIL path is this function on ``uint8 / 255``,
+    so the two paths compute the same operations."""
+    import torch.nn.functional as F
+
+    from .differentiable import normalize, resize_bicubic
+
+    pixels = images.float()
+    height, width = pixels.shape[-2:]
     size = HPS_IMAGE_SIZE
     scale = size / float(max(height, width))
     if scale != 1.0 or height != width:
         new_h, new_w = round(height * scale), round(width * scale)
-        if (new_h, new_w) != (height, width):
-            pixels = F.interpolate(pixels[None], size=(new_h, new_w), mode="bicubic", align_corners=False,
-                                   antialias=True)[0]
+        pixels = resize_bicubic(pixels, new_h, new_w)
         pad_h, pad_w = size - new_h, size - new_w
         pixels = F.pad(pixels, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2), value=0.0)
-    mean = torch.tensor(OPENAI_MEAN).view(3, 1, 1)
-    std = torch.tensor(OPENAI_STD).view(3, 1, 1)
-    return (pixels - mean) / std
+    return normalize(pixels, OPENAI_MEAN, OPENAI_STD)
 
 
 # ---- tokenizer ----------------------------------------------------------------------------------------
@@ -435,7 +439,9 @@ class OpenCLIPTokenizer:
 @register_reward("hpsv2")
 class HPSv2(ModelReward):
     """HPS v2.1 (default) or v2.0: the raw cosine between CLIP image and prompt features (see the module
-    docstring for the model, the preprocessing and the tokenizer).
+    docstring for the model, the preprocessing and the tokenizer). Differentiable: called with a float tensor
+    ``(N, 3, H, W)`` in [0, 1] it returns the scores as a tensor that carries the gradient (the same operations as
+    the PIL path, `hps_pixels_from_tensor`).
 
     Args:
         model_name_or_path: a hub repo holding the checkpoint (default ``xswu/HPSv2``), a local checkpoint file,
@@ -449,6 +455,8 @@ class HPSv2(ModelReward):
         vision_heads, text_heads: attention heads of a checkpoint that is not ViT-H-14-shaped (see `load_hps_clip`;
             the released checkpoints need neither).
     """
+
+    differentiable = True
 
     def __init__(
         self,
@@ -487,18 +495,34 @@ class HPSv2(ModelReward):
     def _score(self, prompts: list[str], images: list[Any], **columns: Any) -> Any:
         import torch
 
+        out = []
+        for sl in self.chunks(len(images)):
+            pixels = torch.stack([hps_pixels(im) for im in images[sl]])
+            out.append(self._cosines(prompts[sl], pixels))
+        return torch.cat(out)
+
+    def _score_tensor(self, prompts: list[str], images: Any, **columns: Any) -> Any:
+        """The same score of float images ``(N, 3, H, W)`` in [0, 1] with gradient: `hps_pixels_from_tensor`, then
+        the model (the text features carry none)."""
+        import torch
+
+        return torch.cat([self._cosines(prompts[sl], hps_pixels_from_tensor(images[sl]))
+                          for sl in self.chunks(len(prompts))])
+
+    def _cosines(self, prompts: list[str], pixels: Any) -> Any:
+        """The cosine of each pair from preprocessed pixels ``(n, 3, 224, 224)``."""
+        import torch
+
         model = self.load()
         device = self.current_device
         dtype = model.visual_projection.weight.dtype
-        out = []
-        for sl in self.chunks(len(images)):
-            pixels = torch.stack([hps_pixels(im) for im in images[sl]]).to(device, dtype)
-            image = model.visual_projection(model.vision_model(pixel_values=pixels).pooler_output).float()
-            ids = self.tokenizer(prompts[sl]).to(device)
+        pixels = pixels.to(device, dtype)
+        image = model.visual_projection(model.vision_model(pixel_values=pixels).pooler_output).float()
+        with torch.no_grad():
+            ids = self.tokenizer(prompts).to(device)
             hidden = model.text_model(input_ids=ids).last_hidden_state
             eot = hidden[torch.arange(hidden.shape[0], device=device), ids.argmax(dim=-1)]
             text = model.text_projection(eot).float()
-            image = image / image.norm(dim=-1, keepdim=True)
-            text = text / text.norm(dim=-1, keepdim=True)
-            out.append((image * text).sum(-1))
-        return torch.cat(out)
+        image = image / image.norm(dim=-1, keepdim=True)
+        text = text / text.norm(dim=-1, keepdim=True)
+        return (image * text).sum(-1)

@@ -42,6 +42,7 @@ __all__ = [
     "ImageReward",
     "build_imagereward_model",
     "imagereward_pixels",
+    "imagereward_pixels_from_tensor",
     "load_imagereward_model",
     "load_imagereward_tokenizer",
     "official_to_ours",
@@ -117,6 +118,23 @@ def imagereward_pixels(image: Any) -> Any:
     mean = torch.tensor(CLIP_MEAN).view(3, 1, 1)
     std = torch.tensor(CLIP_STD).view(3, 1, 1)
     return (pixels - mean) / std
+
+
+def imagereward_pixels_from_tensor(images: Any) -> Any:
+    """`imagereward_pixels` of float images ``(N, 3, H, W)`` in [0, 1] in torch, differentiable: float32
+    ``(N, 3, 224, 224)``.
+
+    The same sizes, crop offsets and normalisation; PIL's bicubic resize of 8-bit pixels is
+    `flowgrpo.rewards.differentiable.resize_bicubic_like_pil` (PIL's filter, clamped after each pass, without PIL's
+    rounding to 8 bits), so on ``uint8 / 255`` images the pixels agree with the PIL path within 1.1 / 255 (module
+    docstring of `flowgrpo.rewards.differentiable`; the scores' tolerance is in docs/rewards.md).
+    """
+    from .differentiable import center_crop, normalize, resize_bicubic_like_pil, shortest_side_size
+
+    size = IMAGEREWARD_IMAGE_SIZE
+    new_h, new_w = shortest_side_size(images.shape[-2], images.shape[-1], size)
+    pixels = resize_bicubic_like_pil(images.float(), new_h, new_w)
+    return normalize(center_crop(pixels, size, size, offsets="round"), CLIP_MEAN, CLIP_STD)
 
 
 def load_imagereward_tokenizer(name_or_path: str | Path = DEFAULT_IMAGEREWARD_TOKENIZER) -> Any:
@@ -366,7 +384,8 @@ def load_imagereward_model(checkpoint: str | Path, med_config: str | Path | Mapp
 @register_reward("imagereward")
 class ImageReward(ModelReward):
     """ImageReward v1.0: ``(r - 0.16717) / 1.03334`` per (prompt, image), as the official ``score`` (see the
-    module docstring for the model and the preprocessing).
+    module docstring for the model and the preprocessing). Differentiable: called with a float tensor ``(N, 3, H, W)``
+    in [0, 1] it preprocesses in torch (`imagereward_pixels_from_tensor`) and returns scores that carry the gradient.
 
     Args:
         model_name_or_path: ``"THUDM/ImageReward"`` (default; any hub repo with ``ImageReward.pt``), the official
@@ -380,6 +399,8 @@ class ImageReward(ModelReward):
         vision_heads: the ViT's attention heads for a checkpoint other than BLIP's ViT-B / ViT-L (default
             ``width // 64``: 16 for ImageReward v1.0).
     """
+
+    differentiable = True
 
     def __init__(
         self,
@@ -423,14 +444,22 @@ class ImageReward(ModelReward):
     def _score(self, prompts: list[str], images: list[Any], **columns: Any) -> Any:
         import torch
 
+        return torch.cat([self._scores(prompts[sl], torch.stack([imagereward_pixels(im) for im in images[sl]]))
+                          for sl in self.chunks(len(images))])
+
+    def _score_tensor(self, prompts: list[str], images: Any, **columns: Any) -> Any:
+        """The same score of float images ``(N, 3, H, W)`` in [0, 1] with gradient (`imagereward_pixels_from_tensor`)."""
+        import torch
+
+        return torch.cat([self._scores(prompts[sl], imagereward_pixels_from_tensor(images[sl]))
+                          for sl in self.chunks(len(prompts))])
+
+    def _scores(self, prompts: list[str], pixels: Any) -> Any:
+        """The normalised score of each pair from preprocessed pixels ``(n, 3, 224, 224)``."""
         model = self.load()
         device = self.current_device
         dtype = model.vision.embeddings.patch_embedding.weight.dtype
-        out = []
-        for sl in self.chunks(len(images)):
-            pixels = torch.stack([imagereward_pixels(im) for im in images[sl]]).to(device, dtype)
-            text = self.tokenizer(prompts[sl], padding="max_length", truncation=True,
-                                  max_length=IMAGEREWARD_TEXT_MAX_LENGTH, return_tensors="pt")
-            raw = model(pixels, text["input_ids"].to(device), text["attention_mask"].to(device))
-            out.append((raw - IMAGEREWARD_MEAN) / IMAGEREWARD_STD)
-        return torch.cat(out)
+        text = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=IMAGEREWARD_TEXT_MAX_LENGTH,
+                              return_tensors="pt")
+        raw = model(pixels.to(device, dtype), text["input_ids"].to(device), text["attention_mask"].to(device))
+        return (raw - IMAGEREWARD_MEAN) / IMAGEREWARD_STD

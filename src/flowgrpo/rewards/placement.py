@@ -111,6 +111,9 @@ class ModelReward:
     Subclasses implement ``_load(device, dtype)`` (build and load the model, return the ``nn.Module`` that holds
     every weight) and ``_score(prompts, images, **columns)`` (a float tensor of scores, one per pair); this class
     gives the placement (``reward_device``, ``dtype``), the lock, the offloading methods and the float conversion.
+    A differentiable subclass (``differentiable = True``) also implements ``_score_tensor(prompts, images,
+    **columns)`` on a float tensor of images, with gradient; a call with a tensor goes there, outside inference mode
+    (`flowgrpo.rewards.differentiable`).
     A subclass whose ``dtype`` default is not float32 overrides `default_dtype`.
 
     Args:
@@ -153,7 +156,10 @@ class ModelReward:
         """The ``nn.Module`` holding every weight, loaded on the first call (what `to` and `offload` move)."""
         with self._lock:
             if self._module is None:
-                module = self._load(self.reward_device, self.dtype)
+                import torch
+
+                with torch.inference_mode(False):  # normal tensors whoever calls: a differentiable call may follow
+                    module = self._load(self.reward_device, self.dtype)
                 self._module = module.eval().requires_grad_(False)
             return self._module
 
@@ -181,6 +187,10 @@ class ModelReward:
     # ---- scoring --------------------------------------------------------------------------------------
 
     def __call__(self, prompts: Sequence[str], images: Sequence[Any], **columns: Any) -> list[float | None]:
+        from .differentiable import is_image_tensor
+
+        if is_image_tensor(images):
+            return self._call_with_grad(prompts, images, **columns)
         if len(prompts) != len(images):
             name = getattr(self, "__name__", type(self).__name__)
             raise ValueError(f"{name} got {len(prompts)} prompts and {len(images)} images")
@@ -188,15 +198,37 @@ class ModelReward:
             return []
         import torch
 
-        with self._lock, torch.inference_mode():
+        with self._lock:
+            # loaded outside inference mode: its weights must stay usable by a later differentiable call
             self._loaded_module()
-            scores = self._score(list(prompts), list(images), **columns)
+            with torch.inference_mode():
+                scores = self._score(list(prompts), list(images), **columns)
         return [float(s) for s in scores.float().cpu().tolist()]
+
+    def _call_with_grad(self, prompts: Sequence[str], images: Any, **columns: Any) -> Any:
+        """The differentiable call (`flowgrpo.rewards.differentiable`): ``images`` a float tensor ``(N, 3, H, W)`` in
+        [0, 1]; a float32 tensor ``(N,)`` on the images' device that carries their gradient."""
+        from .differentiable import check_image_tensor, check_score_tensor
+
+        name = getattr(self, "__name__", type(self).__name__)
+        if not getattr(self, "differentiable", False):
+            raise TypeError(f"reward {name!r} is not differentiable: it scores PIL images (a list), not a tensor")
+        check_image_tensor(images, len(prompts), name)
+        if not len(prompts):
+            return images.new_zeros(0, dtype=images.dtype)
+        with self._lock:
+            self._loaded_module()
+            scores = self._score_tensor(list(prompts), images, **columns)
+        return check_score_tensor(scores, len(prompts), name).to(images.device)
 
     def _load(self, device: Any, dtype: Any) -> Any:
         raise NotImplementedError
 
     def _score(self, prompts: list[str], images: list[Any], **columns: Any) -> Any:
+        raise NotImplementedError
+
+    def _score_tensor(self, prompts: list[str], images: Any, **columns: Any) -> Any:
+        """The differentiable rewards' ``_score`` on a float tensor ``(N, 3, H, W)`` in [0, 1], with gradient."""
         raise NotImplementedError
 
     def chunks(self, n: int) -> Iterator[slice]:

@@ -16,13 +16,20 @@ in-process ``unifiedreward``; ``hpsv3`` uses the processor loading, prompting an
   generation prompt, so the next token the model predicts is the first token of its answer.
 * `vlm_batch` tokenises a batch of rendered texts with their images, left-padded by default, so that position -1
   of every row is that row's answer position.
+* `resize_like_processor` resizes an image as a Qwen2-VL-family image processor with a given backend does (torchvision:
+  torch's uint8 bicubic kernel; PIL: PIL's bicubic), before the processor sees it: the processor then keeps its size,
+  so the pixels are that backend's whether transformers has torchvision here or falls back to PIL (the two bicubics
+  differ by up to a few 8-bit levels per pixel). `vlm_batch` does it with the backend the official code ran
+  (`official_resize_backend`: torchvision for Qwen3-VL, PIL for Qwen2-VL and Qwen2.5-VL; docs/rewards.md, "Image
+  preprocessing of the VLM rewards").
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +38,8 @@ from PIL import Image
 from .placement import ModelReward
 
 __all__ = ["VLMReward", "as_rgb", "cached_vlm", "chat_content_text", "chat_text", "load_vlm", "load_vlm_processor",
-           "vlm_batch"]
+           "official_resize_backend", "processor_pixel_bounds", "qwen_vl_processor_size", "resize_like_processor",
+           "resize_like_torchvision_processor", "vlm_batch"]
 
 _MODELS: dict[tuple, tuple[Any, Any]] = {}
 _MODELS_LOCK = threading.Lock()
@@ -219,7 +227,104 @@ def vlm_batch(processor: Any, texts: Sequence[str], images: Sequence[Image.Image
               padding_side: str = "left") -> dict[str, Any]:
     """Processor outputs for ``texts`` (each with one image placeholder) and ``images``, padded on
     ``padding_side`` (per call: the shared processor is not modified), moved to ``device`` (pixel values stay
-    float32; the model casts them)."""
+    float32; the model casts them). A Qwen-VL processor's images are resized first as the official code's backend
+    resizes them (`official_resize_backend`, `resize_like_processor`)."""
+    backend = official_resize_backend(processor)
+    if backend is not None:  # the official resize, whichever backend transformers has here
+        images = [resize_like_processor(im, processor.image_processor, backend) for im in images]
     batch = processor(text=list(texts), images=[as_rgb(im) for im in images], padding=True,
                       padding_side=padding_side, return_tensors="pt")
     return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+
+
+# ---- resizing as the torchvision image processors do ------------------------------------------------------------
+
+
+def processor_pixel_bounds(image_processor: Any) -> tuple[int, int]:
+    """``(min_pixels, max_pixels)`` of a Qwen2-VL-family image processor (its ``size`` or its older attributes)."""
+    size = getattr(image_processor, "size", None)
+    if isinstance(size, Mapping):
+        low, high = size.get("shortest_edge"), size.get("longest_edge")
+    else:  # transformers' SizeDict
+        low, high = getattr(size, "shortest_edge", None), getattr(size, "longest_edge", None)
+    if low is None or high is None:
+        low, high = getattr(image_processor, "min_pixels", None), getattr(image_processor, "max_pixels", None)
+    if low is None or high is None:
+        raise ValueError(f"{type(image_processor).__name__} has no pixel bounds (size['shortest_edge'/'longest_edge'] "
+                         f"or min_pixels/max_pixels); it is not a Qwen2-VL-family image processor")
+    return int(low), int(high)
+
+
+def qwen_vl_processor_size(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The ``(height, width)`` a Qwen2-VL-family image processor resizes to (transformers' ``smart_resize``, the same
+    in 4.57 and 5.x): each side rounded to a multiple of ``factor``; when the area leaves ``[min_pixels,
+    max_pixels]``, both sides scaled by one factor and floored (at least ``factor``) or ceiled to multiples of it.
+
+    Raises:
+        ValueError: an aspect ratio above 200 (the processor refuses it too).
+    """
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"absolute aspect ratio must be at most 200, got {height}x{width}")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def resize_like_processor(image: Any, image_processor: Any, backend: str = "torchvision") -> Image.Image:
+    """``image`` (RGB) resized as a Qwen2-VL-family image processor with the given ``backend`` resizes it on the CPU.
+
+    The size is `qwen_vl_processor_size` with the processor's ``patch_size * merge_size`` and pixel bounds. The pixels:
+    ``backend="torchvision"``: ``torch.nn.functional.interpolate`` on the uint8 tensor (bicubic, antialiased,
+    ``align_corners=False``), which is what torchvision's ``resize`` runs for uint8 images on the CPU (transformers'
+    torchvision backend keeps images uint8 until it normalises them); ``"pil"``: PIL's bicubic ``Image.resize``, as
+    the PIL backend. An image already at that size is returned as it is. Given the result, either backend of the
+    processor keeps the size, so the pixels are those of ``backend`` whichever one transformers runs here.
+    """
+    import numpy as np
+    import torch
+
+    if backend not in ("torchvision", "pil"):
+        raise ValueError(f"backend must be 'torchvision' or 'pil', got {backend!r}")
+    image = as_rgb(image)
+    factor = int(image_processor.patch_size) * int(image_processor.merge_size)
+    height, width = qwen_vl_processor_size(image.height, image.width, factor, *processor_pixel_bounds(image_processor))
+    if (height, width) == (image.height, image.width):
+        return image
+    if backend == "pil":
+        return image.resize((width, height), Image.Resampling.BICUBIC)
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)[None]
+    resized = torch.nn.functional.interpolate(pixels, size=(height, width), mode="bicubic", align_corners=False,
+                                              antialias=True)
+    return Image.fromarray(resized[0].permute(1, 2, 0).contiguous().numpy())
+
+
+def resize_like_torchvision_processor(image: Any, image_processor: Any) -> Image.Image:
+    """`resize_like_processor` with the torchvision backend (what every official Qwen3-VL stack runs)."""
+    return resize_like_processor(image, image_processor, "torchvision")
+
+
+def official_resize_backend(processor: Any) -> str | None:
+    """The image processor backend the official code of a Qwen-VL reward ran: ``"torchvision"`` for Qwen3-VL (its
+    transformers processor cannot be built without torchvision, so every official stack, transformers or vLLM, had
+    it), ``"pil"`` for Qwen2-VL and Qwen2.5-VL (qwen-vl-utils' PIL resize, transformers' PIL image processor); None
+    for a processor of another family (left to the processor)."""
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None or getattr(image_processor, "merge_size", None) is None \
+            or getattr(image_processor, "patch_size", None) is None:
+        return None
+    try:
+        processor_pixel_bounds(image_processor)
+    except ValueError:
+        return None
+    name = type(processor).__name__
+    if "Qwen3VL" in name:
+        return "torchvision"
+    if "Qwen2VL" in name or "Qwen2_5_VL" in name:
+        return "pil"
+    return None

@@ -28,6 +28,28 @@ mention the attribute:
   best match, this score rises with every step towards it, so samples of one group are ranked finely
 * ``toy_geneval``   the mean of the four checks (``mode="mean"``, default), or 1.0 only when all pass
   (``mode="all"``; ``get_reward("toy_geneval", mode="all")``); checks the prompt does not mention are skipped
+* ``toy_smooth_shape_color`` the toy world's differentiable reward (``differentiable = True``): a smooth function of
+  the pixels, for the reward-gradient trainers; see `toy_smooth_shape_color`
+
+``toy_smooth_shape_color`` needs no segmentation. With ``b`` the brightest channel of each pixel (a smooth maximum,
+`_smooth_max`) and ``(g_x, g_y)`` its Sobel gradient (``z = g_x + i g_y``, ``|z|^2`` the edge energy), the edge
+directions' circular harmonics
+
+    f3 = Im(sum z^3 / |z|) / sum |z|^2,        f4 = Re(sum z^4 / |z|^2) / sum |z|^2
+
+tell the three shapes apart whatever their number, size and place: a circle's edges point every way (f3 = f4 = 0), an
+upright square's only along the axes (f4 = 1), the toy world's upright triangle's three edges nearly at thirds of a
+turn (f3 near 1). Measured on 60 jittered renderings of each shape (mean +- std): circle (0.001 +- 0.006, 0.004 +-
+0.023), square (-0.001 +- 0.037, 0.760 +- 0.056), triangle (0.811 +- 0.039, 0.122 +- 0.023); the means, rounded, are
+the prototypes :data:`SMOOTH_SHAPE_PROTOTYPES`, and every one of the 180 renderings is nearest its own. The shape
+score is ``softmax(-|f - prototype_s|^2 / 0.05)`` at the prompt's shape; the colour score
+``softmax(-|chroma - palette chroma|^2 / 0.05)`` at the prompt's colour, where ``chroma`` is the mean colour weighted
+by ``b^2`` divided by its (smooth) brightest channel, as the checks' colour; both are multiplied by the presence
+``1 - exp(-sum b^4 / 3)`` (0 on an empty canvas, 1 with any object). Every step is smooth, so the reward is a smooth
+function of the pixels (checked with ``torch.autograd.gradcheck``). On the toy model's own samples it is a different
+judge from the template-matching checks: its nearest shape is the checks' majority shape for 64% of the images with
+an object (55 of 86: the held-out prompts, 2 images each, 20 steps, CFG 3), and it correlates 0.44 with
+``toy_shape_score``.
 """
 
 from __future__ import annotations
@@ -55,6 +77,8 @@ __all__ = [
     "toy_count",
     "toy_geneval",
     "toy_shape_score",
+    "toy_smooth_shape_color",
+    "smooth_shape_color_terms",
 ]
 
 FOREGROUND_THRESHOLD = 100
@@ -298,3 +322,113 @@ def toy_shape_score(prompts: list[str], images: list[Image.Image], **columns: An
             weights.append(float(np.exp(logits[target]) / np.exp(logits).sum()))
         scores.append(float(np.mean(weights)))
     return scores
+
+
+# ---- the differentiable reward ---------------------------------------------------------------------------------
+
+SMOOTH_SHAPE_PROTOTYPES: dict[str, tuple[float, float]] = {"circle": (0.0, 0.0), "square": (0.0, 0.76),
+                                                            "triangle": (0.81, 0.12)}
+"""``(f3, f4)`` of each shape (module docstring): the means over 60 jittered renderings, rounded."""
+SMOOTH_TEMPERATURE = 0.05
+"""Temperature of the shape and colour softmaxes of ``toy_smooth_shape_color`` (squared distances)."""
+PRESENCE_SCALE = 3.0
+"""``sum b^4`` (in pixels) at which the presence factor is ``1 - 1/e``: an object of the palette has ``b^4`` of 0.5-0.8
+per pixel and at least 6 pixels."""
+SMOOTH_MAX_SHARPNESS = 20.0
+"""Sharpness of the smooth maximum over the channels: for the palette's colours it is within 0.01 of the maximum."""
+_EPSILON = 1e-12
+
+
+def _smooth_max(x: Any, dim: int) -> Any:
+    """``sum_c x_c softmax(SMOOTH_MAX_SHARPNESS * x)_c`` along ``dim`` (kept): the largest value, smoothly (a plain
+    maximum has a kink where channels tie, as on the black canvas)."""
+    return (x * (SMOOTH_MAX_SHARPNESS * x).softmax(dim)).sum(dim, keepdim=True)
+
+
+def smooth_shape_color_terms(images: Any) -> dict[str, Any]:
+    """The smooth image measurements of ``toy_smooth_shape_color`` for float images ``(N, 3, H, W)`` in [0, 1]:
+    ``{"shape_logits": (N, 3) in SHAPES order, "color_logits": (N, 6) in COLORS order, "presence": (N,),
+    "harmonics": (N, 2) = (f3, f4)}``, all differentiable with respect to ``images``."""
+    import torch
+    import torch.nn.functional as F
+
+    x = images if images.dtype == torch.float64 else images.float()  # float64 stays (gradient checks)
+    b = _smooth_max(x, dim=1)
+    sobel_x = torch.tensor([[-1.0, 0.0, 1.0], [-2.0, 0.0, 2.0], [-1.0, 0.0, 1.0]], dtype=x.dtype, device=x.device) / 8
+    kernels = torch.stack([sobel_x, sobel_x.T])[:, None]
+    grad = F.conv2d(F.pad(b, (1, 1, 1, 1), mode="replicate"), kernels)
+    gx, gy = grad[:, 0], grad[:, 1]
+    energy = gx * gx + gy * gy
+    total = energy.sum((-1, -2)) + _EPSILON
+    im_z3 = (3 * gx * gx * gy - gy * gy * gy) / torch.sqrt(energy + _EPSILON)
+    re_z4 = (gx ** 4 - 6 * gx * gx * gy * gy + gy ** 4) / (energy + _EPSILON)
+    harmonics = torch.stack([im_z3.sum((-1, -2)) / total, re_z4.sum((-1, -2)) / total], dim=-1)
+    prototypes = torch.tensor([SMOOTH_SHAPE_PROTOTYPES[s] for s in SHAPES], dtype=x.dtype, device=x.device)
+    shape_logits = -((harmonics[:, None, :] - prototypes[None]) ** 2).sum(-1) / SMOOTH_TEMPERATURE
+
+    weights = b * b
+    mean_rgb = (x * weights).sum((-1, -2)) / (weights.sum((-1, -2)) + _EPSILON)
+    chroma = mean_rgb / (_smooth_max(mean_rgb, dim=-1) + _EPSILON)
+    palette = torch.tensor(_PALETTE_CHROMA, dtype=x.dtype, device=x.device)
+    color_logits = -((chroma[:, None, :] - palette[None]) ** 2).sum(-1) / SMOOTH_TEMPERATURE
+    presence = 1.0 - torch.exp(-(b[:, 0] ** 4).sum((-1, -2)) / PRESENCE_SCALE)
+    return {"shape_logits": shape_logits, "color_logits": color_logits, "presence": presence, "harmonics": harmonics}
+
+
+def _smooth_scores(prompts: Sequence[str], images: Any, color_weight: float) -> Any:
+    """``toy_smooth_shape_color`` of a float tensor of images: ``(N,)`` (float64 for float64 images, else float32), NaN
+    for prompts naming neither a shape nor a colour."""
+    import torch
+
+    terms = smooth_shape_color_terms(images)
+    shape_p = terms["shape_logits"].softmax(-1)
+    color_p = terms["color_logits"].softmax(-1)
+    scores = []
+    for i, prompt in enumerate(prompts):
+        wanted = parse_attributes(prompt)
+        parts, weights = [], []
+        if "shape" in wanted:
+            parts.append(shape_p[i, SHAPES.index(wanted["shape"])])
+            weights.append(1.0)
+        if "color" in wanted and color_weight > 0:
+            parts.append(color_p[i, _PALETTE_NAMES.index(wanted["color"])])
+            weights.append(color_weight)
+        if not parts:
+            # a constant: no gradient path, as the interface asks
+            scores.append(torch.full((), float("nan"), dtype=terms["presence"].dtype, device=images.device))
+            continue
+        mixed = sum(w * p for w, p in zip(weights, parts)) / sum(weights)
+        scores.append(terms["presence"][i] * mixed)
+    return torch.stack(scores)
+
+
+@register_reward("toy_smooth_shape_color")
+def toy_smooth_shape_color(prompts: list[str], images: Any, color_weight: float = 0.5, **columns: Any) -> Any:
+    """The toy world's differentiable reward, in [0, 1]: ``presence * (shape + color_weight * colour) / (1 +
+    color_weight)`` over the attributes the prompt names (module docstring: the shape score from the edge
+    directions' harmonics, the colour score from the weighted chromaticity); None (NaN in a tensor) for a prompt naming
+    neither.
+
+    ``images``: PIL images (or HxWx3 arrays), scored as the float tensors ``uint8 / 255`` one by one, giving a list; or
+    a float tensor ``(N, 3, H, W)`` in [0, 1], giving a float32 tensor ``(N,)`` that carries the gradient. The two
+    paths compute the same function: on ``uint8 / 255`` tensors they agree to float32 rounding.
+    """
+    from ..rewards.differentiable import check_image_tensor, is_image_tensor, pil_to_tensor
+
+    if isinstance(color_weight, bool) or not isinstance(color_weight, (int, float)) or not color_weight >= 0:
+        raise ValueError(f"toy_smooth_shape_color: color_weight must be a number >= 0, got {color_weight!r}")
+    if len(prompts) != len(images):
+        raise ValueError(f"got {len(prompts)} prompts but {len(images)} images")
+    if is_image_tensor(images):
+        check_image_tensor(images, len(prompts), "toy_smooth_shape_color")
+        return _smooth_scores(prompts, images, float(color_weight)).float()
+    out: list[float | None] = []
+    for prompt, image in zip(prompts, images):
+        if not isinstance(image, Image.Image):
+            image = Image.fromarray(to_array(image).round().clip(0, 255).astype(np.uint8))
+        value = float(_smooth_scores([prompt], pil_to_tensor(image)[None], float(color_weight))[0])
+        out.append(None if np.isnan(value) else value)
+    return out
+
+
+toy_smooth_shape_color.differentiable = True
