@@ -341,7 +341,7 @@ def test_demo_launch_line():
 def test_launch_script_drops_only_the_notices_of_unused_features():
     import logging
 
-    import flowgrpo.cli  # noqa: F401  (installs the filters on import)
+    import flowgrpo  # noqa: F401  (installs the filters on import)
     from flowgrpo.cli.notices import QUIET_NOTICES, NoticeFilter, quiet_library_notices
 
     quiet_library_notices()

@@ -27,7 +27,6 @@ from typing import Any
 
 from .arguments import ModelArguments, ScriptArguments
 from .model_folders import TOY_WORLD_MARKER, model_folder_builder
-from .notices import quiet_library_notices
 from .parser import RecipeError, check_training_hardware, parse_recipe
 from .rank_log import RANK_LOG_ENV, RankLogCallback
 
@@ -46,7 +45,6 @@ def prepare_model_path(model_args: ModelArguments, training_args: Any = None) ->
     while the other processes wait. The folder is written beside its target and renamed into place
     (``flowgrpo.build_cache``), so an interrupted build is never mistaken for a pipeline.
     """
-    quiet_library_notices()
     name = str(model_args.model_name_or_path)
     path = Path(name).expanduser()
     family = model_args.build_tiny_pipeline_if_missing
@@ -179,7 +177,6 @@ def run(script_args: ScriptArguments, model_args: ModelArguments, training_args:
 def main(argv: Sequence[str] | None = None) -> Any:
     """``src/train.py``: parse ``argv`` (default ``sys.argv[1:]``) and run. Recipe mistakes exit with status 2 and a
     one-paragraph message instead of a traceback."""
-    quiet_library_notices()
     try:
         script_args, model_args, training_args = parse_recipe(list(argv) if argv is not None else None)
         return run(script_args, model_args, training_args)
