@@ -3,7 +3,7 @@
 #   make install   create $(VENV) and install flowgrpo with the extras the tests need
 #   make test      install if needed, then run the test suite (parallel workers; the ten slowest tests listed)
 #   make demo      install if needed, then run the main job on the embedded tiny default
-#   make lint      ruff
+#   make lint      ruff, and the import contracts of pyproject.toml (import-linter)
 #   make bench     the benchmark harness (PRESET=small-cpu by default)
 #   make gpu-check every GPU check (bf16, accelerate launches, full-size benchmarks, the 24 GB recipe, OCR
 #                  throughput) with a report in outputs/gpu_check; GPU_CHECK_ARGS="--only launch" to select
@@ -67,6 +67,7 @@ demo: install
 
 lint: install
 	$(PY) -m ruff check src scripts tests
+	PYTHONPATH=tests$${PYTHONPATH:+:$$PYTHONPATH} $(VENV)/bin/lint-imports --no-cache
 
 bench: install
 	$(PY) scripts/benchmark.py --preset $(PRESET) --steps $(STEPS)

@@ -172,12 +172,49 @@ def trainer_chain() -> dict:
     return {"classes": [c.__name__ for c in own], "bases": bases, "lines": lines, "methods": methods}
 
 
-def import_figures() -> dict:
-    from flowgrpo.import_graph import read_import_graph
+#: the packages a training run is made of, and the tooling around them that they must not import (pyproject.toml's
+#: import-linter layers state the rule; this counts its breaches)
+CORE_PACKAGES = ("schedulers", "models", "rewards", "trainer")
+TOOLING_PACKAGES = ("benchmarking", "gpu_check", "toy", "testing", "plan", "evaluate")
 
-    graph = read_import_graph(PACKAGE)
-    return {"cycles": graph.cycles(), "layer_violations": graph.layer_violations(),
-            "private_imports": len(graph.private_imports())}
+
+def _top_package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _private_names(line: str, imported: str) -> list[str]:
+    """The private names (one leading underscore) a ``from X import a, _b as c`` line takes from module ``imported``;
+    a private-named submodule imported as such is not a private name of another module."""
+    if not line.startswith("from ") or " import " not in line:
+        return []
+    names = line.split(" import ", 1)[1].strip("()\\ ").split(",")
+    names = [name.strip().split(" as ")[0].strip("() ") for name in names]
+    return [name for name in names if name.startswith("_") and not name.startswith("__")
+            and imported.rpartition(".")[2] != name]
+
+
+def import_figures() -> dict:
+    """From grimp's import graph of the package (imports inside functions count, ``if TYPE_CHECKING:`` ones do not):
+    the circles of imports between modules, the core's imports of tooling, and the number of private names imported
+    across modules."""
+    import grimp
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.import_contracts import module_circles
+
+    graph = grimp.build_graph("flowgrpo", exclude_type_checking_imports=True, cache_dir=None)
+    layer_violations, private = [], set()
+    for importer in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+            if not imported.startswith("flowgrpo"):
+                continue
+            if _top_package(importer) in CORE_PACKAGES and _top_package(imported) in TOOLING_PACKAGES:
+                layer_violations.append((importer, imported))
+            for detail in graph.get_import_details(importer=importer, imported=imported):
+                private.update((importer, imported, name) for name in _private_names(detail["line_contents"], imported))
+    return {"cycles": module_circles(graph, "flowgrpo"), "layer_violations": layer_violations,
+            "private_imports": len(private)}
 
 
 def traced_step_files() -> dict:

@@ -1,4 +1,5 @@
-"""Flow-GRPO training from a YAML recipe; ``--key value`` flags override the recipe.
+"""Training from a YAML recipe with any trainer of the registry (the recipe's ``trainer:``, Flow-GRPO by default);
+``--key value`` flags override the recipe.
 
     python src/train.py recipes/tiny_cpu.yaml --max_steps 2
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml src/train.py recipes/tiny_cpu.yaml --max_steps 2

@@ -15,7 +15,11 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-from .trainer.registry import lazy_exports as _lazy_exports  # a light module: no torch
+from .notices import quiet_library_notices as _quiet_library_notices  # standard library only
+
+_quiet_library_notices()  # before any module of the package imports transformers, diffusers, peft, DeepSpeed
+
+from .trainer.registry import lazy_exports as _lazy_exports  # noqa: E402  (a light module: no torch)
 
 _TRAINER_NAMES = frozenset(_lazy_exports())
 

@@ -1,6 +1,7 @@
-"""The package's shape holds: no import circles, the core packages import no tooling, one line of inheritance in
-every trainer, one table per concept (trainers, families, reward modules), configuration docstrings that list every
-field, rewards found as plugins, and an architecture page whose module paths exist."""
+"""The package's shape holds: the import contracts of pyproject.toml (layers: the core packages import no tooling; the
+command line free of flowgrpo.testing; no import circles), one line of inheritance in every trainer of the registry,
+one table per concept (trainers, families), configuration docstrings that list every field, and an architecture page
+whose module paths exist. (Rewards as plugins: tests/rewards/test_reward_plugins.py.)"""
 
 from __future__ import annotations
 
@@ -17,34 +18,54 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "src" / "flowgrpo"
 
 
-def test_no_import_circles_and_the_core_imports_no_tooling():
-    from flowgrpo.import_graph import read_import_graph
-
-    graph = read_import_graph(PACKAGE)
-    assert graph.cycles() == [], "import circles: fold the shared pieces into a module both can import"
-    assert graph.layer_violations() == [], "core packages (schedulers, models, rewards, trainer) import tooling"
-
-
-def test_the_import_graph_sees_circles_and_layering(tmp_path):
-    """The checker itself: a circle, a dynamic import and a core module importing tooling are all found."""
-    from flowgrpo.import_graph import read_import_graph
-
-    pkg = tmp_path / "flowgrpo"
-    (pkg / "rewards").mkdir(parents=True)
-    (pkg / "toy").mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "rewards" / "__init__.py").write_text("import importlib\nimportlib.import_module('flowgrpo.toy.r')\n")
-    (pkg / "rewards" / "a.py").write_text("from .b import x\n")
-    (pkg / "rewards" / "b.py").write_text("def f():\n    from .a import _y\n")
-    (pkg / "toy" / "__init__.py").write_text("")
-    (pkg / "toy" / "r.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..rewards import a\n")
-    graph = read_import_graph(pkg)
-    assert graph.cycles() == [["flowgrpo.rewards.a", "flowgrpo.rewards.b"]]
-    assert graph.layer_violations() == [("flowgrpo.rewards", "flowgrpo.toy.r")]
-    assert graph.private_imports() == [("flowgrpo.rewards.b", "flowgrpo.rewards.a", "_y")]
+def _lint_imports(*args: str, src: Path = REPO / "src") -> subprocess.CompletedProcess:
+    """``lint-imports`` with pyproject.toml's contracts over the package found in ``src``."""
+    env = {"PYTHONPATH": f"{src}:{REPO / 'tests'}", "PATH": "/usr/bin:/bin", "NO_COLOR": "1", "COLUMNS": "400"}
+    return subprocess.run([str(Path(sys.executable).parent / "lint-imports"), "--config", str(REPO / "pyproject.toml"),
+                           "--no-cache", "--no-logo", *args], capture_output=True, text=True, env=env, timeout=120)
 
 
-@pytest.mark.parametrize("name", ["flow_grpo", "diffusion_nft", "awm", "diffusion_dpo", "dgpo", "crd"])
+def test_the_import_contracts_hold():
+    """pyproject.toml's import-linter contracts: the layers (the core imports no tooling), the command line free of
+    flowgrpo.testing, no circle of imports between modules, and the planner, the command line, the health guards and
+    the rollout backends free of flowgrpo.trainer.algorithms (they ask the algorithm's spec)."""
+    out = _lint_imports()
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Contracts: 4 kept, 0 broken." in out.stdout, out.stdout
+
+
+def test_the_import_contracts_catch_each_broken_rule(tmp_path):
+    """A copy of the package with bad imports (each inside a function: they count too) breaks every contract: a core
+    module importing the toy world, the command line reaching flowgrpo.testing through flowgrpo.toy, two modules
+    importing each other, and the health guards importing an algorithm."""
+    import shutil
+
+    package = tmp_path / "flowgrpo"
+    shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__", "shipped_world", "model_configs"))
+    probes = {"trainer/seeds.py": "from ..toy import world", "cli/lora.py": "from ..toy import build",
+              "build_cache.py": "from . import cpu_threads", "cpu_threads.py": "from . import build_cache",
+              "trainer/health/alarms.py": "from ..algorithms import flow_grpo_loss"}
+    for path, line in probes.items():
+        with open(package / path, "a", encoding="utf-8") as f:
+            f.write(f"\n\ndef _probe():\n    {line}\n")
+    out = _lint_imports(src=tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Contracts: 0 kept, 4 broken." in out.stdout, out.stdout
+    for text in ("flowgrpo.trainer is not allowed to import flowgrpo.toy",
+                 "flowgrpo.trainer.health is not allowed to import flowgrpo.trainer.algorithms",
+                 "flowgrpo.cli is not allowed to import flowgrpo.testing",
+                 "flowgrpo.cli.lora -> flowgrpo.toy.build",
+                 "Circle of 2 modules: flowgrpo.build_cache, flowgrpo.cpu_threads"):
+        assert text in out.stdout, (text, out.stdout)
+
+
+def _trainer_names() -> list[str]:
+    from flowgrpo.trainer.registry import TRAINERS
+
+    return list(TRAINERS)
+
+
+@pytest.mark.parametrize("name", _trainer_names())
 def test_every_trainer_is_one_line_of_inheritance_down_to_transformers_trainer(name):
     from transformers import Trainer
 
@@ -110,43 +131,6 @@ def test_config_docstrings_list_every_field_grouped_by_concern(config):
     assert len(headings) >= 5 and headings[-1].startswith("The other fields of `transformers.TrainingArguments`")
 
 
-def test_reward_modules_are_plugins_and_the_core_reward_package_names_none():
-    import flowgrpo.rewards as rewards
-    from flowgrpo.rewards.registry import BUILTIN_REWARD_MODULES
-
-    setup = (REPO / "setup.py").read_text()
-    declared = re.search(r"BUILTIN_REWARD_MODULES = \(([^)]*)\)", setup).group(1)
-    assert tuple(re.findall(r'"([a-z_0-9]+)"', declared)) == BUILTIN_REWARD_MODULES
-    assert "toy = flowgrpo.toy.rewards" in setup and "toy_hackable = flowgrpo.toy.hackable" in setup
-    source = (PACKAGE / "rewards" / "__init__.py").read_text()
-    assert "toy" not in source.replace("the toy world's", "")
-    assert {"ocr", "toy_shape", "toy_area"} <= set(rewards.list_rewards())
-
-
-def test_a_third_party_package_adds_a_reward_by_entry_point(tmp_path):
-    """A distribution on the path that declares ``flowgrpo.rewards`` entry points (a module and a callable) adds its
-    rewards; a broken one is skipped with a warning naming it, and the built-in rewards still load."""
-    site = tmp_path / "site"
-    dist = site / "flowgrpo_extra_rewards-0.1.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flowgrpo-extra-rewards\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(
-        "[flowgrpo.rewards]\nextra_module = extra_rewards\nextra_callable = extra_rewards:half\n"
-        "broken = extra_rewards_missing\n")
-    (site / "extra_rewards.py").write_text(
-        "from flowgrpo.rewards import register_reward\n\n"
-        "@register_reward('extra_ones')\ndef ones(prompts, images, **columns):\n    return [1.0] * len(images)\n\n"
-        "def half(prompts, images, **columns):\n    return [0.5] * len(images)\n")
-    code = ("import flowgrpo.rewards as r\n"
-            "print(r.get_reward('extra_ones')(['p'], [None]), r.get_reward('extra_callable')(['p'], [None]),"
-            " 'ocr' in r.list_rewards())\n")
-    env = {"PYTHONPATH": f"{site}{':'}{REPO / 'src'}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[1.0] [0.5] True"
-    assert "broken = extra_rewards_missing" in out.stderr and "skipped" in out.stderr
-
-
 def test_architecture_page_names_only_paths_that_exist():
     text = (REPO / "docs" / "architecture.md").read_text()
     paths = set(re.findall(r"`((?:src|tests|scripts|recipes|docs|accelerate_configs)/[A-Za-z0-9_./-]+)`", text))
@@ -175,11 +159,14 @@ def test_architecture_page_names_only_paths_that_exist():
 
 def test_configurations_import_without_models_or_diffusers():
     """`--help` and recipe checks import the configurations only: no diffusers, no model code (the light constants of
-    flowgrpo.schedulers, e.g. SA-Solver's defaults, are fine)."""
+    flowgrpo.schedulers, e.g. SA-Solver's defaults, are fine); the training run's module imports nothing of
+    flowgrpo.testing or flowgrpo.toy (their model folders are plugins)."""
     code = ("import sys\nfrom flowgrpo.trainer.registry import TRAINERS, config_class\n"
             "[config_class(name) for name in TRAINERS]\nimport flowgrpo.cli.parser\n"
-            "print(sorted(m for m in ('diffusers', 'flowgrpo.models.base', 'flowgrpo.schedulers.sde_step') if m in sys.modules))")
+            "print(sorted(m for m in ('diffusers', 'flowgrpo.models.base', 'flowgrpo.schedulers.sde_step') if m in sys.modules))\n"
+            "import flowgrpo.cli.train\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('flowgrpo.testing', 'flowgrpo.toy'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.split() == ["[]", "[]"], out.stdout

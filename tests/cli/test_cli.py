@@ -188,6 +188,34 @@ def test_tiny_pipeline_is_built_in_place_when_missing(tmp_path):
     assert type(DiffusionPipeline.from_pretrained(path)).__name__ == "StableDiffusion3Pipeline"
 
 
+def test_model_folders_are_plugins_found_by_name(tmp_path, capsys):
+    """build_tiny_pipeline_if_missing's builders are the "flowgrpo.model_folders" entry points (setup.py declares
+    the package's table): a misspelt name gets the closest ones; the toy world's builder copies the world in place and
+    prepares runs on it (its caption truncation notices quieted)."""
+    import logging
+    from importlib.metadata import entry_points
+
+    from flowgrpo.cli.model_folders import BUILTIN_MODEL_FOLDERS, model_folder_builder
+    from flowgrpo.cli.train import _prepare_toy_world_run, prepare_model_path
+
+    installed = {ep.name: ep.value for ep in entry_points(group="flowgrpo.model_folders") if ep.dist.name == "flowgrpo"}
+    assert installed == BUILTIN_MODEL_FOLDERS, "setup.py's model folders differ from the package's (or: make install)"
+    with pytest.raises(RecipeError, match="did you mean 'wan_i2v'"):
+        model_folder_builder("wan_i2")
+    with pytest.raises(ValueError, match="did you mean 'flux2_klein'"):  # the recipe's check, before any work
+        ModelArguments(model_name_or_path=str(tmp_path / "m"), build_tiny_pipeline_if_missing="flux2_klien")
+    target = tmp_path / "world"
+    path = prepare_model_path(ModelArguments(model_name_or_path=str(target), build_tiny_pipeline_if_missing="toy"))
+    assert f"[flowgrpo] preparing the toy world (seed 0) in {target}" in capsys.readouterr().out
+    assert (Path(path) / "model_index.json").is_file() and (Path(path) / "toy_world.json").is_file()
+    sd3_log = logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3")
+    toy_filters = lambda: [f for f in sd3_log.filters if type(f).__name__ == "_ToyT5TruncationFilter"]  # noqa: E731
+    for f in toy_filters():  # installed by an earlier test of this process: start without it
+        sd3_log.removeFilter(f)
+    _prepare_toy_world_run(ScriptArguments(dataset_name=str(target / "prompts_train.txt")), path)
+    assert len(toy_filters()) == 1
+
+
 def test_prompts_inside_a_model_folder_to_build_are_read_after_building(tmp_path):
     from flowgrpo.cli.train import _prompts_come_with_model
 
@@ -313,7 +341,7 @@ def test_demo_launch_line():
 def test_launch_script_drops_only_the_notices_of_unused_features():
     import logging
 
-    import flowgrpo.cli  # noqa: F401  (installs the filters on import)
+    import flowgrpo  # noqa: F401  (installs the filters on import)
     from flowgrpo.cli.notices import QUIET_NOTICES, NoticeFilter, quiet_library_notices
 
     quiet_library_notices()

@@ -11,10 +11,10 @@ pipeline (one trained noise level, one group of four images split over the two r
 and gathers join samples of one group; a LoRA initialised away from zero, so that the policy differs from the base
 from the start), recorded under ``<case>/<trainer>``. Rank ``r`` writes ``DIR/rank<r>.json``.
 
-With ``--new_methods PIPELINE --teacher_lora DIR`` the same launch then trains, on that pipeline, the newer methods
-(recorded as cases ``new:dppo_branch`` and ``new:opd``): Flow-GRPO with Flow-DPPO's trust region and BranchGRPO
-trees of 4 leaves split over the two ranks (each rank samples and trains its own half of every tree), and
-on-policy distillation from the teacher LoRA.
+With ``--dppo_branch_opd PIPELINE --teacher_lora DIR`` the same launch then trains, on that pipeline, Flow-DPPO,
+BranchGRPO and on-policy distillation (recorded as cases ``new:dppo_branch`` and ``new:opd``): Flow-GRPO with
+Flow-DPPO's trust region and BranchGRPO trees of 4 leaves split over the two ranks (each rank samples and trains
+its own half of every tree), and on-policy distillation from the teacher LoRA.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def main() -> None:
     parser.add_argument("--pipelines", required=True, help="JSON {case name: tiny pipeline folder}")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--trainers", default="[]", help="JSON list of further trainer names (the registry's)")
-    parser.add_argument("--new_methods", default=None, help="a tiny pipeline to train the newer methods on")
-    parser.add_argument("--teacher_lora", default=None, help="the teacher LoRA of --new_methods' distillation")
+    parser.add_argument("--dppo_branch_opd", default=None,
+                        help="a tiny pipeline to train Flow-DPPO, BranchGRPO and on-policy distillation on")
+    parser.add_argument("--teacher_lora", default=None, help="the teacher LoRA of --dppo_branch_opd's distillation")
     cli = parser.parse_args()
 
     from datasets import Dataset
@@ -122,7 +123,7 @@ def main() -> None:
             trainer.add_callback(Recorder(trainer, records[f"{case.name}/{kind}"]))
             trainer.train()
             trainer.reward_set.close()
-    if cli.new_methods:
+    if cli.dppo_branch_opd:
         from support.family_cases import PROMPTS
 
         common = dict(report_to=[], resolution=32, num_inference_steps=3, eval_num_inference_steps=3,
@@ -137,7 +138,7 @@ def main() -> None:
         }
         for name, (config_cls, trainer_cls, own) in runs.items():
             args = config_cls(output_dir=str(out / name.replace(":", "_")), **common, **own)
-            trainer = trainer_cls(model=cli.new_methods, reward_funcs=brightness_reward, args=args,
+            trainer = trainer_cls(model=cli.dppo_branch_opd, reward_funcs=brightness_reward, args=args,
                                   train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                                   peft_config=LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian"))
             rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes

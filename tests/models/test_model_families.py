@@ -552,7 +552,7 @@ def test_two_ranks_train_every_family(tiny_pipeline_path, tiny_sd3_path, tmp_pat
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_ddp.yaml",
            "tests/distributed/families_ddp_worker.py", "--pipelines", json.dumps(paths), "--output_dir", str(tmp_path),
            "--trainers", json.dumps(list(FURTHER_TRAINERS)),
-           "--new_methods", str(tiny_sd3_path), "--teacher_lora", str(teacher_lora_folder(tiny_sd3_path))]
+           "--dppo_branch_opd", str(tiny_sd3_path), "--teacher_lora", str(teacher_lora_folder(tiny_sd3_path))]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -585,7 +585,7 @@ def test_two_ranks_train_every_family(tiny_pipeline_path, tiny_sd3_path, tmp_pat
         a, b = r0["cases"][f"{case.name}/dgpo"], r1["cases"][f"{case.name}/dgpo"]
         assert a[1]["logs"]["dgpo/group_score"] == pytest.approx(b[1]["logs"]["dgpo/group_score"], rel=1e-5)
         assert a[1]["logs"]["dgpo/group_score"] != 0.0, case.name
-    # The newer methods on the tiny SD3 pipeline, same launch: each tree of 4 leaves is split over the two ranks.
+    # Flow-DPPO, BranchGRPO and on-policy distillation on the tiny SD3 pipeline, same launch: each tree of 4 leaves is split over the two ranks.
     for name in ("new:dppo_branch", "new:opd"):
         a, b = r0["cases"][name], r1["cases"][name]
         assert [x["step"] for x in a] == [x["step"] for x in b] == [0, 1, 2], name

@@ -3,10 +3,10 @@ restructured: a digest of the trained weights and the logged metrics.
 
 Each run goes through the launch script (``flowgrpo.cli.train.main``) on the shipped toy world: two optimizer steps of
 16 images, a checkpoint at step 1, and the final evaluation on two prompts. ``tests/trainer/test_behaviour_unchanged.py``
-compares a fresh run with the record in ``tests/trainer/data/behaviour_record.json``; to record again (only when a
+compares a fresh run with the record in ``tests/trainer/behaviour_data/behaviour_record.json``; to record again (only when a
 change of behaviour is intended, said in the commit):
 
-    PYTHONPATH=src python tests/support/behaviour_runs.py --record tests/trainer/data/behaviour_record.json
+    PYTHONPATH=src python tests/support/behaviour_runs.py --record tests/trainer/behaviour_data/behaviour_record.json
 
 The record holds, per run, the SHA-256 of the exported LoRA's tensors (exact; compared where the CPU kernels are the
 ones it was recorded with, ``torch.backends.cpu.get_cpu_capability()``), a projection of the same tensors on 8 fixed
@@ -41,7 +41,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
                                                      *SMALL_LORA]),
     "resume_diffusion_nft": ("recipes/toy_nft_fast.yaml", SMALL_LORA),
 }
-#: the runs whose checkpoint-1 is kept, in tests/trainer/data/checkpoints/<run>/checkpoint-1
+#: the runs whose checkpoint-1 is kept, in tests/trainer/behaviour_data/checkpoints/<run>/checkpoint-1
 RESUMED_RUNS = ("resume_flow_grpo_guards", "resume_diffusion_nft")
 COMMON = ["--max_steps", "2", "--per_device_train_batch_size", "16", "--logging_steps", "1",
           "--eval_images_per_prompt", "1", "--eval_num_inference_steps", "4", "--per_device_eval_batch_size", "2",

@@ -1,6 +1,6 @@
 """scripts/opd_demo.py without training: the leaderboard's distillation runs read as the demo's students, the refusal
 of runs evaluated differently, and the table. (Training the experts and students is minutes of CPU: the trainer
-itself is tested in tests/trainer/test_opd_trainer.py and tests/toy/test_new_methods_toy.py.)"""
+itself is tested in tests/trainer/algorithms/test_opd_trainer.py and tests/toy/test_toy_dppo_branch_opd_learning.py.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Every trainer trains exactly as recorded: the same weights and the same logged metrics after two steps on the
 toy world, and a checkpoint written by the recorded code resumes to the same weights.
 
-The record (``data/behaviour_record.json``) and the checkpoints (``data/checkpoints/``) were written by
+The record (``behaviour_data/behaviour_record.json``) and the checkpoints (``behaviour_data/checkpoints/``) were written by
 ``tests/support/behaviour_runs.py`` before the trainer was restructured into its parts; a restructuring or any other
 change that is meant to keep behaviour must keep them. Weights are compared exactly (SHA-256 of the exported LoRA)
 where the CPU kernels are those of the record, and through 8 random projections within a relative 1e-4 elsewhere
@@ -18,7 +18,7 @@ import pytest
 import torch
 from support.behaviour_runs import RESUMED_RUNS, RUNS, cpu_capability, run_one
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent / "behaviour_data"
 RECORD = json.loads((DATA / "behaviour_record.json").read_text())
 FIX = ("the trainer no longer trains as recorded. If the change of behaviour is intended, record again "
        "(tests/support/behaviour_runs.py --record ...) and say why in the commit.")

@@ -7,12 +7,8 @@
 ``src/train.py`` is ``flowgrpo.cli.main()``.
 """
 
-from .notices import quiet_library_notices
-
-quiet_library_notices()  # before transformers, peft and bitsandbytes are imported below
-
-from .arguments import DEFAULT_LORA_TARGET_MODULES, LORA_INITS, ModelArguments, ScriptArguments  # noqa: E402
-from .parser import RecipeError, load_recipe, parse_recipe  # noqa: E402
+from .arguments import DEFAULT_LORA_TARGET_MODULES, LORA_INITS, ModelArguments, ScriptArguments
+from .parser import RecipeError, load_recipe, parse_recipe
 
 __all__ = [
     "DEFAULT_LORA_TARGET_MODULES",

@@ -1,5 +1,5 @@
-"""Argument groups of the launch script besides the trainer's configuration (`FlowGRPOConfig` or
-`DiffusionNFTConfig`): the trainer and the data (`ScriptArguments`) and the model (`ModelArguments`).
+"""Argument groups of the launch script besides the trainer's configuration (that of the registry's trainer the recipe
+names): the trainer and the data (`ScriptArguments`) and the model (`ModelArguments`).
 
 Every field can be set in a recipe (YAML, flat keys) or on the command line (``--key value``); see
 :func:`flowgrpo.cli.parse_recipe`.
@@ -7,6 +7,7 @@ Every field can be set in a recipe (YAML, flat keys) or on the command line (``-
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
 from ..models import FAMILIES
@@ -107,13 +108,12 @@ class ModelArguments:
     )
     build_tiny_pipeline_if_missing: str | None = field(
         default=None,
-        metadata={"help": "A family of flowgrpo.testing.TINY_FAMILIES ('sd3', 'flux', 'qwenimage', 'wan', "
-                          "'flux_kontext', 'qwenimage_edit', 'flux2_klein', 'zimage', 'flux2', "
-                          "'qwenimage_edit_plus', 'qwenimage21') or 'toy': when model_name_or_path is a local folder that "
-                          "does not exist yet, build it there first: the offline tiny random-weight pipeline of that "
-                          "family "
-                          "(flowgrpo.testing), or the pretrained toy world (flowgrpo.toy, a few CPU minutes). For the "
-                          "CPU recipes; leave unset for real models."},
+        metadata={"help": "A model family of flowgrpo.models.FAMILIES ("
+                          + ", ".join(f"'{family}'" for family in FAMILIES)
+                          + ") or 'toy': when model_name_or_path is a local folder that does not exist yet, build it "
+                          "there first: the offline tiny random-weight pipeline of that family (flowgrpo.testing), or "
+                          "the pretrained toy world (flowgrpo.toy, a few CPU minutes). For the CPU recipes; leave unset "
+                          "for real models."},
     )
     tiny_pipeline_seed: int = field(
         default=0, metadata={"help": "Seed of the tiny pipeline built by build_tiny_pipeline_if_missing."},
@@ -132,12 +132,21 @@ class ModelArguments:
     lora_target_modules: list[str] | None = field(
         default=None,
         metadata={"help": "Module names (or suffixes) that get a LoRA. Default: the model family's attention "
-                          "projections, chosen by the trainer once it knows the family: " +
-                          ", ".join(DEFAULT_LORA_TARGET_MODULES) + " (SD3, FLUX, Kontext, Qwen-Image, Qwen-Image-Edit); "
-                          "to_q, to_k, to_v and to_out.0 of attn1 and attn2 (Wan; on each expert of Wan 2.2 A14B)."},
+                          "projections (its adapter's default_lora_target_modules), chosen by the trainer once it "
+                          "knows the family; e.g. " + ", ".join(DEFAULT_LORA_TARGET_MODULES) + " for SD3 and the "
+                          "other MMDiT families, to_q, to_k, to_v and to_out.0 of attn1 and attn2 for Wan (on each "
+                          "expert of Wan 2.2 A14B)."},
     )
     lora_init: str = field(
         default="gaussian",
         metadata={"help": "LoRA initialisation (peft's init_lora_weights): " + ", ".join(LORA_INITS) + ". 'gaussian' "
                           "(Flow-GRPO) and 'default' start as the identity (B = 0)."},
     )
+
+    def __post_init__(self):
+        family = self.build_tiny_pipeline_if_missing
+        if family is not None and family not in TINY_PIPELINE_FAMILIES:
+            close = difflib.get_close_matches(str(family), TINY_PIPELINE_FAMILIES, n=3)
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+            raise ValueError(f"build_tiny_pipeline_if_missing={family!r} is not a tiny pipeline family; {hint}choose "
+                             f"one of {list(TINY_PIPELINE_FAMILIES)}, or leave it unset for real models.")

@@ -1,7 +1,7 @@
 """The training run behind ``src/train.py``: recipe -> datasets -> pipeline -> trainer -> LoRA (+ Hub).
 
-The recipe's ``trainer`` key picks the trainer: ``flow_grpo`` (default, `FlowGRPOTrainer`) or ``diffusion_nft``
-(`DiffusionNFTTrainer`); both are built with the same arguments.
+The recipe's ``trainer`` key picks the trainer, one of the trainer registry's (``flowgrpo.trainer.registry.TRAINERS``;
+``flow_grpo``, `FlowGRPOTrainer`, by default); every trainer is built with the same arguments.
 
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml src/train.py recipes/tiny_cpu.yaml --max_steps 2
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .arguments import ModelArguments, ScriptArguments
-from .notices import quiet_library_notices
+from .model_folders import TOY_WORLD_MARKER, model_folder_builder
 from .parser import RecipeError, check_training_hardware, parse_recipe
 from .rank_log import RANK_LOG_ENV, RankLogCallback
 
@@ -39,12 +39,12 @@ def prepare_model_path(model_args: ModelArguments, training_args: Any = None) ->
     """The pipeline to load: checks a local folder exists, or builds the tiny pipeline there when asked.
 
     With ``build_tiny_pipeline_if_missing`` set and no pipeline at ``model_name_or_path``, the local main process
-    writes the tiny pipeline of that family (``flowgrpo.testing.save_tiny_pipeline``), or copies the toy world from
-    its cache (``flowgrpo.toy.build.cached_toy_world``, built there on first use and shared with the tests and
-    benchmarks), while the other processes wait. The folder is written beside its target and renamed into place
+    builds the folder with the builder of that name (`flowgrpo.cli.model_folders`: the tiny pipeline of a family,
+    ``flowgrpo.testing.save_tiny_pipeline``, or a copy of the toy world from its cache,
+    ``flowgrpo.toy.build.cached_toy_world``, built there on first use and shared with the tests and benchmarks),
+    while the other processes wait. The folder is written beside its target and renamed into place
     (``flowgrpo.build_cache``), so an interrupted build is never mistaken for a pipeline.
     """
-    quiet_library_notices()
     name = str(model_args.model_name_or_path)
     path = Path(name).expanduser()
     family = model_args.build_tiny_pipeline_if_missing
@@ -59,31 +59,36 @@ def prepare_model_path(model_args: ModelArguments, training_args: Any = None) ->
         raise RecipeError(f"{name!r} exists but holds no diffusers pipeline (no model_index.json); remove it or "
                           "point model_name_or_path elsewhere so the tiny pipeline can be built there.")
 
-    from contextlib import nullcontext
-
     from ..build_cache import build_folder_once
 
+    builder = model_folder_builder(family)
     seed = model_args.tiny_pipeline_seed
 
     def build(target: Path) -> None:
-        if family == "toy":
-            import shutil
+        print(f"[flowgrpo] {builder.describe(family, seed)} in {path}", flush=True)
+        builder.build(family, target, seed)
 
-            from ..toy.build import cached_toy_world
-
-            print(f"[flowgrpo] preparing the toy world (seed {seed}) in {path}", flush=True)
-            shutil.copytree(cached_toy_world("full", seed=seed), target)
-        else:
-            from ..testing import save_tiny_pipeline
-
-            print(f"[flowgrpo] building the tiny {family} pipeline (seed {seed}) in {path}", flush=True)
-            save_tiny_pipeline(family, target, seed=seed)
-
-    context = training_args.main_process_first(local=True, desc="building the tiny pipeline") \
-        if training_args is not None else nullcontext()
-    with context:
+    with _main_process_first(training_args, "building the tiny pipeline"):
         build_folder_once(path, build, what="model folder")
     return str(path)
+
+
+def _main_process_first(training_args: Any, desc: str):
+    """The local main process first, the others after it (no launch: just run)."""
+    from contextlib import nullcontext
+
+    return training_args.main_process_first(local=True, desc=desc) if training_args is not None else nullcontext()
+
+
+def _prepare_toy_world_run(script_args: ScriptArguments, model: str, training_args: Any = None) -> None:
+    """A toy world (a folder holding ``toy_world.json``, whatever built it) is prepared by the ``toy`` builder before
+    a run reads its datasets: its preference pairs (``<world>/dpo_pairs/train.jsonl`` of ``recipes/toy_dpo.yaml``)
+    written on first use, its caption truncation notices quieted (it reads a caption's first tokens by design)."""
+    folder = Path(str(model))
+    if not (folder / TOY_WORLD_MARKER).is_file():
+        return
+    model_folder_builder("toy").prepare_run(folder, [script_args.dataset_name],
+                                            lambda desc: _main_process_first(training_args, desc))
 
 
 def _check_eval_settings(training_args: Any, eval_dataset: Any) -> None:
@@ -105,30 +110,6 @@ def _prompts_come_with_model(script_args: ScriptArguments, model_args: ModelArgu
         if name and Path(name).expanduser().resolve().is_relative_to(model_dir):
             return True
     return False
-
-
-def _prepare_toy_dpo_pairs(script_args: ScriptArguments, model: str, training_args: Any = None) -> None:
-    """A toy world's preference pairs (``<world>/dpo_pairs/train.jsonl``, ``recipes/toy_dpo.yaml``) are written on
-    first use by the local main process (``flowgrpo.toy.dpo_pairs``) while the others wait, like the world itself."""
-    world = Path(str(model))
-    pairs = world / "dpo_pairs"
-    name = script_args.dataset_name
-    if not name or not (world / "toy_world.json").is_file() or \
-            Path(name).expanduser().resolve() != (pairs / "train.jsonl").resolve() or (pairs / "train.jsonl").is_file():
-        return
-    from contextlib import nullcontext
-
-    from ..build_cache import build_folder_once
-    from ..toy.dpo_pairs import make_toy_dpo_pairs
-
-    def build(target: Path) -> None:
-        print(f"[flowgrpo] writing the toy world's preference pairs to {pairs}", flush=True)
-        make_toy_dpo_pairs(world, target)
-
-    context = training_args.main_process_first(local=True, desc="writing the preference pairs") \
-        if training_args is not None else nullcontext()
-    with context:
-        build_folder_once(pairs, build, marker="train.jsonl", what="preference pairs folder")
 
 
 def _hub_dataset_name(script_args: ScriptArguments) -> str | None:
@@ -153,19 +134,13 @@ def run(script_args: ScriptArguments, model_args: ModelArguments, training_args:
     if _prompts_come_with_model(script_args, model_args):
         # the toy world writes its prompt files next to the pipeline: build it before reading them
         model = prepare_model_path(model_args, training_args)
-        _prepare_toy_dpo_pairs(script_args, model, training_args)
+        _prepare_toy_world_run(script_args, model, training_args)
         train_dataset, eval_dataset = load_prompt_dataset(script_args)
     else:
         train_dataset, eval_dataset = load_prompt_dataset(script_args)
         model = prepare_model_path(model_args, training_args)
+        _prepare_toy_world_run(script_args, model, training_args)
     _check_eval_settings(training_args, eval_dataset)
-    metadata = Path(str(model), "toy_world.json")
-    if metadata.is_file():  # the toy world reads the first T5 tokens of a caption by design: no warning per prompt
-        import json
-
-        from ..toy.build import quiet_toy_truncation_warnings
-
-        quiet_toy_truncation_warnings(json.loads(metadata.read_text())["generation"]["max_sequence_length"])
 
     from ..trainer.registry import trainer_class
 
@@ -202,7 +177,6 @@ def run(script_args: ScriptArguments, model_args: ModelArguments, training_args:
 def main(argv: Sequence[str] | None = None) -> Any:
     """``src/train.py``: parse ``argv`` (default ``sys.argv[1:]``) and run. Recipe mistakes exit with status 2 and a
     one-paragraph message instead of a traceback."""
-    quiet_library_notices()
     try:
         script_args, model_args, training_args = parse_recipe(list(argv) if argv is not None else None)
         return run(script_args, model_args, training_args)

@@ -1,9 +1,10 @@
 """Rewards: a registry of reward functions, the built-in rewards, and their weighted composition.
 
 A reward is called as ``fn(prompts, images, **columns) -> list[float | None]`` (see `registry`).
-Importing this package registers every reward of the ``flowgrpo.rewards`` entry points (`plugins`: the built-in
-rewards, the toy world's and third-party ones) without loading their heavy dependencies (OCR engines, CLIP models);
-those load when a reward is first called.
+The rewards are plugins of the ``flowgrpo.rewards`` entry points (the built-in rewards, the toy world's and
+third-party ones): importing this package imports none of their modules; a reward's module is imported when the
+reward is first asked for (`get_reward`, `resolve_reward_funcs`) or the rewards are listed (`list_rewards`), and its
+heavy dependencies (OCR engines, CLIP models) when it is first called.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from .composition import (
     reward_statistics,
 )
 from .failures import RewardFailedError
-from .registry import get_reward, list_rewards, register_reward
+from .registry import get_reward, has_reward, list_rewards, register_reward
 
 __all__ = [
     "register_reward",
     "get_reward",
+    "has_reward",
     "list_rewards",
     "resolve_reward_funcs",
     "RewardSet",
@@ -39,9 +41,3 @@ __all__ = [
     "accepts_audio",
     "AUDIO_COLUMNS",
 ]
-
-# Every reward module registers itself through the `flowgrpo.rewards` entry points (registry.py): the built-in ones,
-# the toy world's, and any third-party package's.
-from .registry import load_reward_plugins  # noqa: E402
-
-load_reward_plugins()

@@ -72,7 +72,7 @@ from typing import Any
 
 from .failures import collect_failed_samples, resolve_on_failure
 from .placement import scoring_on_device, supports_offload
-from .registry import get_reward, list_rewards
+from .registry import get_reward, has_reward
 
 logger = logging.getLogger(__name__)
 
@@ -429,10 +429,9 @@ def resolve_reward_funcs(
                 raise ValueError(f"reward weight {w!r} is not a finite number")
         weights = [float(w) for w in weights]
 
-    # Unknown registry names fail before anything is instantiated.
-    known = set(list_rewards())
+    # Unknown registry names fail before anything is instantiated (importing only the plugins that provide them).
     for s in specs:
-        if isinstance(s, str) and ":" not in s and s not in known:
+        if isinstance(s, str) and ":" not in s and not has_reward(s):
             get_reward(s)  # raises ValueError listing the registered names
 
     # Names before instantiation, so that kwargs can be matched and errors come before any model loads.

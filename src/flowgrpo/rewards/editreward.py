@@ -49,6 +49,8 @@ from PIL import Image
 from .composition import RewardOutput
 from .edit_inputs import source_images
 from .hpsv3 import smart_resize
+from .hub_files import read_state_dict
+from .qwen2vl_checkpoints import convert_qwen2vl_keys, load_exact_state
 from .registry import register_reward
 from .vlm_models import VLMReward, as_rgb, cached_vlm, chat_content_text, load_vlm_processor
 
@@ -239,25 +241,8 @@ def convert_editreward_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
         ValueError: a key of neither layout, e.g. a single-head checkpoint (``rm_head.*``), which this reward does not
             score.
     """
-    converted: dict[str, Any] = {}
-    unknown = []
-    for key, value in state.items():
-        if key == "lm_head.weight":
-            continue
-        if key.startswith(("model.language_model.", "model.visual.", "rm_heads.")):
-            new = key
-        elif key.startswith("visual."):
-            new = "model." + key
-        elif key.startswith("model."):
-            new = "model.language_model." + key[len("model."):]
-        else:
-            unknown.append(key)
-            continue
-        converted[new] = value
-    if unknown:
-        raise ValueError(f"not a two-head EditReward checkpoint: unexpected keys {sorted(unknown)[:8]} (expected "
-                         f"model.*, rm_heads.head_0/1.* and lm_head.weight)")
-    return converted
+    return convert_qwen2vl_keys(state, ("rm_heads.",), checkpoint="a two-head EditReward",
+                                expected="model.*, rm_heads.head_0/1.* and lm_head.weight")
 
 
 def _checkpoint_file(name_or_path: str) -> Path:
@@ -289,17 +274,7 @@ def _checkpoint_file(name_or_path: str) -> Path:
 def load_editreward_state_dict(name_or_path: str) -> dict[str, Any]:
     """The checkpoint's tensors (``.safetensors``, or a ``torch.load`` file, optionally under ``"model"``, as the
     official inferencer reads them)."""
-    import torch
-
-    file = _checkpoint_file(name_or_path)
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(file))
-    state = torch.load(file, map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
-    return dict(state)
+    return read_state_dict(_checkpoint_file(name_or_path))
 
 
 def load_editreward(model_name_or_path: str, base_model_name_or_path: str, device: Any, dtype: Any
@@ -329,12 +304,8 @@ def load_editreward(model_name_or_path: str, base_model_name_or_path: str, devic
     output_dim = int(state["rm_heads.head_0.5.weight"].shape[0]) if "rm_heads.head_0.5.weight" in state else 2
     with init_empty_weights(include_buffers=False):
         model = build_editreward_model(config, reward_id, NUM_HEADS, output_dim)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(f"{model_name_or_path}: the EditReward checkpoint does not fit the model built from "
-                         f"{base_model_name_or_path!r}: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    model.load_state_dict(state, strict=True, assign=True)
+    load_exact_state(model, state, checkpoint=f"{model_name_or_path}: the EditReward checkpoint",
+                     base_model=base_model_name_or_path)
     model.model.to(dtype)
     model.rm_heads.float()
     model.to(device).eval().requires_grad_(False)

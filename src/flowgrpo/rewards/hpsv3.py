@@ -35,6 +35,8 @@ from typing import Any
 
 from PIL import Image
 
+from .hub_files import read_state_dict
+from .qwen2vl_checkpoints import convert_qwen2vl_keys, load_exact_state
 from .registry import register_reward
 from .vlm_models import VLMReward, as_rgb, cached_vlm, chat_text, load_vlm_processor, vlm_batch
 
@@ -190,25 +192,8 @@ def convert_hpsv3_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: a key of neither layout (the message lists a few).
     """
-    converted: dict[str, Any] = {}
-    unknown = []
-    for key, value in state.items():
-        if key == "lm_head.weight":
-            continue
-        if key.startswith(("model.language_model.", "model.visual.", "rm_head.")):
-            new = key
-        elif key.startswith("visual."):
-            new = "model." + key
-        elif key.startswith("model."):
-            new = "model.language_model." + key[len("model."):]
-        else:
-            unknown.append(key)
-            continue
-        converted[new] = value
-    if unknown:
-        raise ValueError(f"not an HPSv3 checkpoint: unexpected keys {sorted(unknown)[:8]} (expected model.*, "
-                         f"visual.*, rm_head.* and lm_head.weight)")
-    return converted
+    return convert_qwen2vl_keys(state, ("rm_head.",), checkpoint="an HPSv3",
+                                expected="model.*, visual.*, rm_head.* and lm_head.weight")
 
 
 def _checkpoint_file(name_or_path: str) -> Path:
@@ -232,17 +217,7 @@ def _checkpoint_file(name_or_path: str) -> Path:
 
 def load_hpsv3_state_dict(name_or_path: str) -> dict[str, Any]:
     """The checkpoint's tensors (``.safetensors``, or a ``torch.load`` file, optionally under ``"model"``)."""
-    import torch
-
-    file = _checkpoint_file(name_or_path)
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(file))
-    state = torch.load(file, map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
-    return dict(state)
+    return read_state_dict(_checkpoint_file(name_or_path))
 
 
 def load_hpsv3(model_name_or_path: str, base_model_name_or_path: str, device: Any, dtype: Any) -> tuple[Any, Any]:
@@ -268,12 +243,8 @@ def load_hpsv3(model_name_or_path: str, base_model_name_or_path: str, device: An
     output_dim = int(state["rm_head.5.weight"].shape[0]) if "rm_head.5.weight" in state else 2
     with init_empty_weights(include_buffers=False):
         model = build_hpsv3_model(config, reward_id, output_dim)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(f"{model_name_or_path}: the HPSv3 checkpoint does not fit the model built from "
-                         f"{base_model_name_or_path!r}: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    model.load_state_dict(state, strict=True, assign=True)
+    load_exact_state(model, state, checkpoint=f"{model_name_or_path}: the HPSv3 checkpoint",
+                     base_model=base_model_name_or_path)
     model.model.to(dtype)
     model.rm_head.float()
     model.to(device).eval().requires_grad_(False)

@@ -1,10 +1,12 @@
-"""Finding a reward's weight file: a local file, a file in a local folder, or a file of a Hugging Face hub repo."""
+"""A reward's weight file: finding it (a local file, a file in a local folder, or a file of a Hugging Face hub repo)
+and reading its tensors."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-__all__ = ["resolve_model_file"]
+__all__ = ["read_state_dict", "resolve_model_file"]
 
 
 def resolve_model_file(name_or_path: str | Path, filename: str, what: str) -> Path:
@@ -33,3 +35,19 @@ def resolve_model_file(name_or_path: str | Path, filename: str, what: str) -> Pa
     from huggingface_hub import hf_hub_download
 
     return Path(hf_hub_download(repo_id=str(name_or_path), filename=filename))
+
+
+def read_state_dict(file: str | Path) -> dict[str, Any]:
+    """The tensors of a checkpoint file: a ``.safetensors`` file, or a ``torch.load`` file (``weights_only``) holding
+    the state dict itself or under ``"model"`` (as the official HPSv3 and EditReward inferencers read theirs)."""
+    import torch
+
+    file = Path(file)
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(file))
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    return dict(state)

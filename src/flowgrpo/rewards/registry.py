@@ -21,40 +21,45 @@ registered function with ``functools.partial``. Rewards register themselves when
 heavy dependencies (OCR engines, CLIP models, VLMs) load only when a reward is first called.
 
 Rewards are plugins: every reward module, built-in or third-party, is found through the Python entry-point group
-``flowgrpo.rewards``.
-
-An entry point names a module, whose import registers its rewards with `register_reward`::
+``flowgrpo.rewards`` and imported only when one of its rewards is asked for (`flowgrpo.plugins`). An entry point
+names a reward and the module whose import registers it (with `register_reward`)::
 
     # a third-party package's pyproject.toml
     [project.entry-points."flowgrpo.rewards"]
-    my_rewards = "my_package.rewards"          # registers with @register_reward("my_reward") at import
+    my_reward = "my_package.rewards"           # registers @register_reward("my_reward") at import
+    my_other_reward = "my_package.rewards"     # one line per reward of the module
 
 or a callable, registered under the entry point's name::
 
     [project.entry-points."flowgrpo.rewards"]
     my_reward = "my_package.rewards:my_reward"
 
-flowgrpo declares its own reward modules the same way (setup.py), the toy world's among them, so that
-``flowgrpo.rewards`` itself imports no reward module and nothing of ``flowgrpo.toy``. `load_reward_plugins` runs once,
-when ``flowgrpo.rewards`` is imported. A built-in module that fails to import raises; a third-party one is skipped
-with a warning that names it. Run from a source tree that was never installed (no entry points of flowgrpo's
-distribution), the built-in modules of `BUILTIN_REWARD_MODULES` are imported instead, without the toy world's.
+A module may also be declared once under any name (``my_rewards = "my_package.rewards"``, the earlier form): such a
+module is imported when a reward is not found among the entry points' names, and when the rewards are listed.
+
+flowgrpo declares its own rewards the same way (setup.py: one entry point per reward, the toy world's among them), so
+``import flowgrpo.rewards`` imports no reward module and nothing of ``flowgrpo.toy``. ``get_reward("pickscore")``
+imports ``flowgrpo.rewards.clip_scorers`` only; `list_rewards` and the "did you mean" of an unknown name import every
+plugin. A plugin that cannot be imported raises a `flowgrpo.plugins.PluginError` naming it when one of its rewards is
+asked for; listing skips it with a warning that names it. Run from a source tree that was never installed (no entry
+points of flowgrpo's distribution), the modules of `BUILTIN_REWARD_MODULES` stand in for them, without the toy
+world's.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 import logging
 import threading
 from collections.abc import Callable
-from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
 from typing import Any, TypeVar
 
-__all__ = ["BUILTIN_REWARD_MODULES", "ENTRY_POINT_GROUP", "get_reward", "list_rewards", "load_reward_plugins",
-           "register_reward"]
+from ..plugins import PluginError, PluginGroup
+
+__all__ = ["BUILTIN_REWARD_MODULES", "ENTRY_POINT_GROUP", "PLUGINS", "get_reward", "has_reward", "list_rewards",
+           "load_reward_plugins", "register_reward"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,15 +114,37 @@ def register_reward(name: str, *, overwrite: bool = False) -> Callable[[T], T]:
     return decorator
 
 
-def _ensure_builtins() -> None:
-    load_reward_plugins()  # cheap: the reward modules load their heavy dependencies lazily
-
-
 def list_rewards() -> list[str]:
-    """Sorted names of every registered reward."""
-    _ensure_builtins()
+    """Sorted names of every registered reward (imports every reward plugin; a broken one is skipped with a
+    warning)."""
+    load_reward_plugins()
     with _LOCK:
         return sorted(_REGISTRY)
+
+
+def has_reward(name: str) -> bool:
+    """Whether ``name`` is a reward, importing only the plugins that may provide it: the entry point of that name,
+    else the module-level entry points not imported yet (until one registers it).
+
+    Raises:
+        flowgrpo.plugins.PluginError: the entry point named ``name`` cannot be imported.
+    """
+    if _registered(name):
+        return True
+    if name in PLUGINS:
+        _load_plugin(name)  # a broken plugin of this very name: its error, naming it
+        if _registered(name):
+            return True
+    for other in PLUGINS.names():
+        if PLUGINS.is_loaded(other) or PLUGINS.entry_point(other).attr is not None:
+            continue  # a callable entry point provides its own name only
+        try:
+            _load_plugin(other)
+        except PluginError:
+            continue  # named when the rewards are listed, and in the unknown-name error
+        if _registered(name):
+            return True
+    return False
 
 
 def get_reward(name: str, **kwargs: Any) -> Callable[..., list[float | None]]:
@@ -128,19 +155,21 @@ def get_reward(name: str, **kwargs: Any) -> Callable[..., list[float | None]]:
 
     Raises:
         ValueError: unknown ``name``; the message lists the registered names and the closest match.
+        flowgrpo.plugins.PluginError: the plugin that declares ``name`` cannot be imported (the message names it).
     """
-    _ensure_builtins()
-    with _LOCK:
-        obj = _REGISTRY.get(name)
-        available = sorted(_REGISTRY)
-    if obj is None:
+    if not has_reward(name):
+        available = list_rewards()
         close = difflib.get_close_matches(str(name), available, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
+        broken = "".join(f" The plugin {failure.name} = {failure.value} could not be loaded and may provide it "
+                         f"({type(failure.error).__name__}: {failure.error})." for failure in PLUGINS.failures.values())
         raise ValueError(
             f"unknown reward {name!r}.{hint} Available rewards: {', '.join(available) or '(none)'}. "
             f"Custom rewards: pass a callable, a 'package.module:function' path, or register one with "
-            f"@flowgrpo.rewards.register_reward(name)."
+            f"@flowgrpo.rewards.register_reward(name).{broken}"
         )
+    with _LOCK:
+        obj = _REGISTRY[name]
     if isinstance(obj, type):
         return obj(**kwargs)
     if kwargs:
@@ -156,46 +185,46 @@ ENTRY_POINT_GROUP = "flowgrpo.rewards"
 BUILTIN_REWARD_MODULES = ("ocr", "jpeg", "clip_scorers", "remote", "vlm_judge", "geneval", "imagereward", "hpsv2",
                           "hpsv3", "unifiedreward", "vqascore", "deqa", "editreward", "edit_judges", "clap", "videoalign",
                           "geneval2")
-
-_loaded = False
-
-
-def _is_builtin(entry_point: EntryPoint) -> bool:
-    return entry_point.value.split(":")[0].startswith("flowgrpo.")
+#: the ``flowgrpo.rewards`` entry points, read when a reward is first asked for; a source tree that was never installed
+#: declares each built-in module under its own name instead (found as module-level plugins)
+PLUGINS = PluginGroup(ENTRY_POINT_GROUP, builtin={module: f"flowgrpo.rewards.{module}" for module in BUILTIN_REWARD_MODULES})
+_warned: set[str] = set()
 
 
-def _load_one(entry_point: EntryPoint) -> None:
-    loaded = entry_point.load()
+def _registered(name: str) -> bool:
+    with _LOCK:
+        return name in _REGISTRY
+
+
+def _load_plugin(name: str) -> None:
+    """Import the entry point ``name``: a module registers its own rewards, a callable is registered as ``name``."""
+    loaded = PLUGINS.load(name)
     if isinstance(loaded, ModuleType):
-        return  # importing it registered its rewards
+        return
     if not callable(loaded):
+        entry_point = PLUGINS.entry_point(name)
         raise TypeError(f"the {ENTRY_POINT_GROUP!r} entry point {entry_point.name} = {entry_point.value} is neither "
-                        "a module nor a callable reward.")
-    if entry_point.name not in list_rewards():
-        register_reward(entry_point.name)(loaded)
+                        "a module nor a callable reward; point it at the module that registers the reward or at the "
+                        "reward function itself.")
+    if not _registered(name):
+        register_reward(name)(loaded)
 
 
 def load_reward_plugins() -> list[str]:
-    """Import every ``flowgrpo.rewards`` entry point (once); returns the names of the entry points loaded."""
-    global _loaded
-    if _loaded:
-        return []
-    _loaded = True
-    points = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (not _is_builtin(ep), ep.name))
-    if not any(_is_builtin(ep) for ep in points):  # a source tree that was never installed
-        for module in BUILTIN_REWARD_MODULES:
-            importlib.import_module(f"flowgrpo.rewards.{module}")
+    """Import every ``flowgrpo.rewards`` entry point not imported yet; returns the names of the entry points
+    imported now. One that cannot be imported is skipped with a warning naming it (once per process); asking for
+    one of its rewards raises its error."""
     loaded = []
-    for entry_point in points:
-        if _is_builtin(entry_point):
-            _load_one(entry_point)
-        else:
-            try:
-                _load_one(entry_point)
-            except Exception as err:  # a broken third-party plugin must not take the built-in rewards down
-                logger.warning(f"The reward plugin {entry_point.name} = {entry_point.value} (entry point group "
-                               f"{ENTRY_POINT_GROUP!r}) could not be loaded and is skipped: "
-                               f"{type(err).__name__}: {err}")
-                continue
-        loaded.append(entry_point.name)
+    for name in PLUGINS.names():
+        if PLUGINS.is_loaded(name):
+            continue
+        try:
+            _load_plugin(name)
+        except PluginError:
+            continue
+        loaded.append(name)
+    for name, failure in PLUGINS.failures.items():
+        if name not in _warned:
+            _warned.add(name)
+            logger.warning(f"{failure} It is skipped: its rewards are not available.")
     return loaded

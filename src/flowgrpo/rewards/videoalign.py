@@ -67,6 +67,7 @@ from typing import Any
 
 from .composition import RewardOutput
 from .hpsv3 import smart_resize
+from .qwen2vl_checkpoints import convert_qwen2vl_keys, load_exact_state
 from .registry import register_reward
 from .vlm_models import VLMReward, cached_vlm, load_vlm_processor
 
@@ -415,25 +416,11 @@ def convert_videoalign_state_dict(state: Mapping[str, Any], lora_scale: float) -
         base = plain[weight_key]
         delta = factors["B"].float() @ factors["A"].float()
         plain[weight_key] = (base.float() + lora_scale * delta).to(base.dtype)
-    converted: dict[str, Any] = {}
-    unknown = []
-    for key, value in plain.items():
-        if key == "lm_head.weight":
-            continue
-        if key.startswith(("model.language_model.", "model.visual.", "rm_head.")):
-            new = key
-        elif key.startswith("visual."):
-            new = "model." + key
-        elif key.startswith("model."):
-            new = "model.language_model." + key[len("model."):]
-        else:
-            unknown.append(key)
-            continue
-        converted[new] = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    if unknown:
-        raise ValueError(f"not a VideoReward checkpoint: unexpected keys {sorted(unknown)[:8]} (expected model.*, "
-                         f"visual.*, rm_head.* and lm_head.weight, optionally under base_model.model.)")
-    return converted
+    converted = convert_qwen2vl_keys(plain, ("rm_head.",), checkpoint="a VideoReward",
+                                     expected="model.*, visual.*, rm_head.* and lm_head.weight, optionally under "
+                                              "base_model.model.")
+    return {key: value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+            for key, value in converted.items()}
 
 
 def build_videoalign_model(config: Any, reward_token_ids: Sequence[int], output_dim: int = 1) -> Any:
@@ -510,12 +497,8 @@ def load_videoalign(folder: Path, checkpoint: Path, settings: VideoAlignConfig, 
                          f"{settings.output_dim}")
     with init_empty_weights(include_buffers=False):
         model = build_videoalign_model(config, token_ids, settings.output_dim)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(f"{checkpoint}: the VideoReward checkpoint does not fit the model built from "
-                         f"{base_model_name_or_path!r}: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    model.load_state_dict(state, strict=True, assign=True)
+    load_exact_state(model, state, checkpoint=f"{checkpoint}: the VideoReward checkpoint",
+                     base_model=base_model_name_or_path)
     model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return model, processor
 

@@ -198,15 +198,7 @@ def load_vlm(model_name_or_path: str, processor_name_or_path: str | None, device
 def chat_text(processor: Any, question: str, system_prompt: str | None = None) -> str:
     """One user turn ``[image, question]`` rendered with the processor's chat template, ending with the generation
     prompt (the assistant turn's opening)."""
-    template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
-    if not template:
-        raise ValueError(f"{type(processor).__name__} has no chat template; give a processor folder that has one "
-                         f"(chat_template.jinja / chat_template.json or the tokenizer's chat_template)")
-    messages: list[dict] = []
-    if system_prompt:
-        messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
-    messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
-    return processor.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    return chat_content_text(processor, [{"type": "image"}, {"type": "text", "text": question}], system_prompt)
 
 
 def chat_content_text(processor: Any, content: Sequence[dict], system_prompt: str | None = None) -> str:

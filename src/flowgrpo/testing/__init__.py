@@ -1,5 +1,5 @@
-"""Offline tiny pipelines of every supported family (random weights, locally made tokenizers): SD3, FLUX.1,
-Qwen-Image, Wan (and Wan 2.2 A14B's two-expert layout), FLUX.1 Kontext and Qwen-Image-Edit.
+"""Offline tiny pipelines of every family of `flowgrpo.models.FAMILIES` (random weights, locally made tokenizers;
+``TINY_FAMILIES``), with their variants (``TINY_VARIANTS``: Wan 2.2 A14B's two experts, FLUX.2 [klein] distilled, ...).
 
 Used by the tests, the demo and the benchmarks wherever a real checkpoint cannot be downloaded::
 

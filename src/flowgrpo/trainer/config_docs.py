@@ -11,7 +11,7 @@ own docstring a ``Parameters`` section::
         Images per prompt (the group size G). ...
 
 The fields of ``transformers.TrainingArguments`` that flowgrpo does not redefine keep their transformers meaning and
-are named once at the end. ``tests/trainer/test_config_docs.py`` checks every configuration of the trainer registry
+are named once at the end. ``tests/cli/test_architecture.py`` checks every configuration of the trainer registry
 against its fields.
 """
 

@@ -249,6 +249,8 @@ class OnlineRLTrainer(FlowBaseTrainer):
         self.console = install_training_console(self)
 
         device = self.accelerator.device
+        if device.type == "cpu":  # pinned host memory needs an accelerator: on a CPU torch warns and ignores it
+            args.dataloader_pin_memory = False
         model_parameters = sum(p.numel() for module in adapter.transformers() for p in module.parameters())
         self.cpu_thread_plan = apply_cpu_thread_plan(plan_cpu_threads(args.cpu_threads, on_cpu=device.type == "cpu",
                                                                       model_parameters=model_parameters))

@@ -11,7 +11,8 @@ file (its configuration, trainer and ``SPEC``) and one entry point::
     my_algorithm = "my_package.my_algorithm:SPEC"
 
 Entry points are loaded when their name is asked for (``TRAINERS[name]``, ``recipe trainer: name``) or when the
-trainers are listed; a broken one is an error naming it, raised only then. Specs import their configuration module
+trainers are listed (`flowgrpo.plugins.PluginGroup`); a broken one is an error naming it (`flowgrpo.plugins.PluginError`),
+raised only then. Specs import their configuration module
 (cheap: ``--help`` and recipe checks); trainer classes load on first use.
 """
 
@@ -21,6 +22,7 @@ import difflib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ..plugins import PluginGroup
 from .algorithm_spec import AlgorithmSpec, load_path
 
 __all__ = ["BUILTIN_TRAINERS", "DEFAULT_TRAINER", "ENTRY_POINT_GROUP", "TRAINERS", "TrainerPluginError",
@@ -52,41 +54,20 @@ DEFAULT_TRAINER = "flow_grpo"
 
 
 class TrainerPluginError(ImportError):
-    """A ``flowgrpo.trainers`` entry point that cannot be loaded, or that does not give an `AlgorithmSpec` of its
-    own name; the message names the entry point and its package."""
-
-
-def _entry_points() -> dict[str, Any]:
-    """The group's entry points by name (read, not loaded)."""
-    from importlib.metadata import entry_points
-
-    found: dict[str, Any] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, ep)
-    return found
-
-
-def _describe_entry_point(ep: Any) -> str:
-    dist = getattr(ep, "dist", None)
-    package = f" of package {dist.name} {dist.version}" if dist is not None else ""
-    return f"the entry point {ep.name} = {ep.value!r}{package} (group {ENTRY_POINT_GROUP})"
+    """A ``flowgrpo.trainers`` entry point that does not give an `AlgorithmSpec` of its own name (one that cannot be
+    imported raises `flowgrpo.plugins.PluginError`, naming it and its package)."""
 
 
 class _SpecTable(Mapping):
-    """name -> `AlgorithmSpec`: the built-ins and the group's entry points, each loaded on first access."""
+    """name -> `AlgorithmSpec`: the entry points of ``flowgrpo.trainers`` (`flowgrpo.plugins.PluginGroup`, with the
+    built-ins for a source checkout that is not installed), each loaded on first access."""
 
     def __init__(self) -> None:
-        self._loaded: dict[str, AlgorithmSpec] = {}
-        self._points: dict[str, Any] | None = None
-
-    def _entries(self) -> dict[str, Any]:
-        if self._points is None:
-            self._points = _entry_points()
-        return self._points
+        self.group = PluginGroup(ENTRY_POINT_GROUP, builtin={name: row[0] for name, row in BUILTIN_TRAINERS.items()})
 
     def names(self) -> list[str]:
         """Every registered name, the built-ins first (without loading anything)."""
-        return list(BUILTIN_TRAINERS) + sorted(n for n in self._entries() if n not in BUILTIN_TRAINERS)
+        return list(BUILTIN_TRAINERS) + sorted(n for n in self.group.names() if n not in BUILTIN_TRAINERS)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
@@ -95,34 +76,24 @@ class _SpecTable(Mapping):
         return len(self.names())
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (name in BUILTIN_TRAINERS or name in self._entries())
+        return isinstance(name, str) and (name in BUILTIN_TRAINERS or name in self.group)
 
     def __getitem__(self, name: str) -> AlgorithmSpec:
-        if name in self._loaded:
-            return self._loaded[name]
-        if name in BUILTIN_TRAINERS:
-            spec, where = load_path(BUILTIN_TRAINERS[name][0]), f"the built-in trainer {name!r}"
-        elif name in self._entries():
-            ep = self._entries()[name]
-            where = _describe_entry_point(ep)
-            try:
-                spec = ep.load()
-            except Exception as err:
-                raise TrainerPluginError(f"The trainer {name!r} cannot be loaded: {where} failed with "
-                                         f"{type(err).__name__}: {err}. Fix or uninstall that package.") from err
+        if name in BUILTIN_TRAINERS and name not in self.group:  # a built-in missing from a stale installation
+            spec = load_path(BUILTIN_TRAINERS[name][0])
+        elif name in self.group:
+            spec = self.group.load(name)
         else:
             raise KeyError(name)
         if not isinstance(spec, AlgorithmSpec) or spec.name != name:
             got = f"an AlgorithmSpec named {spec.name!r}" if isinstance(spec, AlgorithmSpec) else type(spec).__name__
-            raise TrainerPluginError(f"The trainer {name!r}: {where} gives {got}; it must give the AlgorithmSpec of "
-                                     f"{name!r} (flowgrpo.trainer.algorithm_spec).")
-        self._loaded[name] = spec
+            raise TrainerPluginError(f"The trainer {name!r}: its {ENTRY_POINT_GROUP} entry point gives {got}; it must "
+                                     f"give the AlgorithmSpec of {name!r} (flowgrpo.trainer.algorithm_spec).")
         return spec
 
     def refresh(self) -> None:
         """Read the entry points again (after installing a package in a running process)."""
-        self._points = None
-        self._loaded = {k: v for k, v in self._loaded.items() if k in BUILTIN_TRAINERS}
+        self.group.refresh()
 
 
 #: name -> spec, in the order the documentation lists them (built-ins first)
@@ -141,7 +112,7 @@ def trainer_table() -> list[tuple[str, str, str]]:
     for name in trainer_names():
         try:
             spec = TRAINERS[name]
-        except TrainerPluginError as err:
+        except ImportError as err:  # PluginError or TrainerPluginError
             rows.append((name, "cannot be loaded", str(err)))
             continue
         rows.append((name, spec.title, spec.summary))

@@ -1,4 +1,4 @@
-"""What `flowgrpo plan` counts for the newer methods, on the tiny recipe: BranchGRPO's shared prefixes (fewer rollout
+"""What `flowgrpo plan` counts for BranchGRPO, on-policy distillation and Flow-DPPO, on the tiny recipe: BranchGRPO's shared prefixes (fewer rollout
 passes and trained transitions per sample), on-policy distillation's teacher forward per trained step and its
 teachers' memory, and the transition means Flow-DPPO keeps."""
 
@@ -50,7 +50,7 @@ def test_plan_of_trees_distillation_and_dppo():
                                                           '{"lora": "b", "dataset_name": "y"}]'],
      dict(teachers=2, teacher_kind="lora")),
 ])
-def test_step_settings_of_the_new_methods(recipe, overrides, expected):
+def test_step_settings_of_trees_distillation_and_dppo(recipe, overrides, expected):
     from flowgrpo.cli.parser import parse_recipe
     from flowgrpo.plan.planner import settings_from_args
 

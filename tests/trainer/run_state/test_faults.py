@@ -43,7 +43,7 @@ from flowgrpo.trainer.run_state.checkpointing import (
 # All-NaN metrics (a NaN loss, a step whose samples all failed) are what these faults produce.
 pytestmark = pytest.mark.filterwarnings("ignore:Mean of empty slice:RuntimeWarning")
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PROMPTS = ["a red circle", "two blue squares", 'a sign that says "hi"', "a green triangle"]
 LORA_FILE = "pytorch_lora_weights.safetensors"
 RECIPE = """
@@ -155,7 +155,7 @@ def test_sigkill_at_random_moments_during_saves_leaves_only_complete_checkpoints
     out = tmp_path / "out"
     last_step, trials = 400, 8
     rng = random.Random(0)
-    command = [sys.executable, str(REPO / "tests" / "trainer" / "faults_worker.py"), "save-loop", str(out), str(last_step)]
+    command = [sys.executable, str(REPO / "tests" / "trainer" / "run_state" / "faults_worker.py"), "save-loop", str(out), str(last_step)]
     mid_save_kills = 0
     progress = []
     for _ in range(trials):
@@ -239,7 +239,7 @@ def test_sigterm_mid_step_saves_exits_zero_and_resume_matches(recipe, baseline, 
     out, gate = tmp_path / "out", tmp_path / "gate"
     gate.mkdir()
     argv = [str(recipe), "--output_dir", str(out), "--save_steps", "100"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests" / "trainer")]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests" / "trainer" / "run_state")]),
            "FLOWGRPO_FAULT_GATE": str(gate), "FLOWGRPO_FAULT_GATE_CALL": "2", "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen([sys.executable, str(REPO / "src" / "train.py"), *argv], cwd=REPO, env=env,
@@ -273,7 +273,7 @@ def test_sigterm_mid_step_saves_exits_zero_and_resume_matches(recipe, baseline, 
 def test_second_signal_exits_at_once():
     """The first signal is a request (a duplicate delivered at once is the same request); a later one ends the
     process at once, by that signal."""
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "trainer" / "faults_worker.py"), "signals"],
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "trainer" / "run_state" / "faults_worker.py"), "signals"],
                           capture_output=True, text=True, timeout=30)
     assert "requested True SIGTERM" in proc.stdout
     assert proc.stdout.count("SIGTERM received") == 1

@@ -1,6 +1,6 @@
 """DiffusionNFT: the loss's math, the old policy's weights and schedule, the configuration.
 
-The trainer itself (rollouts, resume, export) is tested in tests/trainer/test_nft_trainer.py on the tiny pipelines.
+The trainer itself (rollouts, resume, export) is tested in tests/trainer/algorithms/test_nft_trainer.py on the tiny pipelines.
 """
 
 import dataclasses
@@ -207,7 +207,7 @@ def test_recipes_pick_the_trainer_and_help_lists_the_nft_fields(monkeypatch):
     from flowgrpo.cli import RecipeError, parse_recipe
     from flowgrpo.cli.parser import build_parser
 
-    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    monkeypatch.chdir(Path(__file__).resolve().parents[3])
     script, model, args = parse_recipe(["recipes/nft_ocr.yaml", "--use_cpu", "true"])
     assert script.trainer == "diffusion_nft" and isinstance(args, DiffusionNFTConfig)
     assert model.model_name_or_path == "stabilityai/stable-diffusion-3.5-medium"

@@ -1,4 +1,4 @@
-"""The newer methods' toy recipes through the launch script, on a training reward this project does not ship: each
+"""The toy recipes of Flow-DPPO, BranchGRPO and on-policy distillation through the launch script, on a training reward this project does not ship: each
 raises it on held-out prompts within 30 steps, and on-policy distillation from a teacher trained on it brings a fresh
 student most of the way to the teacher.
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REWARD = "test_new_methods_toy:coverage_reward"
+REWARD = "test_toy_dppo_branch_opd_learning:coverage_reward"
 NAME = "coverage_reward"
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ two passes over the batch so that Flow-DPPO's trust region acts on the second) a
 distilled from a teacher LoRA of that family (loaded as a second adapter, both experts of the two-expert Wan 2.2
 pipelines). What must hold: the tree's first pass is on-policy, its edges are the tree's, the second pass moves away
 from the anchor, the distillation loss is finite and positive, and the student's adapter is the only one trained.
-The two processes of a launch: tests/distributed/families_ddp_worker.py (its ``--new_methods`` part).
+The two processes of a launch: tests/distributed/families_ddp_worker.py (its ``--dppo_branch_opd`` part).
 """
 
 from __future__ import annotations

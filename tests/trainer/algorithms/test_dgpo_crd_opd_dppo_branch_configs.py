@@ -1,4 +1,4 @@
-"""The configurations of the newer algorithms: DGPOConfig, CRDConfig, DiffusionOPDConfig, and FlowGRPOConfig's
+"""The configurations of DGPO, CRD and on-policy distillation (DGPOConfig, CRDConfig, DiffusionOPDConfig), and FlowGRPOConfig's
 Flow-DPPO (``policy_loss``) and BranchGRPO (``branch_*``) options: defaults from the official code, every field
 documented, bad values refused with a message naming the value and the fix, and parsing from the command line."""
 
@@ -31,7 +31,7 @@ def test_every_own_field_is_documented(cls):
         assert len(f.metadata.get("help", "")) > 20, f.name
 
 
-def test_flow_grpo_new_fields_are_documented():
+def test_flow_grpo_dppo_and_branch_fields_are_documented():
     names = {"policy_loss", "dppo_tau", "branch_steps", "branch_factor", "branch_noise_scale", "branch_pruning",
              "branch_split_log_prob", "branch_width_mode", "branch_width_ratio", "branch_prune_depths",
              "branch_prune_slide_interval"}

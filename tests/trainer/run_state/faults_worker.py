@@ -1,7 +1,7 @@
-"""Helpers of tests/trainer/test_faults.py that also run in their own processes.
+"""Helpers of tests/trainer/run_state/test_faults.py that also run in their own processes.
 
-    python tests/trainer/faults_worker.py save-loop OUTPUT_DIR LAST_STEP      # many atomic saves; killed at random moments
-    python tests/trainer/faults_worker.py signals                             # preemption handler alone: first, second signal
+    python tests/trainer/run_state/faults_worker.py save-loop OUTPUT_DIR LAST_STEP      # many atomic saves; killed at random moments
+    python tests/trainer/run_state/faults_worker.py signals                             # preemption handler alone: first, second signal
 
 ``save-loop`` and ``signals`` load ``flowgrpo/trainer/run_state/checkpointing.py`` and ``preemption.py`` from their files
 (standard library only) so that a process starts in a few tens of milliseconds: the package ``flowgrpo.trainer``
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parents[2] / "src" / "flowgrpo" / "trainer" / "run_state"
+SOURCE = Path(__file__).resolve().parents[3] / "src" / "flowgrpo" / "trainer" / "run_state"
 PAYLOAD_BYTES = 1 << 20  # per file, three files per checkpoint: a save takes a few milliseconds
 
 

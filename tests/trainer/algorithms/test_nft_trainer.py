@@ -2,7 +2,7 @@
 full fine-tuning, the launch script.
 
 A random tiny pipeline cannot show learning (the toy world does, see docs/learning_leaderboard.md); these tests check
-the mechanics exactly. The loss's math is tested in tests/trainer/test_nft.py.
+the mechanics exactly. The loss's math is tested in tests/trainer/algorithms/test_nft.py.
 """
 
 from __future__ import annotations
