@@ -281,16 +281,15 @@ def check_arguments(script_args: ScriptArguments, model_args: ModelArguments) ->
 def check_reward_names(reward_funcs: Sequence[str]) -> None:
     """Registry names must exist (closest names suggested); ``module:function`` paths are imported later."""
     try:
-        from ..rewards import list_rewards
+        from ..rewards import has_reward, list_rewards
     except ImportError:  # the registry is optional at parse time; the trainer resolves the names again
         return
-    known = list(list_rewards())
     for name in reward_funcs:
-        if ":" in name or "." in name:
+        if ":" in name or "." in name or has_reward(name):  # a name: found by its entry point, nothing imported
             continue
-        if name not in known:
-            raise RecipeError(f"reward_funcs: unknown reward {name!r}; {_suggest(name, known)} Registered: "
-                              f"{', '.join(sorted(known))}; or give a 'package.module:function' path.")
+        known = list(list_rewards())  # a miss: every name, for the suggestion
+        raise RecipeError(f"reward_funcs: unknown reward {name!r}; {_suggest(name, known)} Registered: "
+                          f"{', '.join(sorted(known))}; or give a 'package.module:function' path.")
 
 
 def _weights_follow_replaced_rewards(actions: dict[str, argparse.Action], overrides: Mapping[str, Any] | None,

@@ -26,7 +26,7 @@ x_k = (1 - t_k) x0 + t_k eps_k, v_k = v_theta(x_k, t_k).
 
 On-policy with exp_first the gradient of the policy loss with respect to logp_k of sample b is -A_b / (T B): samples
 better than average raise their weighted flow-matching likelihood at every trained level, worse ones lower it.
-``tests/trainer/test_awm.py`` checks loss and gradient against an independent computation.
+``tests/trainer/algorithms/test_awm.py`` checks loss and gradient against an independent computation.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ and each depth (level) l with at least two nodes:
     A clamped to +-adv_clip_max (5)
 
 (the root, alone at depth 0, gets 0). Each edge is trained with the advantage of its child in the clipped PPO
-objective (official clip range 1e-3, no KL). Hand check (``tests/trainer/test_branch_grpo.py``): leaves (1, 2, 3, 6)
+objective (official clip range 1e-3, no KL). Hand check (``tests/trainer/algorithms/test_branch_grpo.py``): leaves (1, 2, 3, 6)
 in pairs (1, 2) and (3, 6): depth 1 gives A = -+0.7071, the leaves (-0.9258, -0.4629, 0, 1.3887).
 
 **Pruning** (`pruned_edges`, applied to all trees of a batch together, as the official code): ``depth`` leaves out

@@ -38,7 +38,7 @@ merely for being above the batch's mean. With one group per micro-batch the two 
 centred per group, the group mean of r is 1/2 unless clipping bites, so the group centring of the rewards changes
 little; the centring of r_theta is what differs.
 
-Hand check (``tests/trainer/test_crd_loss.py``): beta 1, A = (2, -1, 0.5, -1.5) -> r = (.7, .4, .55, .35);
+Hand check (``tests/trainer/algorithms/test_crd_loss.py``): beta 1, A = (2, -1, 0.5, -1.5) -> r = (.7, .4, .55, .35);
 r_theta = (.01, -.02, 0, .03), one group -> L_pol = 0.096625.
 
 Schedules: `crd_step_indices` (the trained rollout steps: ``num_timesteps`` stratified draws over the step indices

@@ -31,7 +31,7 @@ A_i the advantage of sample i clipped to +-C (C = ``adv_clip_max``), sg the stop
 
   with v_kl the base (LoRA off), at ``kl_guidance_scale`` when it is > 1.
 
-Hand check (``tests/trainer/test_dgpo_loss.py``): K = 2, A = (1, -1), beta_dpo 10, D = (0.50, 0.40),
+Hand check (``tests/trainer/algorithms/test_dgpo_loss.py``): K = 2, A = (1, -1), beta_dpo 10, D = (0.50, 0.40),
 D^ref = (0.45, 0.45): S = 0.5, w = sigmoid(0.5) = 0.62246, L = 0.031123, dL/dD = w A / B = (+0.31123, -0.31123).
 A group whose samples are better than the reference gets w -> 0 (its preference is already satisfied); one that is
 worse gets w -> 1. On the whole the gradient lowers D for positive advantages and raises it for negative ones.

@@ -20,7 +20,7 @@ draws' errors stacked (or K backward passes of each draw's loss / K, the same gr
 
 Logged (`DPOLoss.metrics`): the implicit accuracy (share of pairs with inside > 0), the mean of inside, the mean of
 |inside| and the mean gradient weight sigmoid(-inside) (the signed mean hides both: +8 and -8 average to 0).
-``tests/trainer/test_dpo.py`` checks loss, gradient and diagnostics by hand.
+``tests/trainer/algorithms/test_dpo.py`` checks loss, gradient and diagnostics by hand.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ every move inside the region pass with the unclipped gradient -A rho d logp. No 
 published objective. On the first pass over a fresh batch mu_theta = mu_old, so D = 0 and nothing is dropped: the
 trust region only matters from the second pass on (``num_iterations >= 2``; UniRL: 2).
 
-Hand check (``tests/trainer/test_flow_dppo_loss.py``): A = (1, 1, -1, -1), rho = (1.2, 0.9, 0.8, 1.1),
+Hand check (``tests/trainer/algorithms/test_flow_dppo_loss.py``): A = (1, 1, -1, -1), rho = (1.2, 0.9, 0.8, 1.1),
 D = (2e-5, 2e-5, 2e-5, 5e-6), tau = 1e-5: samples 0 and 2 are dropped, L = (0.9 * -1 + 1.1 * 1) / 4 = 0.05.
 """
 

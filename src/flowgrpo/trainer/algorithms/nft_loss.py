@@ -25,7 +25,7 @@ flow-matching target, the gradient of the policy loss with respect to v_theta of
 
 (N elements per sample, B samples): samples better than their group's mean (r > 1/2) pull the velocity toward
 the flow-matching target of their own clean image, worse ones push it away, average ones do nothing; nft_beta drops
-out. ``tests/trainer/test_nft.py`` checks this against autograd on a tiny model. Everything is computed in float32 at least
+out. ``tests/trainer/algorithms/test_nft.py`` checks this against autograd on a tiny model. Everything is computed in float32 at least
 (float64 inputs stay float64), whatever the model's dtype.
 """
 

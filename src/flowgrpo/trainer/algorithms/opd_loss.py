@@ -17,7 +17,7 @@ Differences between the published codes: UniRL's ``add_kl_coefficient=True`` div
 ``exact``) and its default ``False`` by 1 (``ode``); verl-omni's ``DistillKLLoss`` divides by the SDE's
 ``std_dev_t`` without the sqrt(-dt) factor (the Flow-GRPO reference code's KL quirk), which is not offered here.
 
-Hand check (``tests/trainer/test_opd_loss.py``): mu_S - mu_T = 0.02 everywhere, s = 0.5 -> 0.0008; ``ode`` -> 0.0002.
+Hand check (``tests/trainer/algorithms/test_opd_loss.py``): mu_S - mu_T = 0.02 everywhere, s = 0.5 -> 0.0008; ``ode`` -> 0.0002.
 """
 
 from __future__ import annotations
