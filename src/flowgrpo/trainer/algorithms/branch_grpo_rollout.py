@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ...schedulers import sde_step_from_sigmas
+from ...schedulers import SDESettings, sde_transition
 from .branch_grpo import (
     TreePlan,
     branch_tree_plan,
@@ -57,14 +57,12 @@ def is_tree_record(record: Any) -> bool:
     return "tree_owner" in record
 
 
-def step_std(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float, sde_type: str,
-             sigma_max_fallback: float) -> torch.Tensor:
+def step_std(sigma: torch.Tensor, sigma_next: torch.Tensor, sde: SDESettings) -> torch.Tensor:
     """The transition std of SDE steps from ``sigma`` to ``sigma_next`` (per element of the tensors), as the sampler
-    computes it (`sde_step_from_sigmas`)."""
+    computes it (`sde_transition`; the std does not depend on the state or the velocity)."""
     zeros = torch.zeros(sigma.numel(), 1, dtype=torch.float32, device=sigma.device)
-    return sde_step_from_sigmas(zeros, zeros, sigma.reshape(-1), sigma_next.reshape(-1), prev_sample=zeros,
-                                noise_level=noise_level, sde_type=sde_type,
-                                sigma_max_fallback=sigma_max_fallback).std.reshape(sigma.shape)
+    return sde_transition(zeros, zeros, sigma.reshape(-1), sigma_next.reshape(-1), sde,
+                          next_state=zeros).std.reshape(sigma.shape)
 
 
 class BranchTreeRollout(SDEWindowRollout):
@@ -206,8 +204,7 @@ class BranchTreeRollout(SDEWindowRollout):
         out = {key: torch.stack(values, dim=1) for key, values in columns.items()}
         split = torch.tensor([s in args.branch_steps for s in range(sde_steps)])
         # the log-probs of the edges as drawn (exact) or as the official code computes them (unscaled)
-        std = step_std(out["sigmas"], out["sigmas_next"], args.noise_level, args.sde_type,
-                       float(engine.scheduler.sigmas[1]))
+        std = step_std(out["sigmas"], out["sigmas_next"], engine.sde_settings())
         flat = lambda x: x.reshape(batch * sde_steps, *x.shape[2:])  # noqa: E731
         out["log_probs"] = edge_log_prob(flat(out["next_latents"]), flat(out["means"]), flat(std),
                                          split.expand(batch, -1).reshape(-1), args.branch_noise_scale,
