@@ -142,6 +142,12 @@ class CRDConfig(OnlineRLConfig):
 
     _trainer_name = "CRDTrainer"
 
+    def eval_guidance_rollouts_refusal(self) -> str | None:
+        """Why ``rollouts_at_eval_guidance`` is refused: the trained and old velocities follow ``guidance_scale``."""
+        return ("its implicit reward compares the trained and old copies' velocities at guidance_scale, the sampling "
+                "copy's scale, and it has no separate training scale here: rollouts at another scale would change the "
+                "trained velocity's too")
+
     def _check_algorithm(self) -> None:
         check_choice("sampler", self.sampler, CRD_SAMPLERS)
         if self.regularizer is not None:

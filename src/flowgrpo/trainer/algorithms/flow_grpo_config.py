@@ -213,6 +213,12 @@ class FlowGRPOConfig(OnlineRLConfig):
 
     _trainer_name = "FlowGRPOTrainer"
 
+    def eval_guidance_rollouts_refusal(self) -> str | None:
+        """Why ``rollouts_at_eval_guidance`` is refused: the clipped ratio (and BranchGRPO's, Flow-DPPO's) is the
+        likelihood of each recorded transition under the policy that sampled it."""
+        return ("the ratio is the likelihood of each recorded SDE transition under the guided velocity that sampled "
+                "it, so the trained velocity must use the rollouts' guidance (on a first pass the ratio is exactly 1)")
+
     def _check_algorithm(self) -> None:
         check_choice("sde_type", self.sde_type, SDE_TYPES)
         check_choice("sde_window_strategy", self.sde_window_strategy, SDE_WINDOW_STRATEGIES)

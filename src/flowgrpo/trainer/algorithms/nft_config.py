@@ -120,6 +120,12 @@ class DiffusionNFTConfig(OnlineRLConfig):
     _trainer_name = "DiffusionNFTTrainer"
     _cfg_free_rollouts = "DiffusionNFTConfig: CFG-free rollouts"
 
+    def eval_guidance_rollouts_refusal(self) -> str | None:
+        """Why ``rollouts_at_eval_guidance`` is refused: the implicit policies split the sampling policy."""
+        return ("its implicit positive and negative policies (v+ = nft_beta v_theta + (1 - nft_beta) v_old, v- = (1 + "
+                "nft_beta) v_old - nft_beta v_theta) split the policy that sampled the rollouts, so the trained and "
+                "old velocities must use the rollouts' guidance")
+
     def _check_algorithm(self) -> None:
         check_choice("sampler", self.sampler, NFT_SAMPLERS)
         if not self.nft_beta > 0:

@@ -104,6 +104,12 @@ class DiffusionOPDConfig(OnlineRLConfig):
     )
 
     _trainer_name = "DiffusionOPDTrainer"
+    _advantage_free = "on-policy distillation does not read: its loss is the KL to the teachers, rewards are only logged"
+
+    def eval_guidance_rollouts_refusal(self) -> str | None:
+        """Why ``rollouts_at_eval_guidance`` is refused: the per-step KL is of the student's own transitions."""
+        return ("its per-step KL compares the student's and the teacher's transitions at the states the student "
+                "sampled, at the student's guidance")
 
     def ray_rollouts_refusal(self) -> str | None:
         """Why ``rollout_backend: ray`` is refused (checked with the other rollout-backend settings)."""

@@ -37,6 +37,11 @@ class TrainGuidanceArguments:
                              "velocity alone, as the references train), or null to train at guidance_scale.")
         self.train_guidance_scale = float(value)
 
+    def eval_guidance_rollouts_refusal(self) -> str | None:
+        """``rollouts_at_eval_guidance`` is allowed: the loss reads only the rollouts' clean samples, and the trained
+        velocity keeps ``train_guidance_scale``."""
+        return None
+
     @property
     def training_guidance_scale(self) -> float:
         """The CFG scale the loss's velocities use: ``train_guidance_scale``, or ``guidance_scale`` when it is null."""
