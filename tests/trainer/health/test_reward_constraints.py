@@ -25,7 +25,7 @@ from flowgrpo.trainer.rollout.advantages import (
 
 def test_multipliers_follow_dual_ascent_on_a_hand_made_run():
     constraints = RewardConstraints([ConstraintSpec("colour", "rollouts", min_delta=-0.1),
-                                     ConstraintSpec("ocr", "evaluation", min=0.5)], lr=2.0)
+                                     ConstraintSpec("ocr", "evaluation", min=0.5, lr=4.0)], lr=2.0)
     nan = math.nan
     # colour's batch means 0.9, 0.7, 0.75, 0.95 (NaN: unscored, left out); the bound is 0.9 - 0.1 = 0.8
     batches = [[0.8, 1.0, nan], [0.6, 0.8], [0.75, 0.75], [1.0, 0.9]]
@@ -35,13 +35,13 @@ def test_multipliers_follow_dual_ascent_on_a_hand_made_run():
         assert constraints.multipliers["colour"] == pytest.approx(multiplier)
         assert constraints.bound("colour") == pytest.approx(0.8)
     assert constraints.multipliers["ocr"] == 0.0 and constraints.values["ocr"] is None  # rollouts never move it
-    # evaluation: 0.4 is 0.1 below the floor -> +0.2; the same step again (a resumed run's evaluation on start) and
-    # a missing metric take no step; 0.6 is 0.1 above -> 0.2 - 0.2 = 0
+    # evaluation, at its own step size 4: 0.4 is 0.1 below the floor -> +0.4; the same step again (a resumed run's
+    # evaluation on start) and a missing metric take no step; 0.6 is 0.1 above -> 0.4 - 0.4 = 0
     constraints.observe_evaluation({"eval_rewards/ocr/mean": 0.4}, "eval", 10)
-    assert constraints.multipliers["ocr"] == pytest.approx(0.2)
+    assert constraints.multipliers["ocr"] == pytest.approx(0.4)
     constraints.observe_evaluation({"eval_rewards/ocr/mean": 0.0}, "eval", 10)
     constraints.observe_evaluation({}, "eval", 15)
-    assert constraints.multipliers["ocr"] == pytest.approx(0.2)
+    assert constraints.multipliers["ocr"] == pytest.approx(0.4)
     constraints.observe_evaluation({"eval_rewards/ocr/mean": 0.6}, "eval", 20)
     assert constraints.multipliers["ocr"] == pytest.approx(0.0)
     logged = constraints.metrics()
@@ -78,6 +78,7 @@ def test_combined_advantage_by_hand():
     ({"c": {"source": "rollouts"}}, "no bound"),
     ({"c": {"min": 1.0, "source": "eval"}}, "source='eval' is not valid"),
     ({"c": {"max": 1.0}}, "unknown keys"),
+    ({"c": {"min": 1.0, "lr": -2}}, r"lr=-2 must be a number >= 0"),
     ("{not json", "not valid JSON"),
 ])
 def test_bad_constraint_entries_are_refused(value, message):
@@ -209,3 +210,22 @@ def test_evaluation_source_reads_the_periodic_evaluation(tiny_sd3_path, tmp_path
     assert train_logs[1]["constraint/redness_reward/multiplier"] == pytest.approx(
         evaluations[1]["constraint/redness_reward/multiplier"])
     assert trainer.health.constraints.values["redness_reward"] == values[-1]
+
+
+def test_ocr_recipe_keeps_pickscore_from_rollouts_and_aesthetics_from_evaluation():
+    """recipes/ocr_kept_quality.yaml: OCR is the objective; PickScore and the aesthetic score are scored with weight
+    0 (nothing loads before the first scoring) and kept by their multipliers, at their own step sizes."""
+    from flowgrpo.cli.parser import parse_recipe
+    from flowgrpo.rewards import resolve_reward_funcs
+    from flowgrpo.rewards.composition import reward_spec_names
+    from flowgrpo.trainer.health.constraints import check_constraint_rewards
+
+    script, _, args = parse_recipe(["recipes/ocr_kept_quality.yaml"])
+    added = check_constraint_rewards(args, reward_spec_names(script.reward_funcs), has_eval_dataset=True)
+    assert script.reward_funcs == ["ocr"] and added == ["pickscore", "aesthetic"]
+    rewards = resolve_reward_funcs(script.reward_funcs + added, [1.0, 0.0, 0.0], args.reward_kwargs)
+    assert dict(zip(rewards.names, rewards.weights)) == {"ocr": 1.0, "pickscore": 0.0, "aesthetic": 0.0}
+    specs = parse_reward_constraints(args.reward_constraints)
+    assert [(s.name, s.source, s.min_delta, s.lr) for s in specs] == [("pickscore", "rollouts", -0.01, 10.0),
+                                                                    ("aesthetic", "evaluation", -0.1, 5.0)]
+    assert args.eval_on_start and str(getattr(args.eval_strategy, "value", args.eval_strategy)) == "steps"

@@ -10,7 +10,8 @@ is maximised over the policy and minimised over the multipliers:
 * the policy follows the advantage of L, normalised to keep its scale (``rollout/advantages.py``,
   `combine_constrained_advantages`): A = (A_0 + sum_i lambda_i A_i) / (1 + sum_i lambda_i), A_i reward i's own
   group-normalised advantage;
-* each multiplier takes a projected dual-ascent step of size eta (``constraint_lr``) on its constraint's slack
+* each multiplier takes a projected dual-ascent step of size eta (``constraint_lr``, or the constraint's own
+  ``lr``) on its constraint's slack
   s_i = J_i_hat - b_i:
 
       lambda_i <- max(0, lambda_i - eta s_i) = max(0, lambda_i + eta (b_i - J_i_hat)).
@@ -49,28 +50,31 @@ __all__ = ["CONSTRAINT_SOURCES", "ConstraintSpec", "RewardConstraints", "check_c
            "parse_reward_constraints"]
 
 CONSTRAINT_SOURCES = ("rollouts", "evaluation")
-_KEYS = ("min", "min_delta", "source")
+_KEYS = ("min", "min_delta", "source", "lr")
 
 
 @dataclass(frozen=True)
 class ConstraintSpec:
     """One constraint: keep reward ``name`` at least ``min``, or at least its start value plus ``min_delta``,
-    measured on ``source``."""
+    measured on ``source``; ``lr``: its own dual step size (None: ``constraint_lr``)."""
 
     name: str
     source: str = "rollouts"
     min: float | None = None
     min_delta: float | None = None
+    lr: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         bound = {"min": self.min} if self.min is not None else {"min_delta": self.min_delta}
-        return {**bound, "source": self.source}
+        return {**bound, "source": self.source, **({} if self.lr is None else {"lr": self.lr})}
 
 
 def parse_reward_constraints(value: Any) -> list[ConstraintSpec]:
     """The constraints of ``reward_constraints``: a mapping (or its JSON text) from reward name to ``{"min": x}`` or
-    ``{"min_delta": x}`` with an optional ``"source"`` (``rollouts``, the default, or ``evaluation``). None or an empty
-    mapping: no constraint. Raises ValueError naming the bad entry and the fix."""
+    ``{"min_delta": x}`` with an optional ``"source"`` (``rollouts``, the default, or ``evaluation``) and an optional
+    ``"lr"`` (this constraint's dual step size, for rewards of different scales or measured at different rates;
+    default ``constraint_lr``). None or an empty mapping: no constraint. Raises ValueError naming the bad entry and
+    the fix."""
     if value is None or value == "":
         return []
     if isinstance(value, str):
@@ -90,7 +94,8 @@ def parse_reward_constraints(value: Any) -> list[ConstraintSpec]:
                              "'source' ('rollouts' or 'evaluation').")
         unknown = sorted(set(entry) - set(_KEYS))
         if unknown:
-            raise ValueError(f"{where} has unknown keys {unknown}; the keys are 'min' or 'min_delta', and 'source'.")
+            raise ValueError(f"{where} has unknown keys {unknown}; the keys are 'min' or 'min_delta', 'source' and "
+                             "'lr'.")
         bounds = [key for key in ("min", "min_delta") if entry.get(key) is not None]
         if len(bounds) != 1:
             raise ValueError(f"{where}={dict(entry)!r} gives {'both bounds' if bounds else 'no bound'}; give exactly "
@@ -103,7 +108,12 @@ def parse_reward_constraints(value: Any) -> list[ConstraintSpec]:
         if source not in CONSTRAINT_SOURCES:
             raise ValueError(f"{where}.source={source!r} is not valid; choose 'rollouts' (each scored generation) or "
                              "'evaluation' (the periodic evaluation).")
-        specs.append(ConstraintSpec(name=str(name), source=source, **{bounds[0]: float(bound)}))
+        lr = entry.get("lr")
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0):
+            raise ValueError(f"{where}.lr={lr!r} must be a number >= 0 (this constraint's dual step size), or left "
+                             "out for constraint_lr.")
+        specs.append(ConstraintSpec(name=str(name), source=source, lr=None if lr is None else float(lr),
+                                    **{bounds[0]: float(bound)}))
     return specs
 
 
@@ -194,7 +204,8 @@ class RewardConstraints:
             self.start[name] = float(value)
         self.values[name] = float(value)
         slack = self.slack(name)
-        self.multipliers[name] = max(0.0, self.multipliers[name] - self.lr * slack)
+        lr = self.lr if self.specs[name].lr is None else self.specs[name].lr
+        self.multipliers[name] = max(0.0, self.multipliers[name] - lr * slack)
 
     def observe_rollouts(self, per_reward: Mapping[str, torch.Tensor]) -> None:
         """The dual step of every rollout-sourced constraint from a gathered batch's scores (``per_reward``)."""
