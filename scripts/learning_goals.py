@@ -88,12 +88,12 @@ ATTEMPTS: dict[str, tuple[str, dict, str]] = {
     "dgpo-colour-kept-600": ("dgpo", {"max_steps": 600, **with_config(TOY_DGPO_SETTINGS, **COLOUR_KEPT)},
                              "DGPO for 600 steps with colour constrained (COLOUR_KEPT): does shape keep rising with "
                              "colour held?"),
-    "awm-colour-kept-cfg3-600": ("awm", {"max_steps": 600, **with_config(TOY_AWM_SETTINGS, **COLOUR_KEPT,
-                                                                          **ROLLOUTS_AT_EVAL_GUIDANCE)},
+    "awm-colour-kept-cfg3-600": ("awm", {"max_steps": 600, **with_config(TOY_AWM_SETTINGS, **{
+                                     **COLOUR_KEPT, **ROLLOUTS_AT_EVAL_GUIDANCE})},
                                  "AWM for 600 steps, colour constrained, rolling out at the evaluation's CFG 3: the "
                                  "colour signal where it is evaluated, and a multiplier to keep it"),
-    "dgpo-colour-kept-cfg3-600": ("dgpo", {"max_steps": 600, **with_config(TOY_DGPO_SETTINGS, **COLOUR_KEPT,
-                                                                            **ROLLOUTS_AT_EVAL_GUIDANCE)},
+    "dgpo-colour-kept-cfg3-600": ("dgpo", {"max_steps": 600, **with_config(TOY_DGPO_SETTINGS, **{
+                                      **COLOUR_KEPT, **ROLLOUTS_AT_EVAL_GUIDANCE})},
                                   "DGPO for 600 steps, colour constrained, rolling out at the evaluation's CFG 3"),
 }
 

@@ -105,8 +105,8 @@ def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp
             assert what and args.generation_batch_size == 32 and args.num_generations == 8
             assert (args.guidance_scale, args.num_inference_steps, args.sampler) == (1.0, 6, "dpmpp_2m")
             assert args.use_ema and args.ema_decay == 0.9 and args.eval_guidance_scales == [1.0, 3.0]
-            if settings.trainer == "dgpo":  # the official trust region (clip_dsm) on 2 of the first 4 steps
-                assert args.dgpo_clip_dsm and (args.dgpo_num_timesteps, args.dgpo_trunc_steps) == (2, 3)
+            if settings.trainer == "dgpo":  # 2 of the first 4 steps, no trust region (it clipped nothing here)
+                assert not args.dgpo_clip_dsm and (args.dgpo_num_timesteps, args.dgpo_trunc_steps) == (2, 3)
             continue
         if settings.name == OPD_VARIANT:  # a fresh student on its SDE rollouts, the two experts in turn
             args = toy_trainer_classes(settings.trainer)[0](output_dir=str(tmp_path), report_to=[], use_cpu=True,

@@ -127,14 +127,14 @@ def _on_nft_fast_sampling(trainer: str, **extra_config) -> dict:
 
 #: DGPO's row (``recipes/toy_dgpo.yaml``): the official SD3.5-M loss (beta_dpo 100, 2 of the first 4 rollout steps
 #: trained per pass on a noise shared by each group, the EMA reference of decay min(0.3, 0.001 k) used for the
-#: rollouts from step 200) on the sampling of ``toy_nft_fast``, with the official trust region: a sample whose DSM
-#: ratio against the EMA reference leaves 1 +- 0.01 in its advantage's direction trains without gradient through
-#: its DSM (``dgpo_clip_dsm``, the official ``clip_dsm: True`` of every published config; it costs one forward of the
-#: EMA reference per trained level). On the toy world it clipped no sample in smoke runs (40 steps at the published
-#: decay, 20 steps at the late-run decay 0.3: ``clip_frac`` 0): the EMA reference follows the policy closely.
+#: rollouts from step 200) on the sampling of ``toy_nft_fast``, without the official trust region
+#: (``dgpo_clip_dsm`` false; every published config has ``clip_dsm: True``): run with it on the toy world it clipped
+#: no sample in smoke runs (``clip_frac`` 0 over 40 steps at the published EMA decay and over 20 at the late-run
+#: decay 0.3: the EMA reference follows the policy closely), so it would only add one forward of the EMA reference
+#: per trained level.
 TOY_DGPO_SETTINGS: dict = _on_nft_fast_sampling(
     "dgpo", train_guidance_scale=1.0, dgpo_num_timesteps=2, dgpo_trunc_steps=3, dgpo_shared_noise=True,
-    beta_dpo=100.0, dgpo_clip=0.01, dgpo_clip_dsm=True, dgpo_ema_decay_rate=0.001, dgpo_ema_decay_max=0.3,
+    beta_dpo=100.0, dgpo_clip=0.01, dgpo_clip_dsm=False, dgpo_ema_decay_rate=0.001, dgpo_ema_decay_max=0.3,
     dgpo_switch_ema_ref=200,
 )
 #: CRD's row (``recipes/toy_crd.yaml``): Flow-Factory's loss (crd_beta 1, mse, adaptive weights against the old copy,
@@ -177,7 +177,11 @@ EVAL_GUIDANCE_SCALE = 3.0
 #: * the source is the evaluation, at CFG 3: the CFG-free rollouts' colour (0.93 -> 0.98 while held-out colour fell)
 #:   is saturated and is not what the goal measures;
 #: * a violation of 2 points raises the multiplier by 0.4 per evaluation, so a lasting one doubles colour's share of
-#:   the advantage within a few evaluations; a margin of 2 points lowers it as fast.
+#:   the advantage within a few evaluations; a margin of 2 points lowers it as fast;
+#: * the validation prompts see the loss the goal measures: in a diagnostic AWM run of the awm-colour-kept row with
+#:   the multiplier held at 0 (constraint_lr 0, 100 steps, 2026-12-07), validation colour went 97.7% -> 97.7% ->
+#:   90.3% (steps 0, 50, 100; 176 images, paired change -7.4 +- 2.4 points) while held-out colour (43 x 4 images)
+#:   went 92.4% -> 90.7% -> 89.5%: the training prompts' colour at CFG 3 is higher, and falls as far or further.
 COLOUR_KEPT: dict = {
     "reward_constraints": {"toy_color": {"min_delta": -0.01, "source": "evaluation"}}, "constraint_lr": 20.0,
     "eval_strategy": "steps", "eval_steps": 25, "eval_on_start": True, "eval_images_per_prompt": 4,
@@ -260,8 +264,9 @@ def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tup
          "advantages, every edge trained with its child's"),
         (dict(name="dgpo", **_copy(TOY_DGPO_SETTINGS)),
          "DGPO (recipes/toy_dgpo.yaml): group-level DPO on CFG-free DPM-Solver++ rollouts of 6 steps, 2 of the first "
-         "4 steps trained on a noise shared by each group, beta_dpo 100, the official trust region (DSM ratio "
-         "against the EMA reference within 1 +- 0.01), EMA reference sampling from step 200, EMA 0.9 evaluated"),
+         "4 steps trained on a noise shared by each group, beta_dpo 100, no trust region (dgpo_clip_dsm off: on "
+         "the toy world the official one clipped no sample), EMA reference sampling from step 200, EMA 0.9 "
+         "evaluated"),
         (dict(name="crd", **_copy(TOY_CRD_SETTINGS)),
          "CRD (recipes/toy_crd.yaml): an implicit reward matched to the reward centred in each prompt's group, on "
          "CFG-free DPM-Solver++ rollouts of 6 steps by a lagging sampling copy, adaptive weights, crd_beta 1, EMA 0.9 "
@@ -556,7 +561,11 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
         "`toy_awm.yaml`, `toy_dpo.yaml` online, `toy_dgpo.yaml`, `toy_crd.yaml`, `toy_nft.yaml`); `diffusion-nft-fast` "
         "is our cheaper DiffusionNFT (`toy_nft_fast.yaml`); `diffusion-opd` distils two experts trained from the world "
         "(one on the shape score, one on colour) into a fresh student (`toy_opd.yaml` with `teachers`; the experts' "
-        "training is not counted in its seconds). All are trained from the same pretrained world with seeds "
+        "training is not counted in its seconds); `awm-colour-kept` and `dgpo-colour-kept` are those rows with colour "
+        "kept by a reward constraint read from the trainer's own evaluation at CFG 3 on validation prompts (every "
+        "fourth training prompt; `toy_awm_colour_kept.yaml`, `toy_dgpo_colour_kept.yaml`), `awm-rollouts-cfg3` and "
+        "`dgpo-rollouts-cfg3` those rows rolling out at the evaluation's CFG 3 (`rollouts_at_eval_guidance`); the "
+        "constraint's evaluations count as training seconds. All are trained from the same pretrained world with seeds "
         f"{', '.join(map(str, seeds))}. Figures are held-out {attribute} accuracy: the mean over seeds with the "
         "range (lowest-highest seed) in brackets. A difference *exceeds the seed spread* when the two ranges do not "
         "overlap (every seed of one variant beats every seed of the other).",
