@@ -342,6 +342,7 @@ def test_quick_leaderboard_runs_in_two_processes(tmp_path):
     # trains nothing.
     kept = json.loads((tmp_path / "archive" / "fast-random" / "seed0.json").read_text())
     assert kept["world"] == world_digest(world) and {"date", "commit", "machine"} <= set(kept["made"])
+    assert kept["code"]["consistent"] and len(kept["code"]["digest"]) == 64  # reused below: the same code
     again = tmp_path / "again"
     assert bench.main(["--leaderboard", "--quick", "--only", "fast-random,mixgrpo-flash", "--seeds", "0",
                        "--max-eval-prompts", "2", "--threads", "1", "--world", str(world), "--output", str(again),
