@@ -14,6 +14,7 @@ def toy_world():
     return cached_toy_world("full", seed=0, log=lambda message: None)
 
 
+@pytest.mark.slow
 def test_colour_kept_row_reads_its_constraint_from_the_validation_evaluation(toy_world, tmp_path):
     from flowgrpo.toy.build import read_prompts
     from flowgrpo.toy.leaderboard import leaderboard_variants

@@ -183,6 +183,9 @@ class OnlineRLTrainer(FlowBaseTrainer):
         constrained = check_constraint_rewards(args, reward_spec_names(reward_funcs),
                                                reward_spec_names(args.eval_reward_funcs or []),
                                                has_eval_dataset=eval_dataset is not None)
+        if constrained and isinstance(reward_funcs, RewardSet):
+            raise ValueError(f"reward_constraints name {constrained}, which the given RewardSet lacks; add them to it "
+                             "with weight 0, or pass reward names instead of a RewardSet.")
         if constrained:
             specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
             weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(specs)
