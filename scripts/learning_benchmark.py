@@ -21,6 +21,19 @@ same settings, evaluation and world) are reused, so an interrupted leaderboard c
 Each finished run is also kept in ``--archive`` (``docs/learning_leaderboard_runs/<variant>/seed<k>.json``, with the
 date, commit and machine it was made on), which is part of the repository: a leaderboard too long for one sitting
 is completed over several, and the page can be rewritten from the archive alone.
+
+A run is reused only when its code digest matches (``flowgrpo.toy.provenance``: the sources of every flowgrpo
+module it imported, recorded with the run; a run without one, or made from other code, is trained again) and, for
+on-policy distillation, when its teachers' weights digest matches the experts' now. ``--require-clean`` refuses to
+train from a tree with uncommitted changes or untracked files, so that every run it makes is at one clean commit;
+``--plan`` prints which runs would be reused and which trained, and stops. The rerun of the whole archive at one
+clean commit is one command, from the repository root of a clean checkout::
+
+    python scripts/learning_benchmark.py --leaderboard --processes 2 --threads 1 --require-clean \
+        --note "the whole archive rerun at one clean commit, two processes of one thread each"
+
+``--finished-only`` writes the page from the runs already made whatever their code, and the page lists how many runs
+came from which commit and code digest.
 ``--leaderboard --quick`` is a smoke test of the machinery (3 variants x 2 seeds x 3 steps, 4 eval prompts; it
 writes only into ``--output``).
 
@@ -70,7 +83,8 @@ try:
         render_leaderboard,
         summarize,
     )
-    from flowgrpo.toy.learning import RLSettings, run_toy_rl, world_digest
+    from flowgrpo.toy.learning import RLSettings, run_toy_rl, teacher_digests, world_digest
+    from flowgrpo.toy.provenance import git_state, reusable_code
 except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(REPO / "src"))
     from flowgrpo.toy.leaderboard import (
@@ -82,7 +96,8 @@ except ImportError:  # running from a checkout without the package installed
         render_leaderboard,
         summarize,
     )
-    from flowgrpo.toy.learning import RLSettings, run_toy_rl, world_digest
+    from flowgrpo.toy.learning import RLSettings, run_toy_rl, teacher_digests, world_digest
+    from flowgrpo.toy.provenance import git_state, reusable_code
 
 LEADERBOARD_SEEDS = (0, 1, 2, 3, 4)
 LEADERBOARD_STEPS = 300
@@ -199,15 +214,20 @@ def prepare_opd_experts(world: Path) -> None:
                         str(world), "--output", str(REPO / Path(OPD_EXPERTS).parent)], check=True, cwd=REPO)
 
 
-def reusable_run(path: Path, settings: RLSettings, eval_config: dict, world: str | None) -> dict | None:
+def reusable_run(path: Path, settings: RLSettings, eval_config: dict, world: str | None,
+                 require_code: bool = True) -> dict | None:
     """A finished run's result when it was made on the same world (its builder digest) with the same settings and
-    evaluation."""
+    evaluation, from the same code (its code digest recomputed from this checkout; ``require_code=False``: any code)
+    and, when it read teachers, from teachers whose weights digest is the same now."""
     try:
         result = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     same = result.get("settings") == json.loads(json.dumps(dataclasses.asdict(settings))) and \
         result.get("eval") == eval_config and result.get("world") == world
+    if same and require_code:
+        same = reusable_code(result.get("code")) and \
+            result.get("teachers", []) == teacher_digests(settings.extra_config)
     return result if same else None
 
 
@@ -219,14 +239,17 @@ def machine_description(torch_threads: int) -> str:
 
 
 def _made_summary(results: list[dict]) -> str:
-    """Where the runs were made: each (date, commit, machine) with its number of runs."""
+    """Where the runs were made: each (date, commit, code digest, machine) with its number of runs."""
     counts: dict[tuple, int] = {}
     for result in results:
         made = result.get("made") or {}
-        key = (made.get("date", "unknown date"), made.get("commit", "unknown commit"), made.get("machine", "unknown"))
+        code = result.get("code") or {}
+        digest = f"code digest {code['digest'][:12]}" if code.get("digest") else "no code digest"
+        key = (made.get("date", "unknown date"), made.get("commit", "unknown commit"), digest,
+               made.get("machine", "unknown"))
         counts[key] = counts.get(key, 0) + 1
-    return "; ".join(f"{n} on {date} at commit {commit} ({machine})" for (date, commit, machine), n in
-                     sorted(counts.items()))
+    return "; ".join(f"{n} on {date} at commit {commit}, {digest} ({machine})" for (date, commit, digest, machine), n
+                     in sorted(counts.items()))
 
 
 def keep_run(result: dict, path: Path) -> None:
@@ -241,14 +264,19 @@ def keep_run(result: dict, path: Path) -> None:
 
 
 def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + (" (with local changes)" if dirty else "") if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
+    """The short commit, with " (with local changes)" when the tree is not clean (changes or untracked files)."""
+    state = git_state(REPO)
+    if state["commit"] is None:
         return "unknown"
+    return state["commit"][:7] + ("" if state["clean"] else " (with local changes)")
+
+
+def check_clean_tree() -> None:
+    """``--require-clean``: stop, naming the fix, when the checkout has uncommitted changes or untracked files."""
+    state = git_state(REPO)
+    if not state["clean"]:
+        raise SystemExit(f"--require-clean: {REPO} is not a clean checkout (git status --porcelain lists changes or "
+                         "untracked files); commit or stash them, or leave out --require-clean.")
 
 
 def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads: int) -> int:
@@ -262,13 +290,20 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else (
         list(LEADERBOARD_QUICK_VARIANTS) if args.quick else None)
     runs, descriptions = leaderboard_runs(steps, seeds, only, rewards)
-    if OPD_VARIANT in descriptions and not args.finished_only:
+    if args.require_clean and not (args.finished_only or args.plan):
+        check_clean_tree()
+    if OPD_VARIANT in descriptions and not (args.finished_only or args.plan):
         prepare_opd_experts(world)
     output = args.output
     output.mkdir(parents=True, exist_ok=True)
     archive = args.archive if args.archive is not None else (None if args.quick else DEFAULT_ARCHIVE)
     digest = world_digest(world)
     note = args.note
+    eval_config = {"prompts": _eval_prompt_count(world, max_prompts), "images_per_prompt": images,
+                   "steps": eval_steps, "guidance_scale": EVAL_GUIDANCE_SCALE, "seed": EVAL_SEED,
+                   "every": eval_every}
+    if args.plan:
+        return print_plan(runs, output, archive, eval_config, digest, args.fresh)
     if args.processes > 1 and not args.finished_only:
         status, torch_threads, auto_note = _run_in_processes(args, world, list(descriptions))
         if status != 0:
@@ -276,16 +311,14 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
         note = note or auto_note
     start = time.perf_counter()
     results, missing = [], []
-    eval_config = {"prompts": _eval_prompt_count(world, max_prompts), "images_per_prompt": images,
-                   "steps": eval_steps, "guidance_scale": EVAL_GUIDANCE_SCALE, "seed": EVAL_SEED,
-                   "every": eval_every}
     for i, settings in enumerate(runs):
         folder = output / settings.name / f"seed{settings.seed}"
         kept = archive / settings.name / f"seed{settings.seed}.json" if archive is not None else None
         previous = None
-        if not args.fresh:
+        if not args.fresh:  # --finished-only writes the page from what exists, whatever its code (the page says)
             for candidate in (folder / "result.json", kept):
-                previous = previous or (candidate and reusable_run(candidate, settings, eval_config, digest))
+                previous = previous or (candidate and reusable_run(candidate, settings, eval_config, digest,
+                                                                   require_code=not args.finished_only))
         if previous is not None:
             print(f"[leaderboard] {i + 1}/{len(runs)} {settings.name} seed {settings.seed}: reusing a finished run",
                   flush=True)
@@ -304,7 +337,8 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
         results.append(previous)
         # archive a run unless the archive already holds one of these settings (an entry of a variant's earlier
         # settings is replaced: it could never be reused again)
-        if kept is not None and (args.fresh or not reusable_run(kept, settings, eval_config, digest)):
+        if kept is not None and (args.fresh or not reusable_run(kept, settings, eval_config, digest,
+                                                                 require_code=not args.finished_only)):
             keep_run(previous, kept)
         _write_results(output, world, args.quick, torch_threads, results)
     _write_results(output, world, args.quick, torch_threads, results)
@@ -341,6 +375,32 @@ def run_leaderboard(args, world: Path, rewards: list[str] | None, torch_threads:
     return 0
 
 
+def print_plan(runs: list[RLSettings], output: Path, archive: Path | None, eval_config: dict, world: str | None,
+               fresh: bool) -> int:
+    """``--plan``: each planned run, reused (a finished run of the same settings, evaluation, world, code and
+    teachers in ``output`` or ``archive``) or trained, and why; nothing is trained."""
+    trained = []
+    for settings in runs:
+        folder = output / settings.name / f"seed{settings.seed}" / "result.json"
+        kept = archive / settings.name / f"seed{settings.seed}.json" if archive is not None else None
+        candidates = [p for p in (folder, kept) if p is not None and p.is_file()]
+        if not fresh and any(reusable_run(p, settings, eval_config, world) for p in candidates):
+            print(f"[plan] {settings.name} seed {settings.seed}: reused")
+            continue
+        if fresh or not candidates:
+            why = "--fresh" if fresh else "no finished run"
+        elif any(reusable_run(p, settings, eval_config, world, require_code=False) for p in candidates):
+            why = "made from other code (its code digest, or its teachers' weights, differ from this checkout's)"
+        else:
+            why = "made with other settings, evaluation or world"
+        print(f"[plan] {settings.name} seed {settings.seed}: trained ({why})")
+        trained.append(settings)
+    names = sorted({s.name for s in trained})
+    print(f"[plan] {len(trained)} of {len(runs)} runs would be trained"
+          + (f": {', '.join(names)}" if names else ""))
+    return 0
+
+
 def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
     """``argv`` without the options ``names`` (each with its value, as ``--name V`` or ``--name=V``)."""
     out, skip = [], False
@@ -361,7 +421,8 @@ def _without_note(argv: list[str]) -> list[str]:
 
 #: Rough cost of a variant's run relative to the recipe's (more trained steps or extra forwards per step), for
 #: dealing the variants out to processes of about equal length.
-VARIANT_COST = {"flow-grpo": 3.0, "diffusion-nft": 3.0, "awm": 2.5, "dancegrpo": 2.0, "diffusion-dpo": 1.5}
+VARIANT_COST = {"flow-grpo": 3.0, "diffusion-nft": 3.0, "awm": 2.5, "dancegrpo": 2.0, "diffusion-dpo": 1.5,
+                "awm-colour-kept": 3.0, "awm-rollouts-cfg3": 3.5, "dgpo-colour-kept": 1.5, "dgpo-rollouts-cfg3": 1.5}
 
 
 def shard_variants(names: list[str], processes: int) -> list[list[str]]:
@@ -385,7 +446,8 @@ def _run_in_processes(args, world: Path, names: list[str]) -> tuple[int, int, st
     from flowgrpo.cpu_threads import usable_cores
 
     threads = args.threads or max(1, usable_cores() // len(shards))
-    base = _without_options(args.argv, ("--processes", "--only", "--threads", "--leaderboard-md", "--note", "--world"))
+    base = [a for a in _without_options(args.argv, ("--processes", "--only", "--threads", "--leaderboard-md", "--note",
+                                                    "--world")) if a != "--require-clean"]  # the parent checked
     start = time.perf_counter()
     children = []
     for i, shard in enumerate(shards):
@@ -461,6 +523,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="leaderboard: run the variants in this many concurrent processes, dealt out in turn, "
                              "each with --threads (default: cores // processes) torch threads; 2 on 2 cores halves "
                              "the wall-clock")
+    parser.add_argument("--require-clean", action="store_true",
+                        help="leaderboard: refuse to train from a checkout with uncommitted changes or untracked files "
+                             "under src, scripts or recipes (every run made at one clean commit)")
+    parser.add_argument("--plan", action="store_true",
+                        help="leaderboard: print which runs would be reused and which trained (and why); train nothing")
     parser.add_argument("--note", default=None,
                         help="leaderboard: a sentence for the page on how the runs were made (e.g. which runs shared "
                              "the machine)")

@@ -20,8 +20,15 @@ them: the world's ceiling (shape accuracy of the VAE's reconstructions of true i
 shape a row still gained over its last 100 steps (is it still learning when the budget ends?), and the colour it gave
 up for shape (is the reward trading one for the other?).
 
-An *attempt* (`ATTEMPTS`) is a leaderboard row's settings with one change: more steps, or another weight on the
-colour reward. Runs are reused when their result exists with the same settings and evaluation.
+An *attempt* (`ATTEMPTS`) is a leaderboard row's settings with one change: more steps, another weight on the
+colour reward, colour kept by a reward constraint (``flowgrpo.toy.leaderboard.COLOUR_KEPT``), rollouts at the
+evaluation's CFG 3. Each is one command, e.g. the goal's constrained attempts on five seeds::
+
+    python scripts/learning_goals.py --attempt awm-colour-kept-cfg3-600 --seeds 0,1,2,3,4 --threads 1 --require-clean
+
+Runs are reused when their result exists with the same settings, evaluation and world, made from the same code
+(the code digest of ``flowgrpo.toy.provenance``); each run records its commit, whether the tree was clean and its
+code digest, and the page says so per attempt.
 """
 
 from __future__ import annotations
@@ -45,11 +52,14 @@ except ImportError:  # a checkout without the package installed
     sys.path.insert(0, str(REPO / "src"))
 
 from flowgrpo.toy.leaderboard import (  # noqa: E402
+    COLOUR_KEPT,
     EVAL_GUIDANCE_SCALE,
+    ROLLOUTS_AT_EVAL_GUIDANCE,
     TOY_AWM_SETTINGS,
     TOY_DGPO_SETTINGS,
     accuracy_at_budget,
     bootstrap_interval,
+    with_config,
 )
 
 SHAPE_GOAL = 0.70
@@ -71,6 +81,20 @@ ATTEMPTS: dict[str, tuple[str, dict, str]] = {
                 "AWM, the strongest row per step, for 600 steps instead of 300: does shape keep rising, and colour?"),
     "awm-600-colour1": ("awm", {"max_steps": 600, **TOY_AWM_SETTINGS, "reward_weights": [1.0, 1.0]},
                         "the same with the colour reward weighted 1 instead of 0.5: is colour kept at the same shape?"),
+    # goal 1 with reward constraints: colour kept within 1 point of its start on the trainer's own evaluation at CFG 3
+    "awm-colour-kept-600": ("awm", {"max_steps": 600, **with_config(TOY_AWM_SETTINGS, **COLOUR_KEPT)},
+                            "AWM for 600 steps with colour constrained (COLOUR_KEPT): does the multiplier hold colour "
+                            "while shape passes 70%?"),
+    "dgpo-colour-kept-600": ("dgpo", {"max_steps": 600, **with_config(TOY_DGPO_SETTINGS, **COLOUR_KEPT)},
+                             "DGPO for 600 steps with colour constrained (COLOUR_KEPT): does shape keep rising with "
+                             "colour held?"),
+    "awm-colour-kept-cfg3-600": ("awm", {"max_steps": 600, **with_config(TOY_AWM_SETTINGS, **{
+                                     **COLOUR_KEPT, **ROLLOUTS_AT_EVAL_GUIDANCE})},
+                                 "AWM for 600 steps, colour constrained, rolling out at the evaluation's CFG 3: the "
+                                 "colour signal where it is evaluated, and a multiplier to keep it"),
+    "dgpo-colour-kept-cfg3-600": ("dgpo", {"max_steps": 600, **with_config(TOY_DGPO_SETTINGS, **{
+                                      **COLOUR_KEPT, **ROLLOUTS_AT_EVAL_GUIDANCE})},
+                                  "DGPO for 600 steps, colour constrained, rolling out at the evaluation's CFG 3"),
 }
 
 
@@ -82,7 +106,7 @@ def attempt_settings(name: str, seed: int):
     return dataclasses.replace(RLSettings(), name=name, seed=seed, **change)
 
 
-def train(name: str, seeds: list[int], output: Path, world: Path, threads: int) -> None:
+def train(name: str, seeds: list[int], output: Path, world: Path, threads: int, require_clean: bool = False) -> None:
     """Each seed of the attempt, kept in `GOAL_ARCHIVE` as the leaderboard keeps its runs (a run of the same settings,
     evaluation and world there is reused)."""
     from learning_benchmark import git_commit, keep_run, machine_description, reusable_run
@@ -92,6 +116,10 @@ def train(name: str, seeds: list[int], output: Path, world: Path, threads: int) 
 
     eval_config = {"prompts": len(read_prompts(world, "eval")), **EVAL}
     digest = world_digest(world)
+    if require_clean:
+        from learning_benchmark import check_clean_tree
+
+        check_clean_tree()
     for seed in seeds:
         settings = attempt_settings(name, seed)
         kept = GOAL_ARCHIVE / name / f"seed{seed}.json"
@@ -205,12 +233,19 @@ def render(leaderboard: dict[str, list[dict]], attempts: dict[str, list[dict]], 
     if attempts:
         lines += ["", "Attempts beyond the leaderboard's 300 steps:", "", *header]
         lines += [line(name) for name in attempts]
-        lines += [""] + [f"- `{name}`: {ATTEMPTS[name][2]}" for name in attempts if name in ATTEMPTS]
+        lines += [""] + [f"- `{name}`: {ATTEMPTS[name][2]} (made from: {provenance(attempts[name])})"
+                         for name in attempts if name in ATTEMPTS]
         for name, runs in attempts.items():
             for run in runs:
                 points = ", ".join(f"{p['step']}: {p['shape']:.1%} / {p['color']:.1%}" for p in run["curve"]
                                    if p["step"] % 100 == 0)
                 lines.append(f"- `{name}` seed {run['settings']['seed']}, step: shape / colour: {points}")
+                kept = [(v["step"], v.get("constraint/toy_color/value"), v.get("constraint/toy_color/multiplier"))
+                        for v in run.get("validation", []) if v["step"] % 100 == 0
+                        and v.get("constraint/toy_color/multiplier") is not None]
+                if kept:  # the colour constraint: the validation colour and the multiplier after each step's update
+                    lines.append("  - colour constraint, step: validation colour / multiplier: " + ", ".join(
+                        f"{step}: {value:.1%} / {multiplier:.2f}" for step, value, multiplier in kept))
     five = [name for name, f in figures.items() if f["seeds"] >= 5]  # goal 2 is an average over five
     by_time = sorted(five, key=lambda name: -figures[name]["best_within_goal_seconds"][0])[:3]
     lines += ["", f"Closest to goal 2 (the highest mean over seeds by {GOAL_SECONDS:.0f} s, and the mean at "
@@ -218,11 +253,45 @@ def render(leaderboard: dict[str, list[dict]], attempts: dict[str, list[dict]], 
                   f"{name} {figures[name]['best_within_goal_seconds'][0]:.1%} at "
                   f"{figures[name]['best_within_goal_seconds'][1]:.0f} s, {figures[name]['at_goal_seconds']:.1%} "
                   f"at {GOAL_SECONDS:.0f} s" for name in by_time) + " (rows of five seeds)."]
+    if by_time:
+        lines += [goal2_verdict(by_time[0], everything[by_time[0]], figures[by_time[0]])]
     by_shape = sorted(figures, key=lambda name: -(figures[name]["best_kept"] or (0,))[0])[:3]
     lines += ["Closest to goal 1 (the best seed with colour kept): " + "; ".join(
         f"{name} {figures[name]['best_kept'][0]:.1%} (seed {figures[name]['best_kept'][2]}, colour "
         f"{figures[name]['best_kept'][1] * 100:+.1f})" for name in by_shape if figures[name]["best_kept"]) + "."]
     return "\n".join(lines) + "\n"
+
+
+def goal2_verdict(name: str, runs: list[dict], figures: dict) -> str:
+    """Goal 2 stated one way: whether the closest row's mean is at the target at 150 s, and how its best reading
+    compares with the target given how many budgets it is the best of."""
+    best, at = figures["best_within_goal_seconds"]
+    budgets = sorted({p["train_seconds"] for r in runs for p in r["curve"] if p["train_seconds"] <= GOAL_SECONDS + 1e-9})
+    above = sum(1 for b in budgets if statistics.mean(at_seconds(r, b) for r in runs) >= GOAL_ACCURACY - 1e-12)
+    final = figures["at_goal_seconds"]
+    if final >= GOAL_ACCURACY - 1e-12:
+        return (f"Goal 2: met by {name}, whose mean at {GOAL_SECONDS:.0f} s is {final:.1%} (target "
+                f"{GOAL_ACCURACY:.1%}).")
+    return (f"Goal 2: not shown to be reached. The closest, {name}, reads {best:.1%} at {at:.0f} s, "
+            f"{abs(best - GOAL_ACCURACY) * 100:.2f} points {'above' if best >= GOAL_ACCURACY else 'below'} the "
+            f"{GOAL_ACCURACY:.1%} target, but that is the best of "
+            f"the {len(budgets)} budgets at which its mean was read (every evaluation time of its runs up to "
+            f"{GOAL_SECONDS:.0f} s; {above} of them at or above the target), and at {GOAL_SECONDS:.0f} s its mean is "
+            f"{final:.1%}.")
+
+
+def provenance(runs: list[dict]) -> str:
+    """Where a row's runs were made: commit (clean or not) and code digest, or that they recorded none."""
+    made = {}
+    for run in runs:
+        code = run.get("code") or {}
+        commit = code.get("commit") or (run.get("made") or {}).get("commit")
+        key = (f"commit {commit[:7]}" if commit else "no commit recorded",
+               "" if code.get("clean") is None else (" (clean)" if code["clean"] else " (with local changes)"),
+               f"code digest {code['digest'][:12]}" if code.get("digest") else "no code digest")
+        made[key] = made.get(key, 0) + 1
+    return "; ".join(f"{n} run{'s' * (n != 1)}: {commit}{clean}, {digest}" for (commit, clean, digest), n in
+                     sorted(made.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=Path("outputs/learning_goals"))
     parser.add_argument("--world", type=Path, default=None, help="toy world folder (default: the shared cache)")
     parser.add_argument("--report", type=Path, default=None, help="write the page here (nothing trained)")
+    parser.add_argument("--require-clean", action="store_true",
+                        help="refuse to train from a checkout with uncommitted changes or untracked files under src, "
+                             "scripts or recipes")
     args = parser.parse_args(argv)
     if (args.attempt is None) == (args.report is None):
         parser.error("give one of --attempt NAME (train) or --report PATH (write the page)")
@@ -259,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         from flowgrpo.toy.build import cached_toy_world
 
         args.world = cached_toy_world("full", seed=0)
-    train(args.attempt, seeds, args.output, args.world, args.threads)
+    train(args.attempt, seeds, args.output, args.world, args.threads, args.require_clean)
     return 0
 
 

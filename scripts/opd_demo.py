@@ -84,10 +84,11 @@ def evaluate(args, world: Path) -> dict:
     from diffusers import DiffusionPipeline
 
     from flowgrpo.toy.build import evaluate_pipeline, read_prompts
+    from flowgrpo.toy.provenance import weights_digest
 
     prompts = read_prompts(world, "eval")
-    archived = {} if args.students_from is None else leaderboard_students(args.students_from, len(prompts),
-                                                                          args.images_per_prompt)
+    archived, seeds = ({}, args.seeds) if args.students_from is None else leaderboard_students(
+        args.students_from, len(prompts), args.images_per_prompt)
     models = {"world": None, **{f"{n} expert": args.output / "experts" / n for n in EXPERTS}}
     if args.students_from is None:
         models.update({f"student seed {s}": args.output / "students" / f"seed{s}" for s in args.seeds})
@@ -111,17 +112,20 @@ def evaluate(args, world: Path) -> dict:
                                for key in ("shape", "color")}
     summary = {"results": results, "images_per_prompt": args.images_per_prompt, "prompts": len(prompts),
                "expert_recipe": args.expert_recipe, "expert_steps": args.expert_steps,
-               "student_steps": args.student_steps, "student_flags": args.student_flags, "seeds": args.seeds,
-               "students_from": None if args.students_from is None else str(args.students_from)}
+               "student_steps": args.student_steps, "student_flags": args.student_flags, "seeds": seeds,
+               "students_from": None if args.students_from is None else str(args.students_from),
+               "experts": {name: {"lora": str(args.output / "experts" / name),
+                                  "sha256": weights_digest(args.output / "experts" / name)} for name in EXPERTS}}
     (args.output / "opd_demo.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.output / "opd_demo.md").write_text(render(summary))
     return summary
 
 
-def leaderboard_students(archive: Path, prompts: int, images_per_prompt: int) -> dict:
+def leaderboard_students(archive: Path, prompts: int, images_per_prompt: int) -> tuple[dict, list[int]]:
     """The leaderboard's ``diffusion-opd`` runs in ``archive`` as the demo's student rows (their final held-out
-    accuracies); a run evaluated on other prompts or images is refused, naming the flag that matches it."""
-    rows = {}
+    accuracies), and their seeds; a run evaluated on other prompts or images is refused, naming the flag that
+    matches it."""
+    rows, seeds = {}, []
     for path in sorted((archive / "diffusion-opd").glob("seed*.json")):
         run = json.loads(path.read_text(encoding="utf-8"))
         if run["eval"]["images_per_prompt"] != images_per_prompt or run["eval"]["prompts"] != prompts:
@@ -131,11 +135,12 @@ def leaderboard_students(archive: Path, prompts: int, images_per_prompt: int) ->
         after = run["after"]
         name = f"student seed {run['settings']['seed']} (leaderboard, {run['settings']['max_steps']} steps)"
         rows[name] = {"shape": after["shape"], "color": after["color"], "all": after["all"], "images": after["n"]}
+        seeds.append(int(run["settings"]["seed"]))
         print(f"[opd demo] {name}: shape {after['shape']:.1%}, colour {after['color']:.1%}")
     if not rows:
         raise SystemExit(f"{archive / 'diffusion-opd'} holds no runs: make them with scripts/learning_benchmark.py "
                          "--leaderboard --only diffusion-opd")
-    return rows
+    return rows, seeds
 
 
 def render(summary: dict) -> str:

@@ -25,7 +25,8 @@ def _run(folder: Path, seed: int, shape: float, color: float, images: int = 8) -
 def test_leaderboard_runs_are_the_students_and_the_table_summarises_them(tmp_path):
     _run(tmp_path / "diffusion-opd", 0, 0.60, 0.90)
     _run(tmp_path / "diffusion-opd", 1, 0.50, 0.94)
-    rows = opd_demo.leaderboard_students(tmp_path, 43, 8)
+    rows, seeds = opd_demo.leaderboard_students(tmp_path, 43, 8)
+    assert seeds == [0, 1]  # the students' own seeds, whatever --seeds says
     assert sorted(rows) == ["student seed 0 (leaderboard, 300 steps)", "student seed 1 (leaderboard, 300 steps)"]
     assert rows["student seed 1 (leaderboard, 300 steps)"]["color"] == 0.94
     results = {"world": {"shape": 0.44, "color": 0.94}, **rows,

@@ -17,6 +17,8 @@ import pytest
 from flowgrpo import DiffusionNFTConfig, FlowGRPOConfig
 from flowgrpo.cli import parse_recipe
 from flowgrpo.toy.leaderboard import (
+    COLOUR_KEPT,
+    GOAL_ROWS,
     NFT_VARIANT,
     OPD_EXPERTS,
     OPD_VARIANT,
@@ -39,21 +41,37 @@ TOY_RECIPES = {
     "toy_same_noise.yaml": "same-noise", "toy_nft.yaml": "diffusion-nft", "toy_dancegrpo.yaml": "dancegrpo",
     "toy_awm.yaml": "awm", "toy_nft_fast.yaml": "diffusion-nft-fast", "toy_flowdppo.yaml": "flow-dppo",
     "toy_branchgrpo.yaml": "branchgrpo", "toy_dgpo.yaml": "dgpo", "toy_crd.yaml": "crd",
+    "toy_awm_colour_kept.yaml": "awm-colour-kept", "toy_dgpo_colour_kept.yaml": "dgpo-colour-kept",
 }
 
 
 def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp_path):
     variants = leaderboard_variants(120)
     names = [s.name for s, _ in variants]
-    assert len(set(names)) == len(names) == 21 and REFERENCE_VARIANT in names and names[-2] == NFT_VARIANT
-    assert names[-1] == "diffusion-nft-fast"
+    assert len(set(names)) == len(names) == 21 + len(GOAL_ROWS) and REFERENCE_VARIANT in names
+    assert names[names.index(NFT_VARIANT) + 1] == "diffusion-nft-fast" and names[-len(GOAL_ROWS):] == list(GOAL_ROWS)
     assert {"dancegrpo", "awm", "diffusion-dpo", "dgpo", "crd", OPD_VARIANT} <= set(names)
     reference = next(s for s, _ in variants if s.name == REFERENCE_VARIANT)
     assert dataclasses.replace(reference, name="x") == dataclasses.replace(RLSettings(max_steps=120), name="x")
     algorithm_fields = {"sde_window_size", "sde_window_range", "sde_window_strategy", "sde_window_shift_interval",
                         "ode_solver", "ode_compression_ratio", "ratio_normalization", "beta", "kl_estimator",
                         "reward_aggregation", "same_noise_per_group"}
+    by_name = {s.name: s for s, _ in variants}
     for settings, what in variants:
+        if settings.name in GOAL_ROWS:  # the goal's rows: their row plus the colour constraint, or CFG 3 rollouts
+            row, change, _ = GOAL_ROWS[settings.name]
+            base = by_name[row]
+            extra = settings.config_kwargs()
+            differs = {k for k in {**extra, **base.config_kwargs()} if extra.get(k) != base.config_kwargs().get(k)}
+            assert differs == set(change) | ({"eval_raw_weights"} if row == "awm" and change is COLOUR_KEPT else set())
+            args = toy_trainer_classes(settings.trainer)[0](output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                                           **extra)
+            if change is COLOUR_KEPT:
+                assert args.reward_constraints == {"toy_color": {"min_delta": -0.01, "source": "evaluation"}}
+                assert args.eval_on_start and args.eval_steps == 25 and args.guidance_scale == 1.0
+            else:
+                assert (args.guidance_scale, args.training_guidance_scale) == (3.0, 1.0) and what
+            continue
         if settings.trainer == "awm":  # the official settings: CFG-free SA-Solver rollouts, 14 steps, groups of 24
             args = toy_trainer_classes(settings.trainer)[0](output_dir=str(tmp_path), report_to=[], use_cpu=True,
                                                            **settings.config_kwargs())
@@ -87,6 +105,8 @@ def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp
             assert what and args.generation_batch_size == 32 and args.num_generations == 8
             assert (args.guidance_scale, args.num_inference_steps, args.sampler) == (1.0, 6, "dpmpp_2m")
             assert args.use_ema and args.ema_decay == 0.9 and args.eval_guidance_scales == [1.0, 3.0]
+            if settings.trainer == "dgpo":  # 2 of the first 4 steps, no trust region (it clipped nothing here)
+                assert not args.dgpo_clip_dsm and (args.dgpo_num_timesteps, args.dgpo_trunc_steps) == (2, 3)
             continue
         if settings.name == OPD_VARIANT:  # a fresh student on its SDE rollouts, the two experts in turn
             args = toy_trainer_classes(settings.trainer)[0](output_dir=str(tmp_path), report_to=[], use_cpu=True,
@@ -274,7 +294,8 @@ def test_leaderboard_command_line_fails_fast_on_unknown_variants(tmp_path, capsy
     assert "no-such-variant" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
     runs, descriptions = bench.leaderboard_runs(50, [0, 1, 2], None, None)
-    assert len(runs) == 63 and len(descriptions) == 21 and {r.seed for r in runs} == {0, 1, 2}
+    count = 21 + len(GOAL_ROWS)
+    assert len(runs) == 3 * count and len(descriptions) == count and {r.seed for r in runs} == {0, 1, 2}
     assert all(r.max_steps == 50 for r in runs)
 
 
@@ -285,7 +306,8 @@ def test_leaderboard_splits_variants_over_processes():
     names = [s.name for s, _ in leaderboard_variants(10)]
     shards = bench.shard_variants(names, 2)
     assert sorted(shards[0] + shards[1]) == sorted(names) and not set(shards[0]) & set(shards[1])
-    assert ("flow-grpo" in shards[0]) != ("diffusion-nft" in shards[0])  # the two slowest apart
+    slowest = sorted(names, key=lambda n: -bench.VARIANT_COST.get(n, 1.0))[:2]
+    assert (slowest[0] in shards[0]) != (slowest[1] in shards[0])  # the two slowest apart
     assert bench.shard_variants(["a"], 3) == [["a"]]
     argv = ["--leaderboard", "--only", "a,b", "--processes=2", "--note", "x y", "--seeds", "0"]
     assert bench._without_options(argv, ("--only", "--processes", "--note")) == ["--leaderboard", "--seeds", "0"]
@@ -320,6 +342,7 @@ def test_quick_leaderboard_runs_in_two_processes(tmp_path):
     # trains nothing.
     kept = json.loads((tmp_path / "archive" / "fast-random" / "seed0.json").read_text())
     assert kept["world"] == world_digest(world) and {"date", "commit", "machine"} <= set(kept["made"])
+    assert kept["code"]["consistent"] and len(kept["code"]["digest"]) == 64  # reused below: the same code
     again = tmp_path / "again"
     assert bench.main(["--leaderboard", "--quick", "--only", "fast-random,mixgrpo-flash", "--seeds", "0",
                        "--max-eval-prompts", "2", "--threads", "1", "--world", str(world), "--output", str(again),

@@ -341,7 +341,14 @@ def plan_inputs(script_args: Any, model_args: Any, training_args: Any, parallel:
                       quantization=getattr(training_args, "quantization", None),
                       use_ema=bool(getattr(training_args, "use_ema", False)),
                       offload_text_encoders=bool(getattr(training_args, "offload_text_encoders", False)),
-                      rewards=tuple(script_args.reward_funcs or ()), trained_steps=settings.trained_steps)
+                      rewards=_scored_rewards(script_args, training_args), trained_steps=settings.trained_steps)
+
+
+def _scored_rewards(script_args: Any, training_args: Any) -> tuple[str, ...]:
+    """The rewards a run scores: ``reward_funcs``, and the constrained rewards outside them (``reward_constraints``:
+    scored with weight 0, their models loaded all the same)."""
+    names = [*(script_args.reward_funcs or ()), *(getattr(training_args, "reward_constraints", None) or {})]
+    return tuple(dict.fromkeys(str(n) for n in names))
 
 
 def check_wrap_classes(spec: ModelSpec, parallel: Parallelism) -> None:

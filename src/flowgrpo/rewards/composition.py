@@ -78,7 +78,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AUDIO_COLUMNS", "GROUP_IDS_COLUMN", "RewardOutput", "RewardResult", "RewardSet", "TensorRewardResult",
            "accepts_audio", "accepts_video", "combine_in_groups", "is_differentiable", "is_groupwise",
-           "resolve_reward_funcs", "reward_statistics"]
+           "resolve_reward_funcs", "reward_spec_names", "reward_statistics"]
 
 #: the column that tells a group-wise reward which samples belong together
 GROUP_IDS_COLUMN = "group_ids"
@@ -372,6 +372,21 @@ def _unique(names: list[str]) -> list[str]:
     return out
 
 
+def _spec_name(spec: Any) -> str:
+    if isinstance(spec, str):
+        return spec.partition(":")[2].split(".")[-1] if ":" in spec else spec
+    return _callable_name(spec)
+
+
+def reward_spec_names(reward_funcs: RewardSpec | Sequence[RewardSpec]) -> list[str]:
+    """The names `resolve_reward_funcs` gives ``reward_funcs`` (a `RewardSet`: its names), without instantiating
+    anything."""
+    if isinstance(reward_funcs, RewardSet):
+        return list(reward_funcs.names)
+    specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    return _unique([_spec_name(s) for s in specs])
+
+
 def resolve_reward_funcs(
     reward_funcs: RewardSpec | Sequence[RewardSpec],
     reward_weights: Sequence[float] | None = None,
@@ -435,12 +450,7 @@ def resolve_reward_funcs(
             get_reward(s)  # raises ValueError listing the registered names
 
     # Names before instantiation, so that kwargs can be matched and errors come before any model loads.
-    base_names = []
-    for s in specs:
-        if isinstance(s, str):
-            base_names.append(s.partition(":")[2].split(".")[-1] if ":" in s else s)
-        else:
-            base_names.append(_callable_name(s))
+    base_names = [_spec_name(s) for s in specs]
     names = _unique(base_names)
     policies = resolve_on_failure(on_failure, names)  # a bad policy fails before anything is instantiated
 

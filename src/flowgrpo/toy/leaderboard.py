@@ -41,10 +41,10 @@ from typing import Any
 
 from .learning import RLSettings
 
-__all__ = ["EVAL_GUIDANCE_SCALE", "NFT_VARIANT", "OPD_EXPERTS", "OPD_VARIANT", "REFERENCE_VARIANT", "TOY_AWM_SETTINGS",
+__all__ = ["COLOUR_KEPT", "EVAL_GUIDANCE_SCALE", "GOAL_ROWS", "NFT_VARIANT", "OPD_EXPERTS", "OPD_VARIANT", "REFERENCE_VARIANT", "TOY_AWM_SETTINGS",
            "TOY_BRANCHGRPO_SETTINGS", "TOY_CRD_SETTINGS", "TOY_DANCEGRPO_SETTINGS", "TOY_DGPO_SETTINGS",
            "TOY_DPO_SETTINGS", "TOY_FLOWDPPO_SETTINGS", "TOY_NFT_FAST_SETTINGS", "TOY_NFT_SETTINGS", "TOY_OPD_SETTINGS",
-           "VariantSummary", "bootstrap_interval",
+           "ROLLOUTS_AT_EVAL_GUIDANCE", "VariantSummary", "bootstrap_interval", "with_config",
            "leaderboard_variants", "paired_difference", "plot_leaderboard", "render_leaderboard", "summarize"]
 
 #: The row every other one is compared with: the recipe itself (Flow-GRPO-Fast with random windows).
@@ -126,8 +126,12 @@ def _on_nft_fast_sampling(trainer: str, **extra_config) -> dict:
 
 
 #: DGPO's row (``recipes/toy_dgpo.yaml``): the official SD3.5-M loss (beta_dpo 100, 2 of the first 4 rollout steps
-#: trained per pass on a noise shared by each group, DSM-ratio clip 0.01, the EMA reference of decay min(0.3, 0.001 k)
-#: used for the rollouts from step 200) on the sampling of ``toy_nft_fast``.
+#: trained per pass on a noise shared by each group, the EMA reference of decay min(0.3, 0.001 k) used for the
+#: rollouts from step 200) on the sampling of ``toy_nft_fast``, without the official trust region
+#: (``dgpo_clip_dsm`` false; every published config has ``clip_dsm: True``): run with it on the toy world it clipped
+#: no sample in smoke runs (``clip_frac`` 0 over 40 steps at the published EMA decay and over 20 at the late-run
+#: decay 0.3: the EMA reference follows the policy closely), so it would only add one forward of the EMA reference
+#: per trained level.
 TOY_DGPO_SETTINGS: dict = _on_nft_fast_sampling(
     "dgpo", train_guidance_scale=1.0, dgpo_num_timesteps=2, dgpo_trunc_steps=3, dgpo_shared_noise=True,
     beta_dpo=100.0, dgpo_clip=0.01, dgpo_clip_dsm=False, dgpo_ema_decay_rate=0.001, dgpo_ema_decay_max=0.3,
@@ -161,6 +165,60 @@ TOY_OPD_SETTINGS: dict = dict(
 )
 #: The guidance of every row's held-out evaluation: the toy world's (the recipe's) CFG 3.
 EVAL_GUIDANCE_SCALE = 3.0
+#: The learning goal's reward constraint (``recipes/toy_awm_colour_kept.yaml``, ``toy_dgpo_colour_kept.yaml``): colour
+#: kept within 1 point of its start, measured by the trainer's own evaluation every 25 steps (on the validation
+#: prompts, every fourth training prompt x 4 images, at the held-out evaluation's 20 steps and CFG 3, of the weights
+#: the leaderboard evaluates: the EMA's), with a dual step of 20 multiplier units per unit of colour accuracy below
+#: the bound. Why these values:
+#:
+#: * the goal allows 2 points of held-out colour; the bound keeps one of them as margin, because dual ascent acts
+#:   only after it sees a violation (the value crosses the bound before the multiplier pushes back), and the
+#:   validation prompts are not the held-out ones (the two measure colour on different prompts and images);
+#: * the source is the evaluation, at CFG 3: the CFG-free rollouts' colour (0.93 -> 0.98 while held-out colour fell)
+#:   is saturated and is not what the goal measures;
+#: * a violation of 2 points raises the multiplier by 0.4 per evaluation, so a lasting one doubles colour's share of
+#:   the advantage within a few evaluations; a margin of 2 points lowers it as fast;
+#: * the validation prompts see the loss the goal measures: in a diagnostic AWM run of the awm-colour-kept row with
+#:   the multiplier held at 0 (constraint_lr 0, 100 steps, 2026-12-07), validation colour went 97.7% -> 97.7% ->
+#:   90.3% (steps 0, 50, 100; 176 images, paired change -7.4 +- 2.4 points) while held-out colour (43 x 4 images)
+#:   went 92.4% -> 90.7% -> 89.5%: the training prompts' colour at CFG 3 is higher, and falls as far or further.
+COLOUR_KEPT: dict = {
+    "reward_constraints": {"toy_color": {"min_delta": -0.01, "source": "evaluation"}}, "constraint_lr": 20.0,
+    "eval_strategy": "steps", "eval_steps": 25, "eval_on_start": True, "eval_images_per_prompt": 4,
+    "eval_guidance_scale": EVAL_GUIDANCE_SCALE, "eval_guidance_scales": None,
+}
+#: Rollouts at the evaluation's guidance (CFG 3) for the trainers whose loss reads only clean samples (AWM, DGPO):
+#: the trained velocity stays the conditional one (``train_guidance_scale`` 1).
+ROLLOUTS_AT_EVAL_GUIDANCE: dict = {"rollouts_at_eval_guidance": True, "eval_guidance_scale": EVAL_GUIDANCE_SCALE}
+
+
+def with_config(settings: dict, **extra_config) -> dict:
+    """``settings`` (a row's) with more trainer-config fields in ``extra_config``; the trainer's own evaluation reads
+    the EMA's weights only (``eval_raw_weights`` off: the held-out evaluation measures both sets of weights)."""
+    config = {**settings.get("extra_config", {}), **extra_config}
+    if "eval_raw_weights" in config and extra_config.get("eval_strategy"):
+        config["eval_raw_weights"] = False
+    return {**settings, "extra_config": config}
+
+
+#: The goal's rows: the two rows that learn the most shape while they keep colour best (AWM: the most shape per step;
+#: DGPO: the most shape with colour kept at 300 steps), with the colour constraint, and with rollouts at CFG 3.
+GOAL_ROWS: dict[str, tuple[str, dict, str]] = {
+    "awm-colour-kept": ("awm", COLOUR_KEPT,
+                        "AWM (the awm row) with colour constrained: toy_color's held-out-style evaluation on the "
+                        "validation prompts (CFG 3, every 25 steps, the EMA) kept within 1 point of its start by a "
+                        "multiplier (dual step 20) (recipes/toy_awm_colour_kept.yaml)"),
+    "dgpo-colour-kept": ("dgpo", COLOUR_KEPT,
+                         "DGPO (the dgpo row) with colour constrained: toy_color's evaluation on the validation "
+                         "prompts (CFG 3, every 25 steps, the EMA) kept within 1 point of its start by a multiplier "
+                         "(dual step 20) (recipes/toy_dgpo_colour_kept.yaml)"),
+    "awm-rollouts-cfg3": ("awm", ROLLOUTS_AT_EVAL_GUIDANCE,
+                          "AWM (the awm row) rolling out at the evaluation's CFG 3 instead of 1, the conditional "
+                          "velocity trained (rollouts_at_eval_guidance)"),
+    "dgpo-rollouts-cfg3": ("dgpo", ROLLOUTS_AT_EVAL_GUIDANCE,
+                           "DGPO (the dgpo row) rolling out at the evaluation's CFG 3 instead of 1, the conditional "
+                           "velocity trained (rollouts_at_eval_guidance)"),
+}
 
 
 def _copy(settings: dict) -> dict:
@@ -206,10 +264,13 @@ def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tup
          "advantages, every edge trained with its child's"),
         (dict(name="dgpo", **_copy(TOY_DGPO_SETTINGS)),
          "DGPO (recipes/toy_dgpo.yaml): group-level DPO on CFG-free DPM-Solver++ rollouts of 6 steps, 2 of the first "
-         "4 steps trained on a noise shared by each group, beta_dpo 100, DSM-ratio clip 0.01, EMA reference"),
+         "4 steps trained on a noise shared by each group, beta_dpo 100, no trust region (dgpo_clip_dsm off: on "
+         "the toy world the official one clipped no sample), EMA reference sampling from step 200, EMA 0.9 "
+         "evaluated"),
         (dict(name="crd", **_copy(TOY_CRD_SETTINGS)),
          "CRD (recipes/toy_crd.yaml): an implicit reward matched to the reward centred in each prompt's group, on "
-         "CFG-free DPM-Solver++ rollouts of 6 steps by a lagging sampling copy, adaptive weights, crd_beta 1"),
+         "CFG-free DPM-Solver++ rollouts of 6 steps by a lagging sampling copy, adaptive weights, crd_beta 1, EMA 0.9 "
+         "evaluated"),
         (dict(name=OPD_VARIANT, **_copy(TOY_OPD_SETTINGS)),
          "On-policy distillation (recipes/toy_opd.yaml): a fresh student on its own SDE rollouts, the per-step KL to "
          "a shape expert and a colour expert in turn (their training not counted)"),
@@ -222,11 +283,13 @@ def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tup
          "preference pair, beta_dpo 100, 4 logit-normal (t, eps) draws per pair, the conditional velocity trained"),
         (dict(name=NFT_VARIANT, **_copy(TOY_NFT_SETTINGS)),
          "DiffusionNFT as published (recipes/toy_nft.yaml): CFG-free rollouts by the old policy with 10 DPM-Solver++ "
-         "2M steps, 9 of 10 noise levels trained per image, batch std, constant learning rate"),
+         "2M steps, 9 of 10 noise levels trained per image, batch std, constant learning rate, EMA 0.9 evaluated"),
         (dict(name="diffusion-nft-fast", **_copy(TOY_NFT_FAST_SETTINGS)),
          "DiffusionNFT made cheap per step (recipes/toy_nft_fast.yaml, ours): as published but 6 sampling steps, 2 of "
-         "them trained per image"),
+         "them trained per image, EMA 0.9 evaluated"),
     ]
+    by_name = {settings["name"]: settings for settings, _ in rows}  # a goal row builds on its row, by the row's name
+    rows += [({**with_config(by_name[row], **change), "name": name}, what) for name, (row, change, what) in GOAL_ROWS.items()]
     return [(dataclasses.replace(base, **change), what) for change, what in rows]
 
 
@@ -279,6 +342,21 @@ class VariantSummary:
     seconds_per_step: Stat
     at_budgets: list[Stat]
     steps_at_budgets: list[Stat]
+    #: whether the runs keep an EMA of the weights (what ``at_steps`` measures, as the trainer evaluates)
+    ema: bool = False
+    #: with an EMA: the raw weights' figure at equal steps over the runs that recorded it (None: none did)
+    raw_at_steps: Stat | None = None
+    #: how many of the runs recorded the raw weights' evaluation
+    raw_recorded: int = 0
+
+    def raw_cell(self) -> str:
+        """The equal-steps table's raw-weights cell."""
+        if not self.ema:
+            return "(no EMA: the same weights)"
+        if self.raw_at_steps is None:
+            return "not recorded"
+        missing = len(self.seeds) - self.raw_recorded
+        return self.raw_at_steps.pct() + (f" ({self.raw_recorded} of {len(self.seeds)} seeds)" if missing else "")
 
 
 def accuracy_at_budget(curve: Sequence[dict[str, Any]], budget: float, attribute: str = "shape") -> tuple[float, int]:
@@ -385,11 +463,14 @@ def summarize(results: Sequence[dict[str, Any]], descriptions: dict[str, str] | 
     variants = []
     for name, runs in by_name.items():
         runs = sorted(runs, key=lambda r: r["settings"]["seed"])
-        at_steps, colour = [], []
+        at_steps, colour, raw = [], [], []
         for run in runs:
             final = [p for p in run["curve"] if p["step"] == steps] or [run["curve"][-1]]
             at_steps.append(float(final[-1][attribute]))
             colour.append(float(final[-1].get("color", math.nan)))
+            if isinstance(final[-1].get("raw"), dict) and attribute in final[-1]["raw"]:
+                raw.append(float(final[-1]["raw"][attribute]))
+        ema = any(bool((r["settings"].get("extra_config") or {}).get("use_ema")) for r in runs)
         at_budgets, steps_at = [], []
         for budget in budgets:
             pairs = [accuracy_at_budget(run["curve"], budget, attribute) for run in runs]
@@ -400,7 +481,8 @@ def summarize(results: Sequence[dict[str, Any]], descriptions: dict[str, str] | 
             steps=steps, before=Stat([float(r["before"][attribute]) for r in runs]), at_steps=Stat(at_steps),
             colour=Stat(colour),
             seconds_per_step=Stat([r["train_seconds"] / max(1, r["settings"]["max_steps"]) for r in runs]),
-            at_budgets=at_budgets, steps_at_budgets=steps_at,
+            at_budgets=at_budgets, steps_at_budgets=steps_at, ema=ema,
+            raw_at_steps=Stat(raw) if ema and raw else None, raw_recorded=len(raw) if ema else 0,
         ))
     separated = []
     for how, pick in (("steps", lambda v: v.at_steps), ("budget", lambda v: v.at_budgets[-1])):
@@ -478,10 +560,20 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
         "`toy_awm.yaml`, `toy_dpo.yaml` online, `toy_dgpo.yaml`, `toy_crd.yaml`, `toy_nft.yaml`); `diffusion-nft-fast` "
         "is our cheaper DiffusionNFT (`toy_nft_fast.yaml`); `diffusion-opd` distils two experts trained from the world "
         "(one on the shape score, one on colour) into a fresh student (`toy_opd.yaml` with `teachers`; the experts' "
-        "training is not counted in its seconds). All are trained from the same pretrained world with seeds "
+        "training is not counted in its seconds); `awm-colour-kept` and `dgpo-colour-kept` are those rows with colour "
+        "kept by a reward constraint read from the trainer's own evaluation at CFG 3 on validation prompts (every "
+        "fourth training prompt; `toy_awm_colour_kept.yaml`, `toy_dgpo_colour_kept.yaml`), `awm-rollouts-cfg3` and "
+        "`dgpo-rollouts-cfg3` those rows rolling out at the evaluation's CFG 3 (`rollouts_at_eval_guidance`); the "
+        "constraint's evaluations count as training seconds. All are trained from the same pretrained world with seeds "
         f"{', '.join(map(str, seeds))}. Figures are held-out {attribute} accuracy: the mean over seeds with the "
         "range (lowest-highest seed) in brackets. A difference *exceeds the seed spread* when the two ranges do not "
         "overlap (every seed of one variant beats every seed of the other).",
+        "",
+        "Which weights are evaluated: a row that keeps an EMA of its weights ("
+        + (", ".join(f"`{v.name}`" for v in variants if v.ema) or "none here")
+        + ") is measured on the EMA's weights, as its trainer evaluates, everywhere on this page; the equal-steps "
+        "table also shows its raw weights (the last column), where its runs recorded them (\"not recorded\": runs "
+        "made before every run recorded both). The other rows have no EMA: their raw weights are what is measured.",
         "",
     ]
     if context.get("quick"):
@@ -507,14 +599,14 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
         f"## At equal steps ({summary['steps']} optimizer steps)",
         "",
         f"| variant | what changes | seeds | {attribute} before | {attribute} after | vs {REFERENCE_VARIANT} | "
-        "colour after | s/step |",
-        "|---|---|---|---|---|---|---|---|",
+        f"colour after | s/step | {attribute} after, raw weights |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     order = sorted(variants, key=lambda v: -v.at_steps.mean)
     for v in order:
         lines.append(f"| {v.name} | {v.description} | {len(v.seeds)} | {v.before.pct()} | **{v.at_steps.pct()}** | "
                      f"{_versus_reference(v.at_steps, reference.at_steps if reference else None)} | "
-                     f"{v.colour.pct()} | {v.seconds_per_step.mean:.2f} |")
+                     f"{v.colour.pct()} | {v.seconds_per_step.mean:.2f} | {v.raw_cell()} |")
     lines += [
         "",
         "## At equal wall-clock budgets",

@@ -12,10 +12,19 @@ The run uses the trainer named by ``settings.trainer`` (``"flow_grpo"``: :class:
 `TOY_TRAINERS` maps names to a config and a trainer class) on the world's ``prompts_train.txt``; accuracy is
 measured by :func:`~flowgrpo.toy.build.evaluate_pipeline` on ``prompts_eval.txt`` (deterministic ODE sampling
 with the world's Euler scheduler, fixed seeds), before training, every ``eval_every`` steps and at the end, of the
-weights the trainer itself evaluates (with ``use_ema``, the EMA of the weights, swapped in for the evaluation; with
-``eval_raw_weights`` as well, AWM's, the raw weights too, under each evaluation's ``"raw"``).
+weights the trainer itself evaluates (with ``use_ema``, the EMA of the weights, swapped in for the evaluation) and,
+whenever there is an EMA, of the raw weights too, under each evaluation's ``"raw"``.
 Training wall-clock excludes these evaluations: it sums the duration of the optimizer steps (sampling, scoring
 and the policy update).
+
+A setting whose trainer configuration evaluates periodically (``extra_config`` with ``eval_strategy: steps``, as the
+reward constraints of source ``evaluation`` need) gets the trainer's own evaluation on the *validation prompts*
+(`validation_prompts`: every fourth training prompt, never the held-out ones, which stay unseen), at the held-out
+evaluation's steps and guidance; those evaluations are part of the method, so their seconds count as training
+seconds (``validation_seconds`` says how many), and their metrics are kept in the result (``validation``).
+
+Each result records what made it (``flowgrpo.toy.provenance``): the code digest of the modules the run imported with
+the commit and whether the tree was clean (``code``), and the weights digest of every teacher it read (``teachers``).
 """
 
 from __future__ import annotations
@@ -33,8 +42,14 @@ from typing import Any
 
 from ..trainer.registry import BUILTIN_TRAINERS, TRAINERS, trainer_names
 from .build import METADATA_FILE, evaluate_pipeline, quiet_toy_truncation_warnings, read_prompts
+from .provenance import code_record, module_manifest, weights_digest
 
-__all__ = ["RLSettings", "TOY_TRAINERS", "run_toy_rl", "plot_accuracy_curve", "before_after_sheet"]
+__all__ = ["RLSettings", "TOY_TRAINERS", "VALIDATION_STRIDE", "run_toy_rl", "plot_accuracy_curve",
+           "before_after_sheet", "teacher_digests", "validation_prompts"]
+
+#: The trainer's periodic evaluation (the reward constraints' source ``evaluation``) scores every this-many-th
+#: training prompt: 44 of the world's 173, never a held-out prompt.
+VALIDATION_STRIDE = 4
 
 class _ToyTrainers(Mapping):
     """Trainers a toy run can use: the trainer registry's (``flowgrpo.trainer.registry.TRAINERS``), as name -> (config
@@ -164,6 +179,19 @@ def toy_trainer_classes(name: str) -> tuple[type, type]:
     return load(config_path), load(trainer_path)
 
 
+def validation_prompts(train_prompts: list[str]) -> list[str]:
+    """The prompts of the trainer's own periodic evaluation: every `VALIDATION_STRIDE`-th training prompt."""
+    return list(train_prompts[::VALIDATION_STRIDE])
+
+
+def teacher_digests(extra_config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The teachers a setting reads from a path (``teacher_lora``, ``teachers[].lora``), each with the weights
+    digest of its folder (None when the folder is missing)."""
+    paths = [extra_config["teacher_lora"]] if extra_config.get("teacher_lora") else []
+    paths += [t["lora"] for t in extra_config.get("teachers") or [] if isinstance(t, dict) and t.get("lora")]
+    return [{"lora": str(path), "sha256": weights_digest(path)} for path in paths]
+
+
 def _wall_clock(evaluate, eval_every: int, log: Any = print):
     """A ``_WallClock`` callback (built here so that importing this module stays free of transformers)."""
     from transformers import TrainerCallback
@@ -186,6 +214,13 @@ class _WallClock:
         self._begin = None
         self.curve: list[dict[str, Any]] = []
         self.train_log: list[dict[str, Any]] = []
+        #: the trainer's own periodic evaluations (their seconds count as training): step and metrics
+        self.validation: list[dict[str, Any]] = []
+        self.validation_seconds = 0.0
+        self._since = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._since = time.perf_counter()  # an evaluation on start comes next
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._begin = time.perf_counter()
@@ -198,6 +233,17 @@ class _WallClock:
             accuracy = self.evaluate()
             self.curve.append({"step": state.global_step, "train_seconds": self.train_seconds, **accuracy})
             self.log(f"[toy rl] step {state.global_step} ({self.train_seconds:.0f} s of training): " + _fmt(accuracy))
+        self._since = time.perf_counter()  # the trainer's own evaluation, if due, runs after this
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self._since is not None:
+            seconds = time.perf_counter() - self._since
+            self.train_seconds += seconds
+            self.validation_seconds += seconds
+            self._since = None
+        kept = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and (
+            k.startswith("constraint/") or (k.startswith("eval_rewards/") and k.endswith("/mean")))}
+        self.validation.append({"step": state.global_step, "train_seconds": self.train_seconds, **kept})
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -231,18 +277,24 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
 
         peft_config = LoraConfig(r=settings.lora_r, lora_alpha=2 * settings.lora_r, init_lora_weights="gaussian",
                                  target_modules=list(settings.lora_target_modules))
-    args = config_class(
+    config = dict(
         output_dir=str(output_dir / "trainer"), report_to=[], resolution=_world_resolution(world_dir),
         eval_num_inference_steps=eval_steps, eval_guidance_scale=eval_guidance, logging_steps=1,
         save_strategy="no", eval_strategy="no", disable_tqdm=True, log_images_steps=0, dtype="float32",
-        use_cpu=True, warmup_steps=0, **settings.config_kwargs(),
+        use_cpu=True, warmup_steps=0, per_device_eval_batch_size=len(validation_prompts(train_prompts)),
     )
+    config.update(settings.config_kwargs())  # a setting may ask for the trainer's own evaluation (eval_strategy)
+    args = config_class(**config)
+    validating = str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no"
     rewards = [settings.reward] if isinstance(settings.reward, str) else list(settings.reward)
     trainer = trainer_class(model=str(world_dir), reward_funcs=rewards, args=args,
-                              train_dataset=Dataset.from_dict({"prompt": train_prompts}), peft_config=peft_config)
+                            train_dataset=Dataset.from_dict({"prompt": train_prompts}), peft_config=peft_config,
+                            eval_dataset=Dataset.from_dict({"prompt": validation_prompts(train_prompts)})
+                            if validating else None)
+    code_at_start = module_manifest()
     pipeline = trainer.pipeline
 
-    also_raw = trainer.policy.ema is not None and trainer.evaluator.raw_weights
+    also_raw = trainer.policy.ema is not None  # with an EMA, the raw weights are measured too
 
     def evaluate(return_images: bool = False) -> dict[str, Any]:
         # as the trainer's own evaluation: with use_ema, the EMA of the weights is what is evaluated, and with
@@ -284,7 +336,14 @@ def run_toy_rl(world_dir: str | os.PathLike[str], settings: RLSettings, output_d
         "eval": {"prompts": len(eval_prompts), "images_per_prompt": eval_images_per_prompt, "steps": eval_steps,
                  "guidance_scale": eval_guidance, "seed": eval_seed, "every": eval_every},
         "world": world_digest(world_dir),
+        "code": code_record(code_at_start),
     }
+    teachers = teacher_digests(settings.extra_config)
+    if teachers:
+        result["teachers"] = teachers
+    if validating:
+        result["validation"] = clock.validation
+        result["validation_seconds"] = clock.validation_seconds
     (output_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     plot_accuracy_curve(result, output_dir / "reward_curve.png")
     before_after_sheet(eval_prompts, before_images, after_images, eval_images_per_prompt,

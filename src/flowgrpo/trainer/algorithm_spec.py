@@ -184,7 +184,10 @@ class AlgorithmSpec:
     ``config`` / ``trainer``: ``"module:Class"`` paths of its configuration and trainer; ``summary``: one line for
     ``--help``; ``describe(args, use_lora)``: the `AlgorithmFacts` of a configuration (``use_lora``: whether the
     transformer is trained with a LoRA, None when not known yet); ``refused_settings``: settings of other trainers'
-    configurations that this one does not accept, each with the reason the command line gives."""
+    configurations that this one does not accept, each with the reason the command line gives;
+    ``eval_guidance_rollouts_refusal``: why ``rollouts_at_eval_guidance`` is refused (None: its loss reads only the
+    clean samples and it may roll out at the evaluation's guidance); ``advantage_free``: why its loss reads no
+    advantage, when it does not (reward constraints, which act through the advantages, are then refused)."""
 
     name: str
     title: str
@@ -193,6 +196,10 @@ class AlgorithmSpec:
     summary: str
     describe: Callable[[Any, bool | None], AlgorithmFacts]
     refused_settings: Mapping[str, str] = field(default_factory=dict)
+    eval_guidance_rollouts_refusal: str | None = (
+        "its loss reads the velocity of the policy that sampled the rollouts, at the rollouts' own guidance, so "
+        "rollouts at another scale than training would not be its own samples")
+    advantage_free: str | None = None
 
     @property
     def config_name(self) -> str:

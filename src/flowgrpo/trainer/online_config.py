@@ -123,6 +123,15 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                           "eval_guidance_scale keep their names (eval_reward, ...); those at another scale s are "
                           "named eval_cfg<s>_... (eval_cfg3_reward, eval_cfg3_rewards/<name>/mean, ...)."},
     )
+    rollouts_at_eval_guidance: bool = field(
+        default=False,
+        metadata={"help": "Sample the training rollouts at eval_guidance_scale (which must be given) instead of "
+                          "guidance_scale: the images trained on are then those the evaluation sees (a CFG-free "
+                          "trainer otherwise rolls out at 1 and is evaluated at, say, 3). Only where the loss does not "
+                          "read the sampling policy's own velocity: AWM, DGPO and online Diffusion-DPO, whose trained "
+                          "velocity keeps train_guidance_scale; the other trainers refuse it with their reason (set "
+                          "guidance_scale to roll out and train at the evaluation's scale)."},
+    )
     negative_prompt: str = field(
         default="", metadata={"help": "Negative prompt for classifier-free guidance (SD3 recipes use the empty prompt)."},
     )
@@ -377,6 +386,7 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         super().__post_init__()
         self.height = self.height or self.resolution
         self.width = self.width or self.resolution
+        self._apply_rollouts_at_eval_guidance()
         if self.eval_guidance_scale is None and self.guidance_scale is not None:
             self.eval_guidance_scale = self.guidance_scale
         if self.eval_guidance_scales is not None:
@@ -408,6 +418,22 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
 
     #: the trainer this configuration is for (in error messages)
     _trainer_name = "the trainer"
+    def _apply_rollouts_at_eval_guidance(self) -> None:
+        """``rollouts_at_eval_guidance``: the rollouts' scale (``guidance_scale``) becomes ``eval_guidance_scale``,
+        where the algorithm allows it."""
+        if not self.rollouts_at_eval_guidance:
+            return
+        from .registry import spec_of
+
+        refusal = spec_of(self).eval_guidance_rollouts_refusal  # the algorithm's spec says whether it may
+        if refusal:
+            raise ValueError(f"rollouts_at_eval_guidance=True is refused by {self._trainer_name}: {refusal}. To roll "
+                             "out and train at the evaluation's guidance, set guidance_scale to eval_guidance_scale "
+                             "instead.")
+        if self.eval_guidance_scale is None:
+            raise ValueError("rollouts_at_eval_guidance=True samples the rollouts at eval_guidance_scale, which is not "
+                             "given; set eval_guidance_scale (e.g. 3.0, the scale the evaluation uses).")
+        self.guidance_scale = float(self.eval_guidance_scale)
     #: why the algorithm's rollouts sample without classifier-free guidance, when they do by design (an unset
     #: guidance_scale is then the family's no-guidance value, not the model card's); None: the model's guidance
     _cfg_free_rollouts: ClassVar[str | None] = None

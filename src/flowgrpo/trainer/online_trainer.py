@@ -48,6 +48,7 @@ from ..cpu_threads import apply_cpu_thread_plan, install_main_thread_yield, plan
 from ..models import family_adapter_class
 from ..models.defaults import resolve_trainer_settings
 from ..rewards import RewardSet, resolve_reward_funcs
+from ..rewards.composition import reward_spec_names
 from .base import FlowBaseTrainer
 from .console import install_training_console
 from .data.condition_images import IMAGE_COLUMN
@@ -56,6 +57,7 @@ from .data.prompt_cache import check_prompt_cache_capacity, setup_prompt_cache
 from .data.sampler import RepeatSampler
 from .evaluation.evaluator import Evaluator
 from .fsdp_units import keep_present_wrap_classes
+from .health.constraints import check_constraint_rewards
 from .health.guards import HealthGuards, check_health_setup, needs_reference_copy, resolve_gold_rewards
 from .online_config import OnlineRLConfig
 from .outputs.lora_export import EXPERT_LORA_WEIGHTS_NAMES
@@ -179,15 +181,29 @@ class OnlineRLTrainer(FlowBaseTrainer):
         #: the algorithm's spec (registered in ``flowgrpo.trainers``)
         self.spec = spec_of(args)
         # Cheap validation first: rewards and datasets fail before any model is loaded.
-        self.reward_set: RewardSet = resolve_reward_funcs(reward_funcs, args.reward_weights, args.reward_kwargs,
+        train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
+        eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
+        # reward constraints: a constrained reward outside reward_funcs is scored too, with weight 0 (it acts through
+        # its multiplier only)
+        constrained = check_constraint_rewards(args, reward_spec_names(reward_funcs),
+                                               reward_spec_names(args.eval_reward_funcs or []),
+                                               has_eval_dataset=eval_dataset is not None)
+        if constrained and isinstance(reward_funcs, RewardSet):
+            raise ValueError(f"reward_constraints name {constrained}, which the given RewardSet lacks; add them to it "
+                             "with weight 0, or pass reward names instead of a RewardSet.")
+        if constrained:
+            specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+            weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(specs)
+            reward_funcs, reward_weights = specs + constrained, weights + [0.0] * len(constrained)
+        else:
+            reward_weights = args.reward_weights
+        self.reward_set: RewardSet = resolve_reward_funcs(reward_funcs, reward_weights, args.reward_kwargs,
                                                           num_workers=args.reward_num_workers,
                                                           on_failure=args.reward_on_failure,
                                                           offload=args.reward_offload)
         self.gold_reward_set: RewardSet | None = resolve_gold_rewards(args, self.reward_set)
         audio_rewards = audio_reward_names(self.reward_set, self.gold_reward_set)
         check_health_setup(args, self.reward_set.names, self.spec.facts(args))
-        train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
-        eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
         check_prompt_cache_capacity(args, train_dataset, eval_dataset)
         if args.quantization and not torch.cuda.is_available():
             raise ValueError(f"quantization={args.quantization!r} loads the transformer with bitsandbytes, which "
@@ -278,7 +294,8 @@ class OnlineRLTrainer(FlowBaseTrainer):
         self.rollouts = RolloutEngine(args, self.policy, self._rollout_strategy(args), self.reward_set,
                                       self.accelerator, self.metrics, prompt_cache=prompt_cache,
                                       console=self.console, on_scores=self.health.on_scores,
-                                      on_reward_error=self._raise_if_reward_failed)
+                                      on_reward_error=self._raise_if_reward_failed,
+                                      constraints=self.health.constraints)
         self.evaluator = Evaluator(args, self.policy, self.rollouts, self.reward_set, self.gold_reward_set,
                                    self.accelerator, ode_solver=self._eval_ode_solver(), audio_rewards=audio_rewards,
                                    raw_weights=self._eval_raw_weights())

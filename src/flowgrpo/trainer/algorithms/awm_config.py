@@ -287,4 +287,5 @@ SPEC = AlgorithmSpec(
     trainer="flowgrpo.trainer.algorithms.awm_trainer:AWMTrainer",
     summary="Advantage Weighted Matching: the clipped ratio of a weighted flow-matching surrogate on clean rollouts",
     describe=describe_awm,
+    eval_guidance_rollouts_refusal=None,  # its loss reads only the clean samples, at train_guidance_scale
 )

@@ -22,7 +22,9 @@ official code's quirk), for the old and the trained policy alike.
 **Advantages** (`BranchTreeRollout.assign_advantages`, from the rewards gathered over every process): a node's reward
 is the mean of its leaves' (`node_rewards`), advantages are normalised per depth within each tree
 (`depth_advantages`, clamped to ``adv_clip_max``), every edge carries its child's, and `pruned_edges` (applied to
-all the generation's trees together) leaves out what ``branch_pruning`` prunes.
+all the generation's trees together) leaves out what ``branch_pruning`` prunes. With reward constraints each
+constrained reward's own depth-wise advantages join the objective's as every trainer's do
+(``rollout/advantages.py``, `combine_constrained_advantages`), before pruning.
 
 **Training** (`tree_parts`, the trainer's `_batch_loss`): one backward pass per SDE step that has trained edges;
 each edge's clipped (or Flow-DPPO) objective at its parent state, weighted so that the micro-batch's loss is the mean
@@ -31,11 +33,13 @@ over its trained edges.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from ...schedulers import SDESettings, sde_transition
+from ..rollout.advantages import combine_constrained_advantages
 from .branch_grpo import (
     TreePlan,
     branch_tree_plan,
@@ -233,6 +237,11 @@ class BranchTreeRollout(SDEWindowRollout):
                                "BranchGRPO needs the trainer's RepeatSampler layout.")
         rewards = gathered_rewards.reshape(-1, g)
         node_adv = depth_advantages(shape, node_rewards(shape, rewards), args.adv_clip_max)
+        terms = generation.constraint_terms
+        if terms is not None and terms.active:  # reward constraints: each constrained reward's depth-wise advantage
+            constrained = {name: depth_advantages(shape, node_rewards(shape, scores.reshape(-1, g)), math.inf)
+                           for name, scores in terms.rewards.items()}
+            node_adv = combine_constrained_advantages(node_adv, constrained, terms.multipliers, args.adv_clip_max)
         depths = ()
         if args.branch_pruning == "depth":
             depths = depth_pruning_window(args.branch_prune_depths, generation.step, args.branch_prune_slide_interval,

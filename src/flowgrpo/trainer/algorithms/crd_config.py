@@ -226,4 +226,7 @@ SPEC = AlgorithmSpec(
     trainer="flowgrpo.trainer.algorithms.crd_trainer:CRDTrainer",
     summary="centered reward distillation: the implicit reward of a lagging copy regressed on centred rewards",
     describe=describe_crd,
+    eval_guidance_rollouts_refusal=("its implicit reward compares the trained and old copies' velocities at "
+                                    "guidance_scale, the sampling copy's scale, and it has no separate training scale "
+                                    "here: rollouts at another scale would change the trained velocity's too"),
 )

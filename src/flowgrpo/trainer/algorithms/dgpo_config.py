@@ -232,4 +232,5 @@ SPEC = AlgorithmSpec(
     trainer="flowgrpo.trainer.algorithms.dgpo_trainer:DGPOTrainer",
     summary="Direct Group Preference Optimization: group-level DPO on the denoising error of ODE rollouts",
     describe=describe_dgpo,
+    eval_guidance_rollouts_refusal=None,  # its loss reads only the clean samples, at train_guidance_scale
 )

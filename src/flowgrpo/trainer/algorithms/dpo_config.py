@@ -173,4 +173,5 @@ SPEC = AlgorithmSpec(
     trainer="flowgrpo.trainer.algorithms.dpo_trainer:DiffusionDPOTrainer",
     summary="Diffusion-DPO on preference pairs, offline from data or online from each group's best and worst image",
     describe=describe_dpo,
+    eval_guidance_rollouts_refusal=None,  # its loss reads only the clean samples, at train_guidance_scale
 )

@@ -439,4 +439,7 @@ SPEC = AlgorithmSpec(
     summary="SDE rollouts, the clipped likelihood ratio of each recorded step (Fast, CPS, MixGRPO, GRPO-Guard, "
             "DanceGRPO, Flow-DPPO, BranchGRPO variants)",
     describe=describe_flow_grpo,
+    eval_guidance_rollouts_refusal=("the ratio is the likelihood of each recorded SDE transition under the guided "
+                                    "velocity that sampled it, so the trained velocity must use the rollouts' guidance "
+                                    "(on a first pass the ratio is exactly 1)"),
 )

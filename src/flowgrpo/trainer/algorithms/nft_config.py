@@ -208,6 +208,9 @@ SPEC = AlgorithmSpec(
     summary="deterministic rollouts of the old policy, the negative-aware flow-matching loss on the forward process",
     describe=describe_nft,
     refused_settings=FLOW_GRPO_ONLY_SETTINGS,
+    eval_guidance_rollouts_refusal=("its implicit positive and negative policies (v+ = nft_beta v_theta + (1 - nft_beta) v_old, v- = (1 + "
+                                    "nft_beta) v_old - nft_beta v_theta) split the policy that sampled the rollouts, "
+                                    "so the trained and old velocities must use the rollouts' guidance"),
 )
 
 __all__ = ["FLOW_GRPO_ONLY_SETTINGS", "NFT_SAMPLERS", "SPEC", "DiffusionNFTConfig", "describe_nft",

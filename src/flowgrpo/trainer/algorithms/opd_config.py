@@ -113,7 +113,6 @@ class DiffusionOPDConfig(OnlineRLConfig):
     )
 
     _trainer_name = "DiffusionOPDTrainer"
-
     def _check_algorithm(self) -> None:
         check_choice("opd_kl", self.opd_kl, OPD_KL_MODES)
         check_choice("sde_type", self.sde_type, OPD_SDE_TYPES)
@@ -236,4 +235,8 @@ SPEC = AlgorithmSpec(
     trainer="flowgrpo.trainer.algorithms.opd_trainer:DiffusionOPDTrainer",
     summary="on-policy distillation: the student's SDE rollouts, each state replayed by frozen teachers",
     describe=describe_opd,
+    eval_guidance_rollouts_refusal=("its per-step KL compares the student's and the teacher's transitions at the states "
+                                    "the student sampled, at the student's guidance"),
+    advantage_free=("on-policy distillation does not read: its loss is the KL to the teachers, rewards are "
+                    "only logged"),
 )

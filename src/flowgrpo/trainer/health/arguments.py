@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-__all__ = ["ON_HACKING", "REGULARIZERS", "HealthArguments", "check_health_arguments"]
+__all__ = ["ON_HACKING", "REGULARIZERS", "HealthArguments", "check_constraint_arguments", "check_health_arguments"]
 
 ON_HACKING = ("warn", "stop")
 REGULARIZERS = ("gardo",)
@@ -130,6 +130,28 @@ class HealthArguments:
         metadata={"help": "Sample the last k steps of every training rollout with the reference model (MixGRPO's "
                           "remedy for hacking). They must lie outside the trained SDE window."},
     )
+    # ---- reward constraints --------------------------------------------------------------------------
+    reward_constraints: dict | str | None = field(
+        default=None,
+        metadata={"help": "Rewards to keep, each with a bound and a Lagrange multiplier (JSON on the command line), "
+                          "e.g. {'pickscore': {'min_delta': -0.01, 'source': 'rollouts'}, 'aesthetic': {'min': 5.8, "
+                          "'source': 'evaluation'}}. Per reward name one bound, 'min' (absolute) or 'min_delta' "
+                          "(relative to the value at the start), optionally 'lr' (its own dual step size), and 'source': "
+                          "'rollouts' (the mean over each scored "
+                          "rollout batch; default) or 'evaluation' (the periodic evaluation's mean at its own "
+                          "settings; needs an eval dataset, eval_strategy 'steps' and, with min_delta, "
+                          "eval_on_start). A constrained reward that is not among reward_funcs is scored with weight 0: "
+                          "it stays out of the objective and acts only through its multiplier. The advantage becomes "
+                          "(A_0 + sum_i lambda_i A_i) / (1 + sum_i lambda_i); logged as constraint/<name>/{value, "
+                          "bound,slack,multiplier} (docs/learning_health.md)."},
+    )
+    constraint_lr: float = field(
+        default=1.0,
+        metadata={"help": "Step size eta of the multipliers' dual ascent, lambda <- max(0, lambda + eta (bound - "
+                          "value)), applied at every scored generation (source rollouts) or evaluation (source "
+                          "evaluation). In multiplier units per unit of the reward below its bound: a reward in [0, 1] "
+                          "measured at every evaluation needs a larger eta than one measured at every step. >= 0."},
+    )
 
     def _check_health(self) -> None:
         check_health_arguments(self)
@@ -179,6 +201,7 @@ def check_health_arguments(args) -> None:
     if getattr(args, "load_best_model_at_end", False) and args.metric_for_best_model in (None, "loss", "eval_loss"):
         raise ValueError("load_best_model_at_end needs metric_for_best_model: an evaluation metric these trainers log, "
                          "e.g. eval_rewards/<gold reward>/mean or eval_gold_reward (there is no eval_loss).")
+    check_constraint_arguments(args)
     if args.regularizer == "gardo":
         if args.beta <= 0:
             raise ValueError(f"regularizer='gardo' gates the KL penalty, which beta={args.beta} turns off; set beta "
@@ -189,3 +212,31 @@ def check_health_arguments(args) -> None:
         if args.gardo_kl_threshold <= 0 or args.gardo_reset_steps < 1:
             raise ValueError(f"gardo_kl_threshold={args.gardo_kl_threshold} must be > 0 and gardo_reset_steps="
                              f"{args.gardo_reset_steps} >= 1.")
+
+
+def check_constraint_arguments(args) -> None:
+    """Parse ``reward_constraints`` (a JSON string on the command line) into its checked form and check
+    ``constraint_lr`` and the evaluation a constraint of source ``evaluation`` reads; the reward names are checked
+    against the rewards by the trainer, before anything loads (`constraints.check_constraint_rewards`)."""
+    from .constraints import parse_reward_constraints
+
+    if isinstance(args.constraint_lr, bool) or not isinstance(args.constraint_lr, (int, float)) or \
+            not args.constraint_lr >= 0:
+        raise ValueError(f"constraint_lr={args.constraint_lr!r} must be a number >= 0 (the multipliers' step size; "
+                         "0 keeps them at 0).")
+    specs = parse_reward_constraints(args.reward_constraints)
+    args.reward_constraints = {spec.name: spec.as_dict() for spec in specs} or None
+    from_evaluation = [spec for spec in specs if spec.source == "evaluation"]
+    if not from_evaluation:
+        return
+    names = ", ".join(spec.name for spec in from_evaluation)
+    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "steps" or not args.eval_steps:
+        raise ValueError(f"reward_constraints {names} read the periodic evaluation (source: evaluation), but "
+                         f"eval_strategy={str(getattr(args.eval_strategy, 'value', args.eval_strategy))!r} with "
+                         f"eval_steps={args.eval_steps!r} never evaluates during training; set eval_strategy: steps "
+                         "and eval_steps (and an eval dataset), or use source: rollouts.")
+    relative = [spec.name for spec in from_evaluation if spec.min_delta is not None]
+    if relative and not args.eval_on_start:
+        raise ValueError(f"reward_constraints {', '.join(relative)} bound the evaluation relative to its start "
+                         "(min_delta, source: evaluation), which is the evaluation before training: set "
+                         "eval_on_start: true, or give an absolute bound (min).")

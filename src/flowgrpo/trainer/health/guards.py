@@ -12,8 +12,9 @@ What it does, and when the trainer calls it:
   KL gate and diversity-aware advantages; returns the advantages the loss uses;
 * `on_step_end` (after each optimizer step): the update ratio, the KL to the reference every ``health_kl_steps``,
   GARDO's KL watch, the hacking alarm's state;
-* `on_evaluate` (after each evaluation): the hacking alarm on the gold rewards; with ``on_hacking: stop`` it asks the
-  trainer to save and stop;
+* `on_evaluate` (after each evaluation): the dual step of the evaluation-sourced reward constraints
+  (``constraints.py``; the rollout engine takes the rollout-sourced ones and forms the constrained advantages), then
+  the hacking alarm on the gold rewards; with ``on_hacking: stop`` it asks the trainer to save and stop;
 * `save` / `load`: the run-long state (`monitor.HealthMonitor`) in every checkpoint; `card_lines`: the model card's
   best evaluation.
 
@@ -141,6 +142,8 @@ class HealthGuards:
         funcs = list(rewards.funcs) + (list(gold_rewards.funcs) if gold_rewards else [])
         #: the run-long state (alarms, GARDO's schedules, dynamic sampling's totals), saved in every checkpoint
         self.monitor = HealthMonitor(args, funcs)
+        #: the reward constraints' multipliers (``reward_constraints``; None without any), saved with the monitor
+        self.constraints = self.monitor.constraints
         self.stopped_by_hacking_alarm = False
         self._base_norms: dict = {}
         self._kl_seen = 0
@@ -387,7 +390,12 @@ class HealthGuards:
     def on_evaluate(self, metrics: dict[str, float], prefix: str, step: int, best_checkpoint: str | None = None,
                     best_metric: float | None = None) -> HackingDecision:
         """The hacking alarm on this evaluation's gold means (adds ``health/hacking_alarm`` to ``metrics``); with
-        ``on_hacking: stop`` and a fired alarm after step 0, asks the trainer to save and stop."""
+        ``on_hacking: stop`` and a fired alarm after step 0, asks the trainer to save and stop. Before that, the
+        evaluation-sourced reward constraints take their dual step (the periodic evaluation, prefix ``eval``) and
+        their ``constraint/<name>/...`` values are added to ``metrics``."""
+        if self.constraints is not None and prefix == "eval":
+            self.constraints.observe_evaluation(metrics, prefix, step)
+            metrics.update(self.constraints.metrics())
         if self.gold_rewards is None:
             return HackingDecision()
         args = self.args

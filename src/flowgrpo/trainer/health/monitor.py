@@ -1,9 +1,10 @@
 """HealthMonitor: the run-long state of the diagnostics, alarms and guards, saved in every checkpoint.
 
-It holds the hacking and diversity alarms (`alarms.py`), GARDO's gate fraction and reset schedule (`gardo.py`)
-and the dynamic-sampling totals, and writes them to ``health_state.json`` in each checkpoint so that a resumed run
-continues with the same best values, baselines and schedules. It also picks the image feature of the diversity
-metric: the CLIP embedding of a loaded CLIP-family reward, else 32x32 grey pixels.
+It holds the hacking and diversity alarms (`alarms.py`), GARDO's gate fraction and reset schedule (`gardo.py`),
+the reward constraints' multipliers (`constraints.py`) and the dynamic-sampling totals, and writes them to
+``health_state.json`` in each checkpoint so that a resumed run continues with the same best values, baselines,
+schedules and multipliers. It also picks the image feature of the diversity metric: the CLIP embedding of a loaded
+CLIP-family reward, else 32x32 grey pixels.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from .alarms import DiversityAlarm, HackingAlarm
+from .constraints import RewardConstraints
 from .gardo import GateFraction, ReferenceResetSchedule
 from .metrics import grey_features
 
@@ -41,6 +43,8 @@ class HealthMonitor:
         self.reset_schedule = ReferenceResetSchedule(args.gardo_kl_threshold, args.gardo_reset_steps)
         self.dropped_groups_total = 0
         self.hacking_alarm_on = False
+        #: the reward constraints' multipliers and start values (None without ``reward_constraints``)
+        self.constraints = RewardConstraints.from_args(args)
         self._clip = clip_feature_source(reward_funcs)
 
     # ---- features --------------------------------------------------------------------------------------------
@@ -58,10 +62,13 @@ class HealthMonitor:
 
     # ---- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"hacking": self.hacking.state_dict(), "diversity": self.diversity.state_dict(),
-                "gardo_gate_fraction": self.gate_fraction.state_dict(),
-                "gardo_reset_schedule": self.reset_schedule.state_dict(),
-                "dropped_groups_total": self.dropped_groups_total, "hacking_alarm_on": self.hacking_alarm_on}
+        state = {"hacking": self.hacking.state_dict(), "diversity": self.diversity.state_dict(),
+                 "gardo_gate_fraction": self.gate_fraction.state_dict(),
+                 "gardo_reset_schedule": self.reset_schedule.state_dict(),
+                 "dropped_groups_total": self.dropped_groups_total, "hacking_alarm_on": self.hacking_alarm_on}
+        if self.constraints is not None:
+            state["reward_constraints"] = self.constraints.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.hacking.load_state_dict(state.get("hacking", {}))
@@ -70,6 +77,8 @@ class HealthMonitor:
         self.reset_schedule.load_state_dict(state.get("gardo_reset_schedule", {}))
         self.dropped_groups_total = int(state.get("dropped_groups_total", 0))
         self.hacking_alarm_on = bool(state.get("hacking_alarm_on", False))
+        if self.constraints is not None:
+            self.constraints.load_state_dict(state.get("reward_constraints", {}))
 
     def save(self, folder: str | os.PathLike) -> None:
         with open(os.path.join(folder, HEALTH_STATE_NAME), "w", encoding="utf-8") as f:

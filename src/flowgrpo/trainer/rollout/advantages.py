@@ -18,6 +18,18 @@ ways (``reward_aggregation``):
   ``scale_rewards`` says, for reward ``k`` alone). A reward with a small spread then weighs as much as one with a
   large spread, so a hard reward is not drowned by an easy one. An image that reward ``k`` could not score gets 0
   from that reward (its valid rewards still count); weight-0 rewards are left out.
+
+With reward constraints (``reward_constraints``, ``health/constraints.py``), multipliers ``lambda_i >= 0`` and each
+constrained reward's own group-normalised advantage ``A_i`` (as above, before clipping), the advantage the loss
+reads is, for every advantage-based trainer (`combine_constrained_advantages`, also used by BranchGRPO's depth-wise
+advantages):
+
+    A = clip((A_0 + sum_i lambda_i A_i) / (1 + sum_i lambda_i), -adv_clip_max, adv_clip_max)
+
+with ``A_0`` the objective's advantage. The division keeps the scale: the result is a convex combination of
+advantages of unit scale, so the losses' step sizes (the clip ranges, DGPO's sigmoid weights, CRD's map of A to
+[0, 1], AWM's advantage_max) keep the meaning they were tuned with however large the multipliers grow; it is what
+PPO-Lagrangian's reference implementation does. With every multiplier 0 it is exactly ``A_0``.
 """
 
 from __future__ import annotations
@@ -28,6 +40,9 @@ import torch
 
 STD_EPS = 1e-4
 REWARD_AGGREGATIONS = ("weighted_sum", "normalize_then_sum")
+
+__all__ = ["REWARD_AGGREGATIONS", "STD_EPS", "AdvantageStats", "ConstraintTerms", "combine_constrained_advantages",
+           "compute_constrained_advantages", "compute_group_advantages", "compute_reward_advantages"]
 
 
 @dataclass
@@ -119,3 +134,43 @@ def compute_reward_advantages(
         adv_k, _ = compute_group_advantages(scores, group_ids, scale_rewards, adv_clip_max=float("inf"))
         combined += weight * adv_k.double()
     return combined.clamp(-adv_clip_max, adv_clip_max).to(torch.float32), stats
+
+
+@dataclass
+class ConstraintTerms:
+    """What the constrained part of the advantage needs: each constraint's multiplier and its reward's gathered
+    scores (NaN = unscored), in the generation's order."""
+
+    multipliers: dict[str, float]
+    rewards: dict[str, torch.Tensor]
+
+    @property
+    def active(self) -> bool:
+        return any(m > 0 for m in self.multipliers.values())
+
+
+def combine_constrained_advantages(objective: torch.Tensor, constrained: dict[str, torch.Tensor],
+                                   multipliers: dict[str, float], adv_clip_max: float) -> torch.Tensor:
+    """``clip((A_0 + sum_i lambda_i A_i) / (1 + sum_i lambda_i), +-adv_clip_max)`` (module docstring) for advantages
+    of any shape: ``objective`` is A_0, ``constrained[name]`` is A_i (the same shape), ``multipliers[name]`` is
+    lambda_i >= 0. Returns ``objective``'s dtype."""
+    if any(m < 0 for m in multipliers.values()):
+        raise ValueError(f"multipliers {multipliers} must be >= 0.")
+    total = objective.double()
+    weight = 1.0
+    for name, adv in constrained.items():
+        lam = float(multipliers[name])
+        if lam == 0.0:
+            continue
+        total = total + lam * adv.double()
+        weight += lam
+    return (total / weight).clamp(-adv_clip_max, adv_clip_max).to(objective.dtype)
+
+
+def compute_constrained_advantages(objective: torch.Tensor, terms: ConstraintTerms, group_ids: torch.Tensor,
+                                   scale_rewards: str = "batch", adv_clip_max: float = 5.0) -> torch.Tensor:
+    """The per-image advantage of the module docstring: each constrained reward's own group advantage (as
+    `compute_group_advantages`, unclipped) combined with the objective's by `combine_constrained_advantages`."""
+    constrained = {name: compute_group_advantages(scores, group_ids, scale_rewards, adv_clip_max=float("inf"))[0]
+                   for name, scores in terms.rewards.items() if terms.multipliers[name] > 0}
+    return combine_constrained_advantages(objective, constrained, terms.multipliers, adv_clip_max)

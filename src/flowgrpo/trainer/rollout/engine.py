@@ -9,8 +9,13 @@ gathers the rewards from all processes and turns them into group advantages (``a
 micro-batch's record as ``"advantages"``; with the default overlap, the trainer defers it (`defer`) until its first
 training forward has run (`resolve_scoring`).
 
+With reward constraints (``reward_constraints``), `score` takes each rollout-sourced multiplier's dual step from the
+gathered batch and combines the objective's advantage with each constrained reward's own (``advantages.py``,
+`compute_constrained_advantages`); the generation keeps the multipliers and scores (``constraint_terms``) for a
+strategy that forms its advantages itself (BranchGRPO's trees).
+
 The engine receives what it needs at construction (the configuration, the policy, the algorithm's strategy, the
-rewards, the accelerator, the metrics sink) and two hooks: ``on_scores`` (the health guards' view of each scored
+rewards, the accelerator, the metrics sink, the reward constraints) and two hooks: ``on_scores`` (the health guards' view of each scored
 rollout, which may reshape its advantages) and ``on_reward_error`` (stop every process when a reward failed).
 """
 
@@ -37,7 +42,7 @@ from ..data.condition_images import IMAGE_COLUMN, image_key
 from ..data.datasets import INDEX_COLUMN
 from ..seeds import seed_for
 from ..step_metrics import StepMetrics
-from .advantages import compute_reward_advantages
+from .advantages import ConstraintTerms, compute_constrained_advantages, compute_reward_advantages
 from .generation import Generation, done_future
 from .images import load_images, to_pil
 from .sliced_decode import decode_in_slices
@@ -64,6 +69,7 @@ class RolloutEngine:
         console: the training console (the rollout's progress on its bar), or None.
         on_scores: see ``ScoresHook``; None leaves the advantages as computed.
         on_reward_error: called with a reward's exception (or None when every reward worked) on every process.
+        constraints: the reward constraints' multipliers (``health.constraints.RewardConstraints``), or None.
     """
 
     #: Overlaps (on by default; switchable for measuring what each buys, see docs/benchmarks.md): decode each rollout
@@ -77,7 +83,7 @@ class RolloutEngine:
     def __init__(self, args: Any, policy: Any, strategy: RolloutStrategy, rewards: RewardSet, accelerator: Any,
                  metrics: StepMetrics, *, prompt_cache: Any = None, console: Any = None,
                  on_scores: ScoresHook | None = None,
-                 on_reward_error: Callable[[BaseException | None], None] | None = None):
+                 on_reward_error: Callable[[BaseException | None], None] | None = None, constraints: Any = None):
         self.args = args
         self.policy = policy
         self.adapter = policy.adapter
@@ -89,6 +95,7 @@ class RolloutEngine:
         self.console = console
         self.on_scores = on_scores
         self.on_reward_error = on_reward_error
+        self.constraints = constraints
         self.scheduler = FlowMatchSDEScheduler.from_config(self.adapter.sde_scheduler_config(),
                                                            **strategy.scheduler_options())
         policy.pipeline.scheduler = self.scheduler
@@ -419,6 +426,13 @@ class RolloutEngine:
             g_totals, g_per_reward, dict(zip(names, self.rewards.weights)), g_groups,
             args.scale_rewards, args.adv_clip_max, args.reward_aggregation,
         )
+        if self.constraints is not None:  # reward constraints: the dual step, then the Lagrangian's advantage
+            self.constraints.observe_rollouts(g_per_reward)
+            terms = ConstraintTerms(dict(self.constraints.multipliers),
+                                    {name: g_per_reward[name] for name in self.constraints.names})
+            advantages = compute_constrained_advantages(advantages, terms, g_groups, args.scale_rewards,
+                                                        args.adv_clip_max)
+            generation.constraint_terms = terms
         flat_images = [im for chunk in decoded for im in chunk]
         kl_gate = None
         if self.on_scores is not None:
@@ -431,6 +445,9 @@ class RolloutEngine:
         m["reward"].append(stats.reward_mean)
         m["reward_std"].append(stats.reward_std)
         m["frac_reward_zero_std"].append(stats.frac_reward_zero_std)
+        if self.constraints is not None:
+            for key, value in self.constraints.metrics().items():
+                m[key].append(value)
         failed = torch.tensor([sum(r.failed.get(n, 0) for r in results) for n in names], dtype=torch.float32,
                               device=device)
         g_failed = self.accelerator.gather(failed).cpu().view(-1, len(names)).sum(0)

@@ -33,6 +33,8 @@ class Generation:
         prompts: the prompt of every row; ``group_ids``: the group (prompt index) of every row.
         timing: seconds spent per phase (``text_encoding``, ``rollout``, ``vae_decode``, ``sampling_total``, ...).
         step: the optimizer step whose rollout this is (0-based: the number of steps done before it).
+        constraint_terms: set by scoring with reward constraints: the multipliers and the constrained rewards'
+            gathered scores (``advantages.ConstraintTerms``), for a strategy that forms its own advantages.
     """
 
     records: list[dict]
@@ -42,6 +44,7 @@ class Generation:
     group_ids: torch.Tensor
     timing: dict[str, float] = field(default_factory=dict)
     step: int = 0
+    constraint_terms: Any = None
 
     def local_results(self) -> tuple[list[list], list[RewardResult], list[float]]:
         """Wait for the decoding and this process's rewards (no gather): images per micro-batch, reward results,
