@@ -212,6 +212,7 @@ class FlowGRPOConfig(OnlineRLConfig):
 
 
     _trainer_name = "FlowGRPOTrainer"
+    supports_sequence_parallel = True  # tested: tests/distributed/test_sequence_parallel.py
 
     def _check_algorithm(self) -> None:
         check_choice("sde_type", self.sde_type, SDE_TYPES)

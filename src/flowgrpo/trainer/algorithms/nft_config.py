@@ -118,6 +118,7 @@ class DiffusionNFTConfig(OnlineRLConfig):
     )
 
     _trainer_name = "DiffusionNFTTrainer"
+    supports_sequence_parallel = True  # tested: tests/distributed/test_sequence_parallel.py
     _cfg_free_rollouts = "DiffusionNFTConfig: CFG-free rollouts"
 
     def _check_algorithm(self) -> None:

@@ -1,0 +1,195 @@
+"""Sequence-parallel training runs for tests/distributed/test_sequence_parallel.py: one launch, several runs.
+
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml [--num_processes 4] \
+        tests/distributed/sequence_parallel_worker.py --pipelines JSON --output_dir DIR --runs JSON
+
+Each run is one trainer (`RUNS`: a tiny family, an algorithm, ``sequence_parallel_size``) trained for two optimizer
+steps, on two or four CPU processes (gloo). Every rank records, per run, into ``DIR/<run>/rank<r>.pt``: the frames
+its adapter decoded (float32, before any rounding to pixels), each rollout micro-batch's recorded tensors (log-probs,
+latents), the logged metrics, and its trainable weights after the last step. The test runs the same runs without
+sequence parallelism, in its own process or on two data-parallel ranks, and compares (`run` is what both call).
+
+``--fsdp2`` adds a check without a trainer: the tiny Wan transformer with a LoRA, sharded by FSDP2's
+``fully_shard`` over the whole launch (the flattened data-parallel x sequence-parallel mesh) and split by Ulysses,
+takes one gradient of a loss scaled by S; its gathered gradient must equal the mean over replicas of each replica's
+whole gradient, which every rank computes first on an unsharded, unsplit copy (``DIR/fsdp2/rank<r>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared support package
+
+#: run name -> (family, trainer registry name, its settings besides the common ones)
+RUNS = {
+    # 16 x 48 px, 9 frames: 3 x 1 x 3 = 9 video tokens, which 2 processes split 5 + 4
+    "wan": ("wan", "flow_grpo", dict(height=16, width=48, num_frames=9, save_strategy="steps", save_steps=1)),
+    "wan_resumed": ("wan", "flow_grpo", dict(height=16, width=48, num_frames=9)),
+    "wan_nft": ("wan", "diffusion_nft", dict(height=16, width=48, num_frames=9)),
+    # 768 video tokens and 5 sound tokens (split 3 + 2), with a reward that scores the sound
+    "ltx2": ("ltx2", "flow_grpo", dict(resolution=32, num_frames=5)),
+    "hunyuanvideo15": ("hunyuanvideo15", "flow_grpo", dict(resolution=32, num_frames=5)),
+}
+
+
+def loudness_reward(prompts, images, audio=None, **columns):
+    """Mean absolute amplitude of each sample's sound (LTX-2's audio column)."""
+    return [float(abs(wave).mean()) for wave in audio]
+
+
+loudness_reward.accepts_audio = True
+
+
+def _tensors(value):
+    return value.detach().float().cpu().clone()
+
+
+def run(name: str, paths: dict[str, str], output_dir: str | Path, sequence_parallel_size: int,
+        resume_from: str | None = None) -> dict:
+    """Train run ``name`` for two optimizer steps; returns this process's record (also saved as ``rank<r>.pt``)."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from support.family_cases import PROMPTS, brightness_reward
+    from transformers import TrainerCallback
+
+    from flowgrpo.trainer.registry import config_class, trainer_class
+
+    family, kind, own = RUNS[name]
+    out = Path(output_dir) / name
+    settings = dict(report_to=[], per_device_train_batch_size=2, num_generations=2, num_inference_steps=3,
+                    eval_num_inference_steps=3, guidance_scale=1.0, max_steps=2, learning_rate=1.0, optim="sgd", beta=0.0,
+                    max_sequence_length=16, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
+                    log_images_steps=0, dtype="float32", use_cpu=True, sequence_parallel_size=sequence_parallel_size)
+    if kind == "flow_grpo":
+        settings["noise_level"] = 1.0
+    settings.update(own)
+    rewards = [brightness_reward] + ([loudness_reward] if family == "ltx2" else [])
+    args = config_class(kind)(output_dir=str(out), **settings)
+    trainer = trainer_class(kind)(model=paths[family], reward_funcs=rewards, args=args,
+                                  train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                                  peft_config=LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian"))
+    record = {"frames": [], "rollouts": [], "logs": [], "rank": trainer.accelerator.process_index,
+              "world_size": trainer.accelerator.num_processes}
+    decode = trainer.adapter.decode
+
+    def recording_decode(latents, height, width):
+        frames = decode(latents, height, width)
+        record["frames"].append(_tensors(frames))
+        return frames
+
+    trainer.adapter.decode = recording_decode
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            record["rollouts"].append([{k: _tensors(v) for k, v in r.items()
+                                        if k in ("log_probs", "latents", "next_latents", "x0")}
+                                       for r in trainer.buffer])
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            record["logs"].append({k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float))})
+
+    trainer.add_callback(Recorder())
+    trainer.train(resume_from_checkpoint=resume_from)
+    trainer.save_model()
+    trainer.reward_set.close()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    record["weights"] = {n: _tensors(p) for n, p in model.named_parameters() if p.requires_grad}
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(record, out / f"rank{record['rank']}.pt")
+    return record
+
+
+def fsdp2_check(output_dir: Path, sequence_parallel_size: int, wan_path: str) -> None:
+    """FSDP2 over the whole launch with Ulysses inside each replica: the gradient of one step (see the docstring)."""
+    import copy
+
+    import torch.distributed as dist
+    from diffusers import DiffusionPipeline
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import fully_shard
+
+    from flowgrpo.models import get_family_adapter
+    from flowgrpo.trainer.sequence_parallel import (
+        SequenceParallelLayout,
+        enable_sequence_parallel,
+        sequence_parallel_loss_scale,
+        sequence_parallel_mesh,
+    )
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = SequenceParallelLayout(sequence_parallel_size, rank, world)
+    pipe = DiffusionPipeline.from_pretrained(wan_path)
+    adapter = get_family_adapter(pipe, num_frames=9)
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    model = get_peft_model(pipe.transformer.requires_grad_(False),
+                           LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian",
+                                      target_modules=list(adapter.default_lora_target_modules)))
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(["a red circle", "a cat"], 16, device)
+    adapter.set_timesteps(pipe.scheduler, 3, 16, 48, device)
+    t = pipe.scheduler.timesteps[:1].expand(2)
+
+    def replica_loss(module, replica: int) -> torch.Tensor:
+        x = adapter.prepare_latents(2, 16, 48, torch.Generator().manual_seed(100 + replica), device, torch.float32)
+        v = adapter.predict_velocity(module, x, t, embeds, 1.0, None, 16, 48)
+        return (v * torch.linspace(-1, 1, v[0].numel()).reshape(v[0].shape)).pow(2).mean()
+
+    reference = copy.deepcopy(model)
+    expected = {}
+    for replica in range(layout.data_parallel_size):  # the mean over replicas of each one's whole gradient
+        reference.zero_grad()
+        (replica_loss(reference, replica) / layout.data_parallel_size).backward()
+        for n, p in reference.named_parameters():
+            if p.grad is not None:
+                expected[n] = expected.get(n, 0) + p.grad.clone()
+
+    mesh = sequence_parallel_mesh(layout, device)
+    enable_sequence_parallel(pipe.transformer, adapter.context_parallel_plan(pipe.transformer), mesh, device)
+    for block in pipe.transformer.blocks:
+        fully_shard(block)
+    fully_shard(pipe.transformer)
+    fully_shard(model)  # over the default mesh: every process of the launch, data x sequence parallel
+    loss = replica_loss(model, layout.data_parallel_rank) * sequence_parallel_loss_scale(layout)
+    loss.backward()
+    worst = 0.0
+    sharded = 0
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        sharded += hasattr(p.grad, "full_tensor")
+        worst = max(worst, float((grad - expected[n]).abs().max() / expected[n].abs().max().clamp_min(1e-12)))
+    folder = output_dir / "fsdp2"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank{rank}.json").write_text(json.dumps({"worst_relative_difference": worst,
+                                                          "sharded_gradients": sharded, "world_size": world,
+                                                          "compared": len(expected)}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pipelines", required=True, help="JSON {family: tiny pipeline folder}")
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--runs", required=True, help='JSON list of [run name, sequence_parallel_size]')
+    parser.add_argument("--fsdp2", type=int, default=0, help="sequence_parallel_size of the FSDP2 check (0: none)")
+    cli = parser.parse_args()
+    paths = json.loads(cli.pipelines)
+    out = Path(cli.output_dir)
+    for name, size in json.loads(cli.runs):
+        resume = str(out / "wan" / "checkpoint-1") if name == "wan_resumed" else None
+        run(name, paths, out, size, resume_from=resume)
+    if cli.fsdp2:
+        fsdp2_check(out, cli.fsdp2, paths["wan"])
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
