@@ -1,18 +1,23 @@
-"""Sequence-parallel training runs for tests/distributed/test_sequence_parallel.py: one launch, several runs.
+"""Sequence-parallel training runs for tests/distributed/test_sequence_parallel.py: several launches, one start-up.
 
-    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml [--num_processes 4] \
-        tests/distributed/sequence_parallel_worker.py --pipelines JSON --output_dir DIR --runs JSON
+    python tests/distributed/sequence_parallel_worker.py --pipelines JSON --output_dir DIR --phases JSON
 
-Each run is one trainer (`RUNS`: a tiny family, an algorithm, ``sequence_parallel_size``) trained for two optimizer
-steps, on two or four CPU processes (gloo). Every rank records, per run, into ``DIR/<run>/rank<r>.pt``: the frames
-its adapter decoded (float32, before any rounding to pixels), each rollout micro-batch's recorded tensors (log-probs,
-latents), the logged metrics, and its trainable weights after the last step. The test runs the same runs without
-sequence parallelism, in its own process or on two data-parallel ranks, and compares (`run` is what both call).
+Each phase is one launch of N gloo processes on the CPU, with the environment ``accelerate launch`` gives its ranks
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``, ``ACCELERATE_USE_CPU``); the ranks are forked from this process
+after it has imported torch, diffusers, transformers and the trainers, which is most of a rank's start-up on a CPU.
+Each run of a phase is one trainer (`RUNS`: a tiny family, an algorithm; with a ``sequence_parallel_size``) trained
+for two optimizer steps with SGD (so that equal gradients give equal weights; Adam's first steps amplify float
+rounding in coordinates whose gradient is near zero). Every rank records into ``DIR/world<N>/<run>-sp<S>/rank<r>.pt``:
+the frames its adapter decoded (float32, before any rounding to pixels), each rollout micro-batch's recorded tensors
+(log-probs, latents), the logged metrics, and its trainable weights after the last step. The test runs the same runs
+without sequence parallelism (in its own process, or as two data-parallel ranks of a phase) and compares; `run` is
+what both call.
 
-``--fsdp2`` adds a check without a trainer: the tiny Wan transformer with a LoRA, sharded by FSDP2's
-``fully_shard`` over the whole launch (the flattened data-parallel x sequence-parallel mesh) and split by Ulysses,
-takes one gradient of a loss scaled by S; its gathered gradient must equal the mean over replicas of each replica's
-whole gradient, which every rank computes first on an unsharded, unsplit copy (``DIR/fsdp2/rank<r>.json``).
+A phase's ``fsdp2: S`` adds a check without a trainer: the tiny Wan transformer with a LoRA, sharded by FSDP2's
+``fully_shard`` over the whole launch (the flattened data-parallel x sequence-parallel mesh) and split by Ulysses
+over S processes, takes one gradient of a loss scaled by S; its gathered gradient must equal the mean over replicas of
+each replica's whole gradient, which every rank first computes on an unsharded, unsplit copy
+(``DIR/world<N>/fsdp2/rank<r>.json``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ def _tensors(value):
     return value.detach().float().cpu().clone()
 
 
+def run_folder(name: str, sequence_parallel_size: int) -> str:
+    """Where a run writes (its output folder and records), under the launch's folder."""
+    return f"{name}-sp{sequence_parallel_size}"
+
+
 def run(name: str, paths: dict[str, str], output_dir: str | Path, sequence_parallel_size: int,
         resume_from: str | None = None) -> dict:
     """Train run ``name`` for two optimizer steps; returns this process's record (also saved as ``rank<r>.pt``)."""
@@ -62,7 +72,7 @@ def run(name: str, paths: dict[str, str], output_dir: str | Path, sequence_paral
     from flowgrpo.trainer.registry import config_class, trainer_class
 
     family, kind, own = RUNS[name]
-    out = Path(output_dir) / name
+    out = Path(output_dir) / run_folder(name, sequence_parallel_size)
     settings = dict(report_to=[], per_device_train_batch_size=2, num_generations=2, num_inference_steps=3,
                     eval_num_inference_steps=3, guidance_scale=1.0, max_steps=2, learning_rate=1.0, optim="sgd", beta=0.0,
                     max_sequence_length=16, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
@@ -174,20 +184,75 @@ def fsdp2_check(output_dir: Path, sequence_parallel_size: int, wan_path: str) ->
                                                           "compared": len(expected)}))
 
 
+def rank_main(phase: dict, paths: dict[str, str], out: Path) -> None:
+    """One process of a launch: its runs in order, then the FSDP2 check if asked."""
+    for name, size in phase["runs"]:
+        resume = str(out / run_folder("wan", size) / "checkpoint-1") if name == "wan_resumed" else None
+        run(name, paths, out, size, resume_from=resume)
+    if phase.get("fsdp2"):
+        fsdp2_check(out, phase["fsdp2"], paths["wan"])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def forked_launch(processes: int, target, *args) -> None:
+    """Run ``target(*args)`` in ``processes`` forked ranks of one gloo launch (the environment ``accelerate launch``
+    gives its ranks on a CPU), and wait for them; any rank's failure fails the launch. Forking shares the parent's
+    imports, which are most of a rank's start-up time on a CPU."""
+    port = str(_free_port())
+    children = []
+    for rank in range(processes):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(processes),
+                                  LOCAL_WORLD_SIZE=str(processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                  ACCELERATE_USE_CPU="true")
+                target(*args)
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children.append(pid)
+    failed = [rank for rank, pid in enumerate(children) if os.waitpid(pid, 0)[1] != 0]
+    if failed:
+        raise SystemExit(f"ranks {failed} of a {processes}-process launch failed")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pipelines", required=True, help="JSON {family: tiny pipeline folder}")
     parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--runs", required=True, help='JSON list of [run name, sequence_parallel_size]')
-    parser.add_argument("--fsdp2", type=int, default=0, help="sequence_parallel_size of the FSDP2 check (0: none)")
+    parser.add_argument("--phases", required=True,
+                        help='JSON list of launches: {"processes": N, "runs": [[run name, sequence_parallel_size], '
+                             '...], "fsdp2": S or 0}')
     cli = parser.parse_args()
     paths = json.loads(cli.pipelines)
     out = Path(cli.output_dir)
-    for name, size in json.loads(cli.runs):
-        resume = str(out / "wan" / "checkpoint-1") if name == "wan_resumed" else None
-        run(name, paths, out, size, resume_from=resume)
-    if cli.fsdp2:
-        fsdp2_check(out, cli.fsdp2, paths["wan"])
+    torch.set_num_threads(1)
+    # what every rank imports, once, before the ranks are forked
+    import datasets  # noqa: F401
+    import peft  # noqa: F401
+    from diffusers import HunyuanVideo15Pipeline, LTX2Pipeline, WanPipeline  # noqa: F401
+
+    from flowgrpo.trainer.registry import trainer_class
+
+    for kind in ("flow_grpo", "diffusion_nft"):
+        trainer_class(kind)
+    for phase in json.loads(cli.phases):
+        forked_launch(phase["processes"], rank_main, phase, paths, out / f"world{phase['processes']}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ run when they are given, and again once they are resolved (``_check_generation_s
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -520,10 +521,6 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                              "samples).")
         if size == 1:
             return
-        if self.world_size % size:
-            raise ValueError(f"sequence_parallel_size={size} does not divide the {self.world_size} processes of this "
-                             f"launch; launch a multiple of {size} processes (data-parallel replicas x "
-                             "sequence_parallel_size) or change it.")
         if not type(self).supports_sequence_parallel:
             raise ValueError(f"sequence_parallel_size={size} with {self._trainer_name}: this algorithm has not been "
                              "tested with sequence parallelism (Flow-GRPO and DiffusionNFT have); use "
@@ -532,9 +529,13 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
             raise ValueError(f"sequence_parallel_size={size} with rollout_backend={self.rollout_backend!r}: each "
                              f"rollout worker would have to span {size} GPUs (one sequence-parallel group), which the "
                              "Ray backend does not do; use rollout_backend: local.")
-        if self.deepspeed:
+        if self.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             raise ValueError(f"sequence_parallel_size={size} with DeepSpeed: sequence parallelism runs with DDP and "
                              "FSDP2 (accelerate_configs/fsdp8_video.yaml); launch with one of those.")
+        if self.world_size % size:
+            raise ValueError(f"sequence_parallel_size={size} does not divide the {self.world_size} processes of this "
+                             f"launch; launch a multiple of {size} processes (data-parallel replicas x "
+                             "sequence_parallel_size) or change it.")
 
     @property
     def data_parallel_size(self) -> int:
