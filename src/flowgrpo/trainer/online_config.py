@@ -532,15 +532,22 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         if self.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             raise ValueError(f"sequence_parallel_size={size} with DeepSpeed: sequence parallelism runs with DDP and "
                              "FSDP2 (accelerate_configs/fsdp8_video.yaml); launch with one of those.")
-        if self.world_size % size:
-            raise ValueError(f"sequence_parallel_size={size} does not divide the {self.world_size} processes of this "
+        if self.world_size > 1:  # one process is how recipes are parsed for planning and --help; trainers check it
+            self.check_sequence_parallel_launch(self.world_size)
+
+    def check_sequence_parallel_launch(self, processes: int) -> None:
+        """Refuse a launch of ``processes`` that ``sequence_parallel_size`` does not divide (the trainer calls it before
+        loading anything; the planner with the GPUs it plans for)."""
+        size = self.sequence_parallel_size
+        if processes % size:
+            raise ValueError(f"sequence_parallel_size={size} does not divide the {processes} processes of this "
                              f"launch; launch a multiple of {size} processes (data-parallel replicas x "
                              "sequence_parallel_size) or change it.")
 
     @property
     def data_parallel_size(self) -> int:
-        """D: the data-parallel replicas of the launch, ``processes / sequence_parallel_size``."""
-        return self.world_size // self.sequence_parallel_size
+        """D: the data-parallel replicas of the launch, ``processes / sequence_parallel_size`` (at least 1)."""
+        return max(1, self.world_size // self.sequence_parallel_size)
 
     def _derive_generation_batch(self) -> None:
         num_processes = self.data_parallel_size  # the processes of a sequence-parallel group share their samples

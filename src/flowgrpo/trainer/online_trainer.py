@@ -197,6 +197,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
             raise ValueError("A quantized transformer cannot be fully fine-tuned; pass a LoRA peft_config.")
         index = read_pipeline_index(model, pipeline_kwargs or {})
         check_family_settings(index, args, peft_config, (train_dataset, eval_dataset))
+        args.check_sequence_parallel_launch(args.world_size)  # before anything is loaded
         self._check_datasets(index, args, (train_dataset, eval_dataset))
         # Unset generation settings (size, steps, guidance, text length, frames) become the model's own, and
         # impossible ones are refused, from the configs alone (models/defaults.py); when the index could not be read,
