@@ -72,6 +72,8 @@ class StepSettings:
     stored_per_step: int = 2         # latents kept per recorded step: x_j, x_{j+1} (3 with the transition means)
     teachers: int = 0                # on-policy distillation: the teachers kept
     teacher_kind: str = ""           # "lora" (a further adapter) | "model" (another transformer) | "" (none)
+    split_tokens: bool = False       # sequence parallelism: the family's attention for split tokens
+                                     # (``prepare_sequence_parallel``: HunyuanVideo 1.5's key-only mask)
 
 
 @dataclass
@@ -322,6 +324,8 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
     # the pipeline, its adapter and the schedule are built on real tensors, before fake mode starts
     pipeline = _pipeline(spec, transformer, vae)
     adapter = _adapter(spec, pipeline, settings.num_frames)
+    if settings.split_tokens:  # the attention the trainer runs once a sample's tokens are split
+        adapter.prepare_sequence_parallel(transformer)
     height, width, batch = settings.height, settings.width, settings.micro_batch
     scheduler = pipeline.scheduler
     if spec.scheduler_class != "FlowMatchEulerDiscreteScheduler":
