@@ -154,7 +154,8 @@ def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> Ste
         sde_type=str(getattr(args, "sde_type", "sde") or "sde"),
         decode_batch=min(micro, int(getattr(args, "vae_decode_batch_size", None) or micro)),
         rollout_passes=rollout_passes, trained_passes=trained_passes, stored_per_step=stored, teachers=teachers,
-        teacher_kind=teacher_kind, split_tokens=int(getattr(args, "sequence_parallel_size", 1) or 1) > 1)
+        teacher_kind=teacher_kind, split_tokens=int(getattr(args, "sequence_parallel_size", 1) or 1) > 1,
+        vae_tiling=bool(getattr(args, "vae_tiling", False)))
 
 
 def tree_passes(num_inference_steps: int, branch_steps: list[int], branch_factor: int) -> tuple[float, float]:
@@ -469,6 +470,9 @@ def suggestions(plan: Plan) -> list[dict[str, Any]]:
                                                                                                    half))))
     if s.decode_batch > 1:
         add("vae_decode_batch_size: 1", dataclasses.replace(inputs, settings=dataclasses.replace(s, decode_batch=1)))
+    measure = plan.measure
+    if not s.vae_tiling and measure is not None and measure.decode_bytes > measure.rollout_bytes:
+        add("vae_tiling: true", dataclasses.replace(inputs, settings=dataclasses.replace(s, vae_tiling=True)))
     if not inputs.offload_text_encoders and inputs.spec.text_encoder_total:
         add("cache_prompt_embeddings: true, offload_text_encoders: true",
             dataclasses.replace(inputs, offload_text_encoders=True))

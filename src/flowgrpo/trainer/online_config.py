@@ -218,6 +218,14 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                           "decode of the whole micro-batch up to float rounding); 1 gives the lowest peak memory, like "
                           "diffusers' vae.enable_slicing(). None decodes each micro-batch at once."},
     )
+    vae_tiling: bool = field(
+        default=False,
+        metadata={"help": "Decode with the VAE's spatial tiles (diffusers' vae.enable_tiling(): overlapping tiles, "
+                          "blended at the seams), whose peak memory is a tile's instead of the whole frame's. A long "
+                          "720p video needs it: HunyuanVideo 1.5's VAE decodes 121 frames at 720p in about 200 GB whole "
+                          "(flowgrpo plan). The pixels differ slightly from a whole decode near the seams; rewards see "
+                          "the tiled decode in training and evaluation alike. Needs a VAE with enable_tiling."},
+    )
     use_ema: bool = field(default=False, metadata={"help": "Keep an EMA of the trainable weights, used for "
                                                               "evaluation and saved adapters."})
     ema_decay: float = field(default=0.9, metadata={"help": "EMA decay per update (Flow-GRPO: 0.9)."})

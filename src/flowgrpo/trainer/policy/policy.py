@@ -40,7 +40,13 @@ from transformers.trainer_utils import set_seed
 from ...models import PromptEmbeds, get_family_adapter
 from ..outputs.lora_export import save_diffusers_lora
 from .ema import EMA_STATE_NAME, EMAWeights
-from .loading import TWO_EXPERTS_FULL_FINETUNE, check_sequence_parallel_family, load_pipeline, torch_dtype
+from .loading import (
+    TWO_EXPERTS_FULL_FINETUNE,
+    check_sequence_parallel_family,
+    enable_vae_tiling,
+    load_pipeline,
+    torch_dtype,
+)
 from .old_policy import OLD_POLICY_ADAPTER, OldPolicy, build_old_policy, old_adapter_left_out
 from .reference import REFERENCE_ADAPTER, ReferencePolicy
 from .teachers import TEACHER_ADAPTER_PREFIX, Teacher
@@ -76,6 +82,8 @@ class Policy:
         self.generation_settings = generation_settings or resolve_trainer_settings(self.pipeline, args)
         self.adapter = get_family_adapter(self.pipeline, num_frames=args.num_frames)
         check_sequence_parallel_family(type(self.adapter), args)
+        if getattr(args, "vae_tiling", False):
+            enable_vae_tiling(self.pipeline)
         #: the model id the model card names as the base
         self.base_model_id = model if isinstance(model, str) else getattr(self.pipeline, "name_or_path", None)
         if len(self.adapter.transformers()) > 1 and peft_config is None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from diffusers.hooks.context_parallel import ContextParallelGatherHook
 
 __all__ = ["SequenceGatherHook", "UlyssesAttention", "gather_sequence", "install_trainable_ulysses", "local_sizes"]
 
@@ -173,13 +174,7 @@ def gather_sequence(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return _GatherSequence.apply(tensor, dim, group)
 
 
-def _hooks_module():
-    from diffusers.hooks import context_parallel
-
-    return context_parallel
-
-
-class SequenceGatherHook(_hooks_module().ContextParallelGatherHook):
+class SequenceGatherHook(ContextParallelGatherHook):
     """diffusers' gather hook (a plan's ``ContextParallelOutput``) with `gather_sequence` (any block lengths, gloo
     included) instead of its uneven all-gather."""
 
