@@ -9,7 +9,8 @@ Each run of a phase is one trainer (`RUNS`: a tiny family, an algorithm; with a 
 for two optimizer steps with SGD (so that equal gradients give equal weights; Adam's first steps amplify float
 rounding in coordinates whose gradient is near zero). Every rank records into ``DIR/world<N>/<run>-sp<S>/rank<r>.pt``:
 the frames its adapter decoded (float32, before any rounding to pixels), each rollout micro-batch's recorded tensors
-(log-probs, latents), the logged metrics, and its trainable weights after the last step. The test runs the same runs
+(log-probs, latents), the logged metrics, its trainable weights after the last step, and an evaluation of three
+prompts after training. The test runs the same runs
 without sequence parallelism (in its own process, or as two data-parallel ranks of a phase) and compares; `run` is
 what both call.
 
@@ -38,9 +39,10 @@ RUNS = {
     "wan": ("wan", "flow_grpo", dict(height=16, width=48, num_frames=9, save_strategy="steps", save_steps=1)),
     "wan_resumed": ("wan", "flow_grpo", dict(height=16, width=48, num_frames=9)),
     "wan_nft": ("wan", "diffusion_nft", dict(height=16, width=48, num_frames=9)),
-    # 768 video tokens and 5 sound tokens (split 3 + 2), with a reward that scores the sound
-    "ltx2": ("ltx2", "flow_grpo", dict(resolution=32, num_frames=5)),
-    "hunyuanvideo15": ("hunyuanvideo15", "flow_grpo", dict(resolution=32, num_frames=5)),
+    # 768 video tokens and 5 sound tokens (split 3 + 2), with a reward that scores the sound; gradient checkpointing
+    # (the blocks' all-to-alls run again in the backward pass), as the 720p recipes train
+    "ltx2": ("ltx2", "flow_grpo", dict(resolution=32, num_frames=5, activation_checkpointing=True)),
+    "hunyuanvideo15": ("hunyuanvideo15", "flow_grpo", dict(resolution=32, num_frames=5, activation_checkpointing=True)),
 }
 
 
@@ -108,6 +110,9 @@ def run(name: str, paths: dict[str, str], output_dir: str | Path, sequence_paral
     trainer.add_callback(Recorder())
     trainer.train(resume_from_checkpoint=resume_from)
     trainer.save_model()
+    trainer.adapter.decode = decode  # the training's frames only (evaluation decodes on the leaders alone)
+    # evaluation splits its prompts over replicas; the leaders decode and score
+    record["eval"] = {k: float(v) for k, v in trainer.evaluate(PROMPTS[:3]).items() if isinstance(v, (int, float))}
     trainer.reward_set.close()
     model = trainer.accelerator.unwrap_model(trainer.model)
     record["weights"] = {n: _tensors(p) for n, p in model.named_parameters() if p.requires_grad}

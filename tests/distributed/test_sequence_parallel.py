@@ -80,6 +80,10 @@ def assert_same_training(expected: dict, got: dict) -> None:
         assert float((got["weights"][key] - tensor).abs().max()) < TOLERANCE, key
     rewards = [log["reward"] for log in expected["logs"] if "reward" in log]
     assert [log["reward"] for log in got["logs"] if "reward" in log] == pytest.approx(rewards, abs=1e-6)
+    # the evaluation counts every prompt once: the same metrics (3 samples, not 3 per process)
+    assert expected["eval"]["eval_rewards/brightness_reward/count"] == 3.0
+    for key in ("eval_reward", "eval_reward_std", "eval_rewards/brightness_reward/count"):
+        assert got["eval"][key] == pytest.approx(expected["eval"][key], abs=1e-6), key
 
 
 @pytest.mark.parametrize("name", FAMILY_RUNS)
