@@ -18,7 +18,9 @@ A phase's ``fsdp2: S`` adds a check without a trainer: the tiny Wan transformer 
 ``fully_shard`` over the whole launch (the flattened data-parallel x sequence-parallel mesh) and split by Ulysses
 over S processes, takes one gradient of a loss scaled by S; its gathered gradient must equal the mean over replicas of
 each replica's whole gradient, which every rank first computes on an unsharded, unsplit copy
-(``DIR/world<N>/fsdp2/rank<r>.json``).
+(``DIR/world<N>/fsdp2/rank<r>.json``). A phase's ``families`` checks diffusers' plans of the image families (and Wan
+2.2 TI2V's per-token timesteps) on one transformer call each: the split velocity equals the whole one and the
+processes' gradients sum to the whole gradient (`family_check`).
 """
 
 from __future__ import annotations
@@ -189,13 +191,85 @@ def fsdp2_check(output_dir: Path, sequence_parallel_size: int, wan_path: str) ->
                                                           "compared": len(expected)}))
 
 
+#: image families whose tokens split with diffusers' own plans (``family_check``): (tiny family, variant, frames, size)
+PLAN_FAMILIES = {"flux": ("flux", None, 1, 32), "flux_kontext": ("flux_kontext", None, 1, 32),
+                 "flux2_klein": ("flux2_klein", None, 1, 32), "qwenimage_edit_plus": ("qwenimage_edit_plus", None, 1, 32),
+                 "wan_i2v_ti2v": ("wan_i2v", "ti2v", 5, 32)}
+
+
+def _velocity_and_gradients(adapter, latents, t, embeds, size: int):
+    """One call's velocity, and the gradients of every transformer parameter of a weighted square of it."""
+    modules = adapter.transformers()
+    for module in modules:
+        module.requires_grad_(True).zero_grad()
+    v = adapter.predict_velocity(adapter.trainable_module(), latents, t, embeds, 1.0, None, size, size)
+    (v * torch.linspace(-1, 1, v[0].numel()).reshape(v[0].shape)).pow(2).sum().backward()
+    return v.detach(), {f"{i}.{n}": p.grad.clone() for i, m in enumerate(modules)
+                        for n, p in m.named_parameters() if p.grad is not None}
+
+
+def family_check(output_dir: Path, names: list[str], paths: dict[str, str]) -> None:
+    """For each family of ``names`` (`PLAN_FAMILIES`): the velocity and the parameter gradients of one call on
+    this rank's own copy, whole, then split over the launch with the family's plan; records the largest
+    difference of the velocity and of the gradients summed over the processes (``<family>/rank<r>.json``)."""
+    import torch.distributed as dist
+    from diffusers import DiffusionPipeline
+    from support.family_cases import source_image
+
+    from flowgrpo.models import get_family_adapter
+    from flowgrpo.trainer.policy.loading import import_own_components, read_pipeline_index
+    from flowgrpo.trainer.sequence_parallel import (
+        SequenceParallelLayout,
+        enable_sequence_parallel,
+        sequence_parallel_mesh,
+    )
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    mesh = sequence_parallel_mesh(SequenceParallelLayout(world, rank, world), device)
+    for name in names:
+        _, _, frames, size = PLAN_FAMILIES[name]
+        import_own_components(read_pipeline_index(paths[name], {}))  # the tiny Qwen-Image-Edit processor
+        pipe = DiffusionPipeline.from_pretrained(paths[name])
+        adapter = get_family_adapter(pipe, num_frames=frames)
+        images = None
+        if adapter.accepts_images:
+            images = [source_image(0), source_image(1)]
+            if name == "qwenimage_edit_plus":
+                images = [[source_image(0), source_image(1)], [source_image(2), source_image(3)]]
+        with torch.no_grad():
+            embeds = adapter.encode_prompts(["a red circle", 'a sign that says "hi"'], 16, device, images=images,
+                                            height=size, width=size)
+        latents = adapter.prepare_latents(2, size, size, torch.Generator().manual_seed(0), device, torch.float32)
+        adapter.set_timesteps(pipe.scheduler, 4, size, size, device)
+        t = pipe.scheduler.timesteps[1:2].expand(2)
+        whole, whole_grads = _velocity_and_gradients(adapter, latents, t, embeds, size)
+        for module in adapter.transformers():
+            adapter.prepare_sequence_parallel(module)
+            enable_sequence_parallel(module, adapter.context_parallel_plan(module), mesh, device)
+        split, grads = _velocity_and_gradients(adapter, latents, t, embeds, size)
+        worst = 0.0
+        for key, grad in grads.items():
+            dist.all_reduce(grad)
+            scale = float(whole_grads[key].abs().max())
+            if scale > 1e-4:  # a gradient that is zero in exact arithmetic (a key bias) has no relative size
+                worst = max(worst, float((grad - whole_grads[key]).abs().max()) / scale)
+        folder = output_dir / "families" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{rank}.json").write_text(json.dumps({
+            "velocity_max_abs_diff": float((split - whole).abs().max()), "velocity_max_abs": float(whole.abs().max()),
+            "gradient_max_relative_diff": worst, "gradients": len(grads), "missing": len(set(whole_grads) - set(grads))}))
+
+
 def rank_main(phase: dict, paths: dict[str, str], out: Path) -> None:
-    """One process of a launch: its runs in order, then the FSDP2 check if asked."""
+    """One process of a launch: its runs in order, then the FSDP2 check and the family checks if asked."""
     for name, size in phase["runs"]:
         resume = str(out / run_folder("wan", size) / "checkpoint-1") if name == "wan_resumed" else None
         run(name, paths, out, size, resume_from=resume)
     if phase.get("fsdp2"):
         fsdp2_check(out, phase["fsdp2"], paths["wan"])
+    if phase.get("families"):
+        family_check(out, phase["families"], paths)
 
 
 def _free_port() -> int:
@@ -242,7 +316,7 @@ def main() -> None:
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--phases", required=True,
                         help='JSON list of launches: {"processes": N, "runs": [[run name, sequence_parallel_size], '
-                             '...], "fsdp2": S or 0}')
+                             '...], "fsdp2": S or 0, "families": [PLAN_FAMILIES names]}')
     cli = parser.parse_args()
     paths = json.loads(cli.pipelines)
     out = Path(cli.output_dir)

@@ -2,8 +2,9 @@
 
 One subprocess runs two launches (forked ranks, one start-up): two processes with ``sequence_parallel_size`` 2 for
 Wan T2V (9 video tokens: an uneven split), LTX-2 (video and sound, 5 sound tokens) and HunyuanVideo 1.5 with
-Flow-GRPO, Wan with DiffusionNFT, a run resumed from its checkpoint, and the same Wan run on two data-parallel ranks;
-then four processes, 2 data-parallel x 2 sequence-parallel, with the FSDP2 check. Meanwhile this process trains the
+Flow-GRPO, Wan with DiffusionNFT, a run resumed from its checkpoint, the same Wan run on two data-parallel ranks, and
+one split transformer call of each other family that uses diffusers' plans; then four processes, 2 data-parallel x 2
+sequence-parallel, with the FSDP2 check. Meanwhile this process trains the
 same runs alone, the reference of the two-process runs. Every check compares the decoded frames, the rollouts'
 log-probs (NFT: its final latents) and the weights after two optimizer steps, within 1e-5.
 """
@@ -29,7 +30,7 @@ TOLERANCE = 1e-5
 FAMILY_RUNS = ("wan", "ltx2", "hunyuanvideo15", "wan_nft")
 PHASES = [
     {"processes": 2, "runs": [["wan", 2], ["wan_resumed", 2], ["ltx2", 2], ["hunyuanvideo15", 2], ["wan_nft", 2],
-                              ["wan", 1]]},
+                              ["wan", 1]], "families": list(worker.PLAN_FAMILIES)},
     {"processes": 4, "runs": [["wan", 2]], "fsdp2": 2},
 ]
 
@@ -38,6 +39,8 @@ PHASES = [
 def launches(tiny_pipeline_path, tmp_path_factory):
     """Start the launches, train the single-process references meanwhile, wait; the folders of both."""
     paths = {family: str(tiny_pipeline_path(family)) for family in ("wan", "ltx2", "hunyuanvideo15")}
+    paths.update({name: str(tiny_pipeline_path(family, variant))
+                  for name, (family, variant, _, _) in worker.PLAN_FAMILIES.items()})
     out = tmp_path_factory.mktemp("sequence_parallel")
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled",
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
@@ -133,3 +136,15 @@ def test_fsdp2_over_data_and_sequence_parallel_gives_the_mean_gradient(launches)
         assert record["world_size"] == 4 and record["compared"] > 0
         assert record["sharded_gradients"] == record["compared"]  # every LoRA gradient was a DTensor shard
         assert record["worst_relative_difference"] < TOLERANCE
+
+
+@pytest.mark.parametrize("name", list(worker.PLAN_FAMILIES))
+def test_diffusers_plans_split_the_other_families_exactly(launches, name):
+    """FLUX.1, Kontext, FLUX.2 [klein], Qwen-Image-Edit-Plus and Wan 2.2 TI2V through diffusers' own plans: one call,
+    split over two processes, gives the whole call's velocity and, summed, its gradients."""
+    for rank in (0, 1):
+        record = json.loads((launches / "launches" / "world2" / "families" / name / f"rank{rank}.json").read_text())
+        assert record["gradients"] > 0 and record["missing"] == 0
+        assert record["velocity_max_abs_diff"] < TOLERANCE * max(1.0, record["velocity_max_abs"])
+        assert record["gradient_max_relative_diff"] < 1e-4
+
