@@ -21,7 +21,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+# the longest tests of the module (its launches), started first
+pytestmark = [pytest.mark.slow, pytest.mark.run_first]
 sys.path.insert(0, str(Path(__file__).parent))
 
 import sequence_parallel_worker as worker  # noqa: E402
@@ -37,25 +38,35 @@ PHASES = [
 
 @pytest.fixture(scope="module")
 def launches(tiny_pipeline_path, tmp_path_factory):
-    """Start the launches, train the single-process references meanwhile, wait; the folders of both."""
+    """Start the launches, train the single-process references meanwhile, wait; the folder holding both. Built once
+    per test session, even when test workers split this module (the folder is shared by the session's workers)."""
+    from flowgrpo.build_cache import build_folder_once
+
     paths = {family: str(tiny_pipeline_path(family)) for family in ("wan", "ltx2", "hunyuanvideo15")}
     paths.update({name: str(tiny_pipeline_path(family, variant))
                   for name, (family, variant, _, _) in worker.PLAN_FAMILIES.items()})
-    out = tmp_path_factory.mktemp("sequence_parallel")
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "tests/distributed/sequence_parallel_worker.py", "--pipelines",
-                             json.dumps(paths), "--output_dir", str(out / "launches"), "--phases", json.dumps(PHASES)],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        for name in FAMILY_RUNS:
-            worker.run(name, paths, out / "single", 1)
-        log, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, log[-8000:]
-    return out
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's folder
+
+    def build(out: Path) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen([sys.executable, "tests/distributed/sequence_parallel_worker.py", "--pipelines",
+                                 json.dumps(paths), "--output_dir", str(out / "launches"), "--phases",
+                                 json.dumps(PHASES)],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for name in FAMILY_RUNS:
+                worker.run(name, paths, out / "single", 1)
+            log, _ = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, log[-8000:]
+        (out / "done.json").write_text(json.dumps({"phases": PHASES}))
+
+    return build_folder_once(shared / "sequence_parallel_launches", build, marker="done.json",
+                             what="sequence-parallel launches")
 
 
 def _record(folder: Path, name: str, size: int, rank: int = 0) -> dict:
