@@ -41,7 +41,9 @@ def test_plan_order_commands_and_selection(tmp_path):
     assert "sd35m-random" in presets and "flux-random" in presets
     assert names == ["bf16_onpolicy", "launch/single_gpu", "launch/multi_gpu", "launch/fsdp8",
                      "launch/fsdp8/full_finetune", "launch/zero2", "launch/zero3", "launch/zero3/full_finetune",
-                     "memory/sd35m_24gb", "plan_vs_measured", "reward/ocr_throughput"] + [f"bench/{p}" for p in presets]
+                     "launch/sequence_parallel", "memory/sd35m_24gb", "plan_vs_measured",
+                     "reward/ocr_throughput"] + [f"bench/{p}" for p in presets]
+    assert "launch/sequence_parallel" not in [c.name for c in build_plan(1, tmp_path)]  # it needs 2 GPUs or more
     by_name = {c.name: c for c in plan}
     assert by_name["launch/single_gpu"].command[by_name["launch/single_gpu"].command.index("--num-processes") + 1] == "1"
     for name in ("launch/multi_gpu", "launch/zero3/full_finetune"):
@@ -65,7 +67,7 @@ def test_plan_order_commands_and_selection(tmp_path):
     assert build_plan(1, tmp_path, timeout_scale=2)[0].timeout_s == 2 * plan[0].timeout_s
 
     select = lambda *only: [c.name for c in select_checks(plan, list(only))]  # noqa: E731
-    assert len(select("launch")) == 7 and select("launch/fsdp8") == ["launch/fsdp8", "launch/fsdp8/full_finetune"]
+    assert len(select("launch")) == 8 and select("launch/fsdp8") == ["launch/fsdp8", "launch/fsdp8/full_finetune"]
     assert select("bench/sd35m-random", "bf16_onpolicy") == ["bf16_onpolicy", "bench/sd35m-random"]  # plan order
     assert select("memory", "reward/") == ["memory/sd35m_24gb", "reward/ocr_throughput"]
     with pytest.raises(PlanError, match="--only laun: no such check.*groups: bench, bf16_onpolicy, launch"):
@@ -315,6 +317,39 @@ def test_launch_recipe_trains_and_its_export_reloads_on_cpu(tiny_sd3_path, tmp_p
     assert args.config_file == "accelerate_configs/zero3.yaml" and args.num_processes == 4 and args.module
     assert args.training_script == "flowgrpo.gpu_check.probe" and args.training_script_args == ["src/train.py",
                                                                                                 str(path)]
+
+
+def test_sequence_parallel_check_recipe_trains_and_its_comparisons_catch_differences(tiny_pipeline_path, tmp_path,
+                                                                                    monkeypatch):
+    """The sequence-parallel check's recipe through src/train.py's main on one CPU process (its one-GPU run), then
+    the check's comparisons: an export against itself passes, a changed tensor fails; one rank is its own group."""
+    from safetensors.torch import load_file, save_file
+
+    from flowgrpo.cli import main as train_main
+    from flowgrpo.gpu_check import sequence_parallel as check
+
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "train.txt").write_text("\n".join(check.PROMPTS) + "\n")
+    run = tmp_path / "one"
+    recipe = check.sequence_parallel_recipe(tiny_pipeline_path("wan"), prompts, run, 1)
+    assert recipe["sequence_parallel_size"] == 1 and recipe["num_frames"] == 9
+    recipe.update(max_steps=1, use_cpu=True)
+    monkeypatch.setenv("FLOWGRPO_RANK_LOG_DIR", str(tmp_path / "ranks"))
+    from flowgrpo.gpu_check.launch import write_recipe
+
+    train_main([str(write_recipe(tmp_path / "recipe.yaml", recipe))])
+    found, problems = check.compare_exports(run, run)
+    assert not problems and found["lora_max_abs_diff"] == 0.0 and found["lora_B_max_abs"] > 0
+    group, problems = check.compare_group_logs(tmp_path / "ranks", [0])
+    assert not problems and group["steps"] == 1
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    tensors = load_file(run / "pytorch_lora_weights.safetensors")
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key] = tensors[key] + 10 * check.TOLERANCE
+    save_file(tensors, moved / "pytorch_lora_weights.safetensors")
+    assert "differs from the one-GPU LoRA" in check.compare_exports(run, moved)[1][0]
 
 
 def test_memory_check_command_is_the_recipe_with_valid_overrides(tmp_path, monkeypatch):

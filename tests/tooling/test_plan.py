@@ -215,7 +215,12 @@ PLANNED_RECIPES = _one_recipe_per_path(GPU_RECIPES, keep=("ocr.yaml", "awm_ocr.y
 
 #: HunyuanVideo 1.5's VAE decode of 33 frames takes minutes under fake tensors: planned here on 5 frames (every code
 #: path the same); docs/benchmarks.md records the 33-frame plan (python -m flowgrpo.plan recipes/hunyuanvideo15_t2v.yaml).
-FEWER_FRAMES = {"hunyuanvideo15_t2v.yaml": ("--num_frames", "5")}
+#: The 720p sequence-parallel recipes: 5 frames at 64 x 64 (whole decoding), the same code paths; docs/planning.md
+#: records their 720p plans (15 minutes for HunyuanVideo 1.5's tiled decode of 121 frames).
+SMALL_VIDEO = ("--num_frames", "5", "--height", "64", "--width", "64")
+FEWER_FRAMES = {"hunyuanvideo15_t2v.yaml": ("--num_frames", "5"),
+                "wan22_a14b_t2v_720p_sp.yaml": SMALL_VIDEO,
+                "hunyuanvideo15_720p_sp.yaml": (*SMALL_VIDEO, "--vae_tiling", "false")}
 
 
 @pytest.mark.run_first  # the longest test of the file (a full-size plan of each recipe): it starts first, on its own worker

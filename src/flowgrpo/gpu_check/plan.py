@@ -14,6 +14,9 @@ check                                    what it runs and records
                                          ``fsdp8``, ``zero2``, ``zero3``)
 ``launch/<config>/full_finetune``        the same with the whole transformer trained, saved and reloaded (``fsdp8``,
                                          ``zero3``)
+``launch/sequence_parallel``             with 2 GPUs or more: ``sequence_parallel_size 2`` on NCCL, 2 GPUs against
+                                         one (the same LoRA after 2 steps), all GPUs from 4 up
+                                         (:mod:`flowgrpo.gpu_check.sequence_parallel`)
 ``memory/sd35m_24gb``                    ``recipes/sd35m_24gb.yaml`` for 2 optimizer steps on the full-size
                                          SD3.5-Medium architecture at 512 px: peak GPU memory against 24 GB
 ``plan_vs_measured``                    ``flowgrpo.plan``'s peak for the same run of ``recipes/sd35m_24gb.yaml`` against the
@@ -135,6 +138,12 @@ def build_plan(num_gpus: int, output_dir: str | Path, *, python: str | None = No
                 command.append("--full-finetune")
             add(name, f"accelerate launch {config}.yaml x{processes}: 2 steps of {what} on the SD3.5-M architecture, "
                       "then reloaded into the stock pipeline", command)
+    if num_gpus >= 2:
+        add("launch/sequence_parallel",
+            "sequence parallelism on NCCL: 2 GPUs with sequence_parallel_size 2 against one GPU (the same LoRA), and "
+            "every GPU with S=2 from 4 GPUs up, on the tiny Wan pipeline (9 video tokens, split unevenly)",
+            [py, "-m", "flowgrpo.gpu_check.sequence_parallel", "--num-processes", num_gpus,
+             "--model-dir", model_dir(out, "tiny-wan"), "--output", check_dir(out, "launch/sequence_parallel")])
     add("memory/sd35m_24gb",
         "recipes/sd35m_24gb.yaml, 2 steps at 512 px on the full-size SD3.5-M architecture: peak memory under 24 GB",
         [py, "-m", "flowgrpo.gpu_check.memory_24gb", "--model-dir", model_dir(out, "sd35m-full"),

@@ -319,6 +319,27 @@ class ModelFamilyAdapter(ABC):
         """Every diffusers transformer that samples (for gradient checkpointing and FLOP counts)."""
         return [self.pipeline.transformer]
 
+    # --- sequence parallelism ---------------------------------------------------------------------
+    #: why the family's tokens cannot be split over several processes (``sequence_parallel_size > 1``); None: they can
+    sequence_parallel_refusal: str | None = None
+
+    def context_parallel_plan(self, transformer: torch.nn.Module) -> dict[str, Any]:
+        """The diffusers context-parallel plan that splits ``transformer``'s tokens over an SP group (Ulysses): which
+        inputs (or outputs) of which modules are split along which dimension, which outputs are gathered. By default
+        the transformer class's own ``_cp_plan`` (Wan, LTX, FLUX.1, FLUX.2, Qwen-Image in diffusers 0.42.1); a family
+        whose transformer has none writes its own (HunyuanVideo 1.5) or extends it (LTX-2's sound stream)."""
+        plan = getattr(type(transformer), "_cp_plan", None)
+        if not plan:
+            raise ValueError(f"{type(transformer).__name__} has no context-parallel plan (_cp_plan) in this diffusers "
+                             f"version, so {self.family} cannot split its tokens over several processes; use "
+                             "sequence_parallel_size 1.")
+        return dict(plan)
+
+    def prepare_sequence_parallel(self, transformer: torch.nn.Module) -> None:
+        """Make ``transformer`` ready for its tokens to be split (before `context_parallel_plan` is applied): nothing
+        for most families; HunyuanVideo 1.5 swaps in a joint-attention processor whose mask marks keys only."""
+        return None
+
     def sequence_lengths(self, embeds: PromptEmbeds, latents: torch.Tensor) -> tuple[int, int]:
         """``(image_tokens, text_tokens)`` that one transformer call of one sample attends over (FLOP counts).
 

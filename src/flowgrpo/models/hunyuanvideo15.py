@@ -171,6 +171,30 @@ class HunyuanVideo15Adapter(ModelFamilyAdapter):
         uncond, text = out.chunk(2)
         return uncond + guidance_scale * (text - uncond)
 
+    def context_parallel_plan(self, transformer: torch.nn.Module) -> dict[str, Any]:
+        """diffusers 0.42.1 has no plan for this transformer; this one splits both streams of the joint attention.
+
+        The video tokens and the text context (after the transformer has reordered it: valid image, ByT5 and
+        Qwen2.5-VL tokens first, padding last) are split along the sequence as they enter the first block; the text
+        mask is split with them at every block, the video's rotary table as the ``rope`` module returns it; the
+        output projection's tokens are gathered. Each process then attends with its video and text tokens as
+        queries over every process's video and text tokens (`prepare_sequence_parallel`'s processor)."""
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+        tokens = ContextParallelInput(split_dim=1, expected_dims=3)
+        return {
+            "transformer_blocks.0": {"hidden_states": tokens, "encoder_hidden_states": tokens},
+            "transformer_blocks.*": {"attention_mask": ContextParallelInput(split_dim=1, expected_dims=2)},
+            "rope": {0: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True),
+                     1: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        }
+
+    def prepare_sequence_parallel(self, transformer: torch.nn.Module) -> None:
+        """Give every joint-attention block `SplitJointAttnProcessor` (see there why the stock one cannot be split)."""
+        for block in transformer.transformer_blocks:
+            block.attn.set_processor(SplitJointAttnProcessor())
+
     def lora_writer(self) -> Any:
         """``HunyuanVideo15Pipeline`` has no LoRA loader in this diffusers version; HunyuanVideo's mixin writes the
         same transformer-only format (``transformer.<module>.lora_A/B.weight``), which
@@ -197,3 +221,55 @@ class HunyuanVideo15Adapter(ModelFamilyAdapter):
         # One video at a time: the VAE's causal attention mask does not broadcast over a batch in this version.
         video = torch.cat([vae.decode(latents[i:i + 1], return_dict=False)[0] for i in range(latents.shape[0])])
         return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
+
+
+def _joint_processor_base() -> type:
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
+
+    return HunyuanVideo15AttnProcessor2_0
+
+
+class SplitJointAttnProcessor(_joint_processor_base()):
+    """HunyuanVideo 1.5's joint attention (video and text tokens in one softmax) with a mask on the keys only.
+
+    The stock processor masks with ``valid_q AND valid_k``, an ``(L, L)`` mask built from the tokens it holds; once
+    the tokens are split, a process holds a slice of the queries and the attention runs over every process's keys,
+    which that square mask cannot describe. Masking the keys only (every video token and the valid text tokens, a
+    ``(B, L_s)`` mask that the Ulysses attention gathers with the keys) gives every valid token the stock output:
+    what differs is the output of padded text tokens, which no valid token ever attends to (they are masked as keys
+    in every block) and which the output projection does not read. Used only with ``sequence_parallel_size > 1``."""
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None,
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        def split_heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(2, (attn.heads, -1))
+
+        query = attn.norm_q(split_heads(attn.to_q(hidden_states)))
+        key = attn.norm_k(split_heads(attn.to_k(hidden_states)))
+        value = split_heads(attn.to_v(hidden_states))
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        text_query = split_heads(attn.add_q_proj(encoder_hidden_states))
+        text_key = split_heads(attn.add_k_proj(encoder_hidden_states))
+        if attn.norm_added_q is not None:
+            text_query = attn.norm_added_q(text_query)
+        if attn.norm_added_k is not None:
+            text_key = attn.norm_added_k(text_key)
+        query = torch.cat([query, text_query], dim=1)
+        key = torch.cat([key, text_key], dim=1)
+        value = torch.cat([value, split_heads(attn.add_v_proj(encoder_hidden_states))], dim=1)
+        # keys: every video token, then the text tokens the mask marks valid
+        valid_keys = torch.nn.functional.pad(attention_mask.bool(), (hidden_states.shape[1], 0), value=True)
+        out = dispatch_attention_fn(query, key, value, attn_mask=valid_keys, dropout_p=0.0, is_causal=False,
+                                    backend=self._attention_backend, parallel_config=self._parallel_config)
+        out = out.flatten(2, 3).to(query.dtype)
+        video, text = out[:, :hidden_states.shape[1]], out[:, hidden_states.shape[1]:]
+        video = attn.to_out[1](attn.to_out[0](video))
+        if getattr(attn, "to_add_out", None) is not None:
+            text = attn.to_add_out(text)
+        return video, text

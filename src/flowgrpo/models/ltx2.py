@@ -203,6 +203,33 @@ class LTX2Adapter(ModelFamilyAdapter):
             video_coords=video_coords, audio_coords=audio_coords, isolate_modalities=False,
             spatio_temporal_guidance_blocks=None, perturbation_mask=None, use_cross_timestep=True, return_dict=False)
 
+    def context_parallel_plan(self, transformer: torch.nn.Module) -> dict[str, Any]:
+        """Both streams split over the SP group, each token's output owned by one process.
+
+        diffusers' own LTX-2 plan splits the video stream and its text but leaves the sound stream whole on every
+        process, with its rotary tables split along dim 1, which holds the heads for the ``"split"`` rotary layout
+        of the released model (``(B, H, N, d)``). A whole sound stream would be computed, and back-propagated, by
+        every process of the group, so its gradient (and that of every video weight it reaches through the
+        cross-modal attention) would count S times. Here the video tokens, the sound tokens, both text contexts and
+        their mask are split along the sequence; the rotary tables of both streams (self- and cross-modal) along
+        their token dimension (2 in the ``"split"`` layout, 1 in ``"interleaved"``); both outputs are gathered."""
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+        split_layout = getattr(transformer.config, "rope_type", "interleaved") == "split"
+        tokens_dim, dims = (2, 4) if split_layout else (1, 3)
+        rotary = {0: ContextParallelInput(split_dim=tokens_dim, expected_dims=dims, split_output=True),
+                  1: ContextParallelInput(split_dim=tokens_dim, expected_dims=dims, split_output=True)}
+        return {
+            "": {name: ContextParallelInput(split_dim=1, expected_dims=3)
+                 for name in ("hidden_states", "audio_hidden_states", "encoder_hidden_states",
+                              "audio_encoder_hidden_states")}
+            | {name: ContextParallelInput(split_dim=1, expected_dims=2)
+               for name in ("encoder_attention_mask", "audio_encoder_attention_mask")},
+            "rope": rotary, "audio_rope": rotary, "cross_attn_rope": rotary, "cross_attn_audio_rope": rotary,
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+            "audio_proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        }
+
     def predict_velocity(self, transformer: Callable[..., Any], latents, timestep, embeds, guidance_scale,
                          negative_embeds, height, width) -> torch.Tensor:
         video, audio = self._split(latents, height, width)

@@ -49,6 +49,10 @@ class QwenImage21Adapter(ModelFamilyAdapter):
     family = "qwenimage21"
     pipeline_class_names = ("QwenImage21Pipeline",)
     default_lora_target_modules = QWENIMAGE21_LORA_TARGET_MODULES
+    sequence_parallel_refusal = (
+        "Qwen-Image 2.1's transformer (QwenImage21Transformer2DModel) has no context-parallel plan in diffusers "
+        "0.42.1, and its block-causal attention masks (text and image blocks in one sequence) are not split with "
+        "the tokens; train it data-parallel.")
 
     @classmethod
     def _default_size(cls, configs: ModelConfigs) -> tuple[int, int, str]:

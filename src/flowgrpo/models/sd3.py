@@ -30,6 +30,10 @@ class SD3Adapter(ModelFamilyAdapter):
     family = "sd3"
     pipeline_class_names = ("StableDiffusion3Pipeline",)
     encodes_images = True
+    sequence_parallel_refusal = (
+        "SD3's transformer (SD3Transformer2DModel) has no context-parallel plan in diffusers 0.42.1 and its joint "
+        "attention (JointAttnProcessor2_0) calls the attention kernel itself, so its tokens cannot be split over "
+        "processes; an SD3 image (4,096 tokens at 1024 px) fits on one GPU: train it data-parallel.")
 
     @classmethod
     def _default_size(cls, configs: ModelConfigs) -> tuple[int, int, str]:

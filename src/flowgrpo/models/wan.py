@@ -204,6 +204,14 @@ class WanAdapter(ModelFamilyAdapter):
             return [self.pipeline.transformer, self.pipeline.transformer_2]
         return [self.pipeline.transformer]
 
+    def context_parallel_plan(self, transformer: torch.nn.Module) -> dict[str, Any]:
+        """diffusers' Wan plan; its split of a per-token ``timestep`` only where there is one (TI2V's
+        ``expand_timesteps``): a ``(B,)`` timestep is not split, and diffusers would warn that it was left whole."""
+        plan = super().context_parallel_plan(transformer)
+        if not self.expand_timesteps:
+            plan.pop("", None)
+        return plan
+
     def expert_for(self, timestep: torch.Tensor) -> torch.Tensor:
         """Per sample: 0 for ``transformer`` (``t >= boundary``), 1 for ``transformer_2``; all 0 with one expert."""
         if not self.two_experts:

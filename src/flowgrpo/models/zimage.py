@@ -40,6 +40,10 @@ class ZImageAdapter(ModelFamilyAdapter):
     family = "zimage"
     pipeline_class_names = ("ZImagePipeline",)
     default_lora_target_modules = ZIMAGE_LORA_TARGET_MODULES
+    sequence_parallel_refusal = (
+        "Z-Image's transformer (ZImageTransformer2DModel) has no context-parallel plan in diffusers 0.42.1: it pads "
+        "its text and image tokens into one unified sequence inside the forward, which no split of its inputs can "
+        "follow; a Z-Image image fits on one GPU: train it data-parallel.")
 
     cfg_off_value = 0.0
 

@@ -43,7 +43,7 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str 
     from ..cli.parser import parse_recipe
     from .accelerate_config import intended_config, load_parallelism
     from .calibration import CALIBRATION_ERROR, CALIBRATION_SOURCE, MFU
-    from .planner import check_wrap_classes, make_plan, plan_inputs, suggestions
+    from .planner import check_wrap_classes, make_plan, plan_inputs, sequence_parallel_families, suggestions
 
     gpu_spec = get_gpu(gpu)
     if num_processes is not None and num_processes < 1:
@@ -56,7 +56,13 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str 
     if training_args.use_cpu and config_file and "cpu" in Path(config_file).name:
         config_file = None
     parallel = load_parallelism(config_file, num_processes)
+    training_args.check_sequence_parallel_launch(parallel.world_size)
     spec = spec_for_model_args(model_args)
+    if training_args.sequence_parallel_size > 1 and spec.family not in sequence_parallel_families():
+        from ..models import family_adapter_class
+
+        refusal = family_adapter_class(spec.pipeline_class).sequence_parallel_refusal
+        raise ValueError(f"sequence_parallel_size={training_args.sequence_parallel_size} with {spec.family}: {refusal}")
     from .recipe_settings import resolve_recipe_settings
 
     resolve_recipe_settings(script_args, model_args, training_args, spec)  # the model's own where the recipe is silent
@@ -83,6 +89,14 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str 
         "calibration": {"source": CALIBRATION_SOURCE, "error": CALIBRATION_ERROR}, "notes": plan.notes,
         "deepspeed_check": plan.deepspeed_check,
     }
+    if inputs.sequence_parallel_size > 1:
+        sp_seconds = plan.sequence_parallel_bytes / (gpu_spec.interconnect_gbs * 1e9)
+        result["sequence_parallel"] = {
+            "size": inputs.sequence_parallel_size,
+            "data_parallel_replicas": parallel.world_size // inputs.sequence_parallel_size,
+            "all_to_all_gb_per_step": round(plan.sequence_parallel_bytes / 1e9, 3),
+            "all_to_all_s": round(sp_seconds, 2),
+        }
     if training_args.rollout_backend == "ray":  # the trainer and a rollout worker on their own GPUs
         from .disaggregated import plan_rollout_backend
 
@@ -126,6 +140,12 @@ def format_table(result: dict[str, Any]) -> str:
         ratios = ", ".join(f"{k} {v:.4f}" for k, v in check["rank0_over_planned"].items())
         lines.append(f"  FSDP2 on a fake process group ({check['world_size']} ranks, {check['wrapped_modules']} wrapped "
                      f"modules), rank 0 over planned: {ratios}")
+    sp = result.get("sequence_parallel")
+    if sp:
+        lines.append(f"  sequence parallelism: {sp['size']} processes per sample (Ulysses), "
+                     f"{sp['data_parallel_replicas']} data-parallel replica(s); all-to-all "
+                     f"{sp['all_to_all_gb_per_step']:.1f} GB per GPU per step, {sp['all_to_all_s']:.2f} s (in the "
+                     "communication time)")
     backend = result.get("rollout_backend")
     if backend:
         lines.append("")
@@ -168,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_table(result), flush=True)
     if args.json_out:
-        keys = JSON_KEYS + (("rollout_backend",) if "rollout_backend" in result else ())
+        keys = JSON_KEYS + tuple(k for k in ("sequence_parallel", "rollout_backend") if k in result)
         Path(args.json_out).write_text(json.dumps({k: result[k] for k in keys}, indent=1) + "\n")
     return 0
 

@@ -86,6 +86,8 @@ class PlanInputs:
     offload_text_encoders: bool
     rewards: tuple[str, ...]
     trained_steps: int
+    #: S: the processes that split each sample's tokens (``sequence_parallel_size``; 1: off)
+    sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -101,6 +103,8 @@ class Plan:
     deepspeed_check: dict[str, float] | None = None
     #: the measured step the plan was composed from (the Ray backend's worker plan reuses it)
     measure: StepMeasure | None = None
+    #: bytes each GPU sends per optimizer step in sequence parallelism's all-to-alls (in ``comm_time_s``)
+    sequence_parallel_bytes: float = 0.0
 
     @property
     def peak_gb(self) -> float:
@@ -139,7 +143,8 @@ def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> Ste
         decode_batch=min(micro, int(getattr(args, "vae_decode_batch_size", None) or micro)),
         rollout_passes=planned.rollout_passes, trained_passes=planned.trained_per_sample,
         trained_batch=planned.trained_batch, stored_per_step=planned.stored_per_step, teachers=teachers,
-        teacher_kind=teacher_kind)
+        teacher_kind=teacher_kind, split_tokens=int(args.sequence_parallel_size or 1) > 1,
+        vae_tiling=bool(args.vae_tiling))
 
 
 def _opt_bytes_per_param(optimizer: str, param_bytes: int) -> float:
@@ -223,8 +228,16 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
     reward = sum(REWARD_MODEL_PARAMS[r][0] * REWARD_MODEL_PARAMS[r][1] for r in set(inputs.rewards)
                  if r in REWARD_MODEL_PARAMS)
     # ---- activations ---------------------------------------------------------------------------------------------
-    activations = measure.training_bytes  # measured without the gradients, which are counted (sharded) above
-    rollout_transient = max(measure.rollout_bytes, measure.decode_bytes)
+    # measured without the gradients, which are counted (sharded) above; with sequence parallelism every process holds
+    # 1/S of each sample's tokens in the transformer (decoding stays whole: each process decodes the whole samples)
+    sp = inputs.sequence_parallel_size
+    activations = measure.training_bytes / sp
+    rollout_transient = max(measure.rollout_bytes / sp, measure.decode_bytes)
+    if sp > 1:
+        notes.append(f"sequence_parallel_size {sp}: the transformer's activations / {sp} (each process holds 1/{sp} "
+                     "of every sample's tokens), its FLOPs / "
+                     f"{sp}; the {par.world_size // sp} data-parallel replica(s) of {sp} processes each train "
+                     f"per_device_train_batch_size samples; decoding and rewards stay whole on each process.")
     dynamic = max(activations, rollout_transient)
     overhead = CUDA_CONTEXT_GB * GB + (NCCL_BUFFERS_GB * GB if n > 1 else 0.0) + FRAGMENTATION * dynamic
     persistent = weights + opt + copies + reward + overhead
@@ -238,14 +251,17 @@ def compose(inputs: PlanInputs, measure: StepMeasure, smallest: StepMeasure, blo
     # ---- FLOPs and time -------------------------------------------------------------------------------------------
     ga = inputs.gradient_accumulation_steps
     decode = measure.decode_flops * math.ceil(s.micro_batch / max(1, s.decode_batch))
-    step_flops = ga * (measure.rollout_flops + decode + measure.training_flops)  # recomputation counted as run
+    # recomputation counted as run; the transformer's work split over the S processes of a sample
+    step_flops = ga * ((measure.rollout_flops + measure.training_flops) / sp + decode)
     from .calibration import MFU
 
     compute_s = step_flops / (MFU * inputs.gpu.bf16_tflops * 1e12)
     comm_bytes = _collective_bytes(par, params, trainable, train_bytes, b, s, ga)
-    comm_s = comm_bytes / (inputs.gpu.interconnect_gbs * 1e9) if n > 1 else 0.0
+    sp_bytes = sequence_parallel_bytes(inputs.spec, measure, s, ga, sp)
+    comm_s = (comm_bytes + sp_bytes) / (inputs.gpu.interconnect_gbs * 1e9) if n > 1 else 0.0
     method = "analytic" if par.kind in ("zero2", "zero3") else "fake_tensors"
     plan = Plan(inputs, breakdown, phases, step_flops, compute_s + comm_s, comm_s, method, notes)
+    plan.sequence_parallel_bytes = sp_bytes
     if par.kind in ("zero2", "zero3") and not s.use_lora:
         plan.deepspeed_check = _deepspeed_states(par, params["total"], block_max, n)
     return plan
@@ -313,6 +329,36 @@ def _collective_bytes(par: Parallelism, params: dict[str, float], trainable: flo
     return ring * (forwards * params["total"] * b + backwards * (params["total"] * b + trainable * train_bytes))
 
 
+def attention_layers(spec: ModelSpec) -> int:
+    """The self (or joint) attention layers a sample's tokens pass per transformer call: one per block (Wan, LTX-2's
+    video stream, HunyuanVideo 1.5, FLUX.1's double and single blocks, ...): the blocks of every depth key."""
+    from .step import DEPTH_KEYS
+
+    return sum(int(spec.transformer_config.get(k, 0) or 0) for k in DEPTH_KEYS)
+
+
+def sequence_parallel_bytes(spec: ModelSpec, measure: StepMeasure, s: StepSettings, ga: int, size: int) -> float:
+    """Bytes each GPU sends per optimizer step in Ulysses' all-to-alls (``sequence_parallel_size = S``).
+
+    A split attention layer exchanges four ``(rows, L, H, D)`` tensors per forward (Q, K, V before the attention,
+    the output after it) and four per backward (the output's gradient, then dQ, dK, dV). Each process holds 1/S of
+    the tokens and sends (S - 1)/S of its share, so a tensor of ``X`` bytes (the block's input over the whole
+    sequence, image and text streams, CFG's rows included: ``block_io_bytes``) costs ``X (S - 1) / S^2`` per GPU:
+
+        bytes = ga x passes x layers x 4 X (S - 1) / S^2,
+
+    with ``passes`` = the rollout's transformer calls per sample plus, per trained step, its forward and backward,
+    gradient checkpointing's recomputed forward and the forwards without gradient (the KL reference, DiffusionNFT's
+    old policy, a distillation teacher). Cross-attention to a text that is not split (Wan's) exchanges nothing and
+    is not counted; LTX-2's sound stream and cross-modal attention are small next to its video and are not either."""
+    if size <= 1:
+        return 0.0
+    trained = s.trained_passes or s.trained_steps
+    without_gradient = len(s.frozen_forwards)  # the algorithm spec's: the reference, a teacher, the old policy
+    passes = (s.rollout_passes or s.num_inference_steps) + trained * (2 + int(s.checkpointing) + without_gradient)
+    return ga * passes * attention_layers(spec) * 4 * measure.block_io_bytes * (size - 1) / size ** 2
+
+
 def _deepspeed_states(par: Parallelism, total_params: float, largest_layer: float, n: int) -> dict[str, float]:
     """DeepSpeed's own estimate of the model states per GPU (GB) for full fine-tuning, next to ours."""
     import contextlib
@@ -341,7 +387,8 @@ def plan_inputs(script_args: Any, model_args: Any, training_args: Any, parallel:
                       quantization=getattr(training_args, "quantization", None),
                       use_ema=bool(getattr(training_args, "use_ema", False)),
                       offload_text_encoders=bool(getattr(training_args, "offload_text_encoders", False)),
-                      rewards=_scored_rewards(script_args, training_args), trained_steps=settings.trained_steps)
+                      rewards=_scored_rewards(script_args, training_args), trained_steps=settings.trained_steps,
+                      sequence_parallel_size=int(training_args.sequence_parallel_size or 1))
 
 
 def _scored_rewards(script_args: Any, training_args: Any) -> tuple[str, ...]:
@@ -408,6 +455,9 @@ def suggestions(plan: Plan) -> list[dict[str, Any]]:
                                                                                                    half))))
     if s.decode_batch > 1:
         add("vae_decode_batch_size: 1", dataclasses.replace(inputs, settings=dataclasses.replace(s, decode_batch=1)))
+    measure = plan.measure
+    if not s.vae_tiling and measure is not None and measure.decode_bytes > measure.rollout_bytes:
+        add("vae_tiling: true", dataclasses.replace(inputs, settings=dataclasses.replace(s, vae_tiling=True)))
     if not inputs.offload_text_encoders and inputs.spec.text_encoder_total:
         add("cache_prompt_embeddings: true, offload_text_encoders: true",
             dataclasses.replace(inputs, offload_text_encoders=True))
@@ -417,6 +467,10 @@ def suggestions(plan: Plan) -> list[dict[str, Any]]:
     elif par.kind in ("zero2", "zero3") and not par.offload_optimizer:
         add("offload_optimizer_device: cpu", dataclasses.replace(
             inputs, parallel=dataclasses.replace(par, offload_optimizer=True)))
+    sp = inputs.sequence_parallel_size
+    if par.world_size >= 2 * sp and par.world_size % (2 * sp) == 0 and inputs.spec.family in sequence_parallel_families():
+        add(f"sequence_parallel_size: {2 * sp}", dataclasses.replace(
+            inputs, sequence_parallel_size=2 * sp, settings=dataclasses.replace(s, split_tokens=True)))
     more = max(2, par.world_size * 2)
     target = par if par.kind in ("fsdp", "zero2", "zero3") else Parallelism(
         "fsdp", more, (), True, False, False, par.mixed_precision, "suggested")
@@ -426,5 +480,13 @@ def suggestions(plan: Plan) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["Plan", "PlanInputs", "REWARD_MODEL_PARAMS", "check_wrap_classes", "compose", "make_plan", "plan_inputs",
-           "settings_from_args", "suggestions"]
+def sequence_parallel_families() -> set[str]:
+    """The adapter families whose tokens can be split over processes (no ``sequence_parallel_refusal``)."""
+    from ..models import adapter_classes
+
+    return {cls.family for cls in adapter_classes() if not cls.sequence_parallel_refusal}
+
+
+__all__ = ["Plan", "PlanInputs", "REWARD_MODEL_PARAMS", "attention_layers", "check_wrap_classes", "compose",
+           "make_plan", "plan_inputs", "sequence_parallel_bytes", "sequence_parallel_families", "settings_from_args",
+           "suggestions"]

@@ -6,7 +6,8 @@ Some transformers lay out their token sequence from the values of masks (Qwen-Im
 values, so such a step stops at the first of these operations. :class:`RealValuedMasks`, active inside the fake mode,
 keeps the values that are cheap to keep:
 
-* an operator whose tensor inputs are all real runs on the real tensors (its output is real);
+* an operator whose tensor inputs are all real runs on the real tensors (its output is real), unless its output has
+  more than ``SMALL_NUMEL`` elements (HunyuanVideo 1.5's L x L attention mask of a long video): that one is fake;
 * a tensor made without reading data (``zeros``, ``ones``, ``full``, ``arange``, ``new_zeros``, ``zeros_like``, ...)
   is real when it has at most ``SMALL_NUMEL`` elements;
 * an index operation (``index``, ``index_put``) on a fake tensor with a real boolean mask uses the mask's real
@@ -60,8 +61,14 @@ class RealValuedMasks(TorchDispatchMode):
         kwargs = kwargs or {}
         tensors = _tensors(args, kwargs)
         if tensors and not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors):
-            with unset_fake_temporarily():
-                return func(*args, **kwargs)
+            try:  # the output's shape first, on fake tensors: a large output stays fake (e.g. an L x L mask)
+                probe = func(*args, **kwargs)
+            except Exception:  # an output whose size depends on the values (nonzero): small, computed for real
+                probe = None
+            if probe is None or all(t.numel() <= SMALL_NUMEL for t in _tensors(probe, {})):
+                with unset_fake_temporarily():
+                    return func(*args, **kwargs)
+            return probe
         if func in _INDEX and isinstance(args[1], (list, tuple)):
             args = (args[0], _real_indices(list(args[1])), *args[2:])
             return func(*args, **kwargs)

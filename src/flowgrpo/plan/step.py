@@ -81,6 +81,9 @@ class StepSettings:
     policy_copies: int = 0           # copies of the trained weights besides the EMA (old policy, sampling copy)
     unsharded_reference: bool = False  # full fine-tuning with beta > 0 keeps a whole frozen reference on every GPU
     samples_with_copy: bool = False  # the rollouts are sampled by a copy (a rollout worker holds it)
+    split_tokens: bool = False       # sequence parallelism: the family's attention for split tokens
+                                     # (``prepare_sequence_parallel``: HunyuanVideo 1.5's key-only mask)
+    vae_tiling: bool = False         # decode in the VAE's spatial tiles (``vae_tiling``)
 
 
 @dataclass
@@ -326,11 +329,15 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
     mode = _fake_mode() if fake else contextlib.nullcontext()
     generator = torch.Generator().manual_seed(0)
     vae.to(settings.dtype).requires_grad_(False)
+    if settings.vae_tiling:
+        vae.enable_tiling()
     model = prepare_transformer(transformer, settings, spec)
     measure.params = _param_counts(transformer, model)
     # the pipeline, its adapter and the schedule are built on real tensors, before fake mode starts
     pipeline = _pipeline(spec, transformer, vae)
     adapter = _adapter(spec, pipeline, settings.num_frames)
+    if settings.split_tokens:  # the attention the trainer runs once a sample's tokens are split
+        adapter.prepare_sequence_parallel(transformer)
     height, width, batch = settings.height, settings.width, settings.micro_batch
     scheduler = pipeline.scheduler
     if spec.scheduler_class != "FlowMatchEulerDiscreteScheduler":
@@ -343,7 +350,7 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
     import json
 
     decode_key = (spec.vae_class, json.dumps(spec.vae_config, sort_keys=True), height, width, settings.num_frames,
-                  settings.decode_batch, str(settings.dtype), spec.family)
+                  settings.decode_batch, str(settings.dtype), spec.family, settings.vae_tiling)
     if fake and decode and decode_key in _DECODE_CACHE:  # the same VAE decoding the same slice: measured before
         measure.decode_bytes, measure.decode_flops = _DECODE_CACHE[decode_key]
         decode = False

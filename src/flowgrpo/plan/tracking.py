@@ -157,13 +157,67 @@ def _backward(ctx, grad_out, grad_lse):
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("flowgrpo_plan::masked_attention", mutates_args=())
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = _ORIGINAL_SDPA(q, k, v, attn_mask=mask, scale=scale)
+    lse = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+@_masked_attention.register_fake
+def _(q, k, v, mask, scale):
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("flowgrpo_plan::masked_attention_backward", mutates_args=())
+def _masked_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # as _flash_attention_backward, with the mask's bias on the scores (a boolean mask: -inf where it is False)
+    compute = torch.float32
+    qf, kf, vf, gf = (x.to(compute) for x in (q, k, v, grad))
+    bias = torch.zeros((), dtype=compute).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+        else mask.to(compute)
+    probs = torch.softmax(qf @ kf.transpose(-2, -1) * scale + bias, dim=-1)
+    dv = probs.transpose(-2, -1) @ gf
+    dprobs = gf @ vf.transpose(-2, -1)
+    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
+    dq = dscores @ kf * scale
+    dk = dscores.transpose(-2, -1) @ qf * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_masked_attention_backward.register_fake
+def _(grad, q, k, v, mask, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _masked_setup_context(ctx, inputs, output):
+    q, k, v, mask, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, mask, out, lse)
+    ctx.scale = scale
+
+
+def _masked_backward(ctx, grad_out, grad_lse):
+    q, k, v, mask, _out, _lse = ctx.saved_tensors
+    dq, dk, dv = _masked_attention_backward(grad_out.contiguous(), q, k, v, mask, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_masked_attention.register_autograd(_masked_backward, setup_context=_masked_setup_context)
+
+
 def flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``scaled_dot_product_attention`` with flash attention's memory (mask-free, dropout-free calls; any other call
-    goes to torch's own function)."""
-    if attn_mask is not None or dropout_p or is_causal or enable_gqa or query.shape[:-2] != key.shape[:-2]:
+    """``scaled_dot_product_attention`` with flash attention's memory (dropout-free, non-causal calls; any other call
+    goes to torch's own function). A mask (HunyuanVideo 1.5's, LTX-2's text masks) keeps the memory-efficient
+    kernel's footprint, output and log-sum-exp, with the mask itself counted where it was made."""
+    if dropout_p or is_causal or enable_gqa or query.shape[:-2] != key.shape[:-2]:
         return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa)
     scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+    if attn_mask is not None:
+        return _masked_attention(query, key, value, attn_mask, scale)[0]
     return _flash_attention(query, key, value, scale)[0]
 
 
@@ -194,8 +248,17 @@ def _register_flop_formulas() -> None:
     def backward_flops(grad_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
         return 2 * forward_flops(q_shape, k_shape, v_shape)
 
+    def masked_forward_flops(q_shape, k_shape, v_shape, mask_shape, *args, out_shape=None, **kwargs) -> int:
+        return forward_flops(q_shape, k_shape, v_shape)
+
+    def masked_backward_flops(grad_shape, q_shape, k_shape, v_shape, mask_shape, *args, out_shape=None,
+                              **kwargs) -> int:
+        return 2 * forward_flops(q_shape, k_shape, v_shape)
+
     register_flop_formula(torch.ops.flowgrpo_plan.flash_attention)(forward_flops)
     register_flop_formula(torch.ops.flowgrpo_plan.flash_attention_backward)(backward_flops)
+    register_flop_formula(torch.ops.flowgrpo_plan.masked_attention)(masked_forward_flops)
+    register_flop_formula(torch.ops.flowgrpo_plan.masked_attention_backward)(masked_backward_flops)
 
 
 _register_flop_formulas()

@@ -187,7 +187,9 @@ class AlgorithmSpec:
     configurations that this one does not accept, each with the reason the command line gives;
     ``eval_guidance_rollouts_refusal``: why ``rollouts_at_eval_guidance`` is refused (None: its loss reads only the
     clean samples and it may roll out at the evaluation's guidance); ``advantage_free``: why its loss reads no
-    advantage, when it does not (reward constraints, which act through the advantages, are then refused)."""
+    advantage, when it does not (reward constraints, which act through the advantages, are then refused);
+    ``sequence_parallel``: whether it has been run with ``sequence_parallel_size > 1`` (each group of processes
+    sampling the same groups and summing its gradients, tested equal to one process); the others are refused there."""
 
     name: str
     title: str
@@ -200,6 +202,7 @@ class AlgorithmSpec:
         "its loss reads the velocity of the policy that sampled the rollouts, at the rollouts' own guidance, so "
         "rollouts at another scale than training would not be its own samples")
     advantage_free: str | None = None
+    sequence_parallel: bool = False
 
     @property
     def config_name(self) -> str:

@@ -17,6 +17,7 @@ run when they are given, and again once they are resolved (``_check_generation_s
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -59,8 +60,9 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
     generation_batch_size: int | None = field(
         default=None,
         metadata={"help": "Images per generation batch over all processes. Defaults to per_device_train_batch_size x "
-                          "num_processes x steps_per_generation. Must be divisible by num_generations. Mutually "
-                          "exclusive with steps_per_generation."},
+                          "num_processes x steps_per_generation (num_processes / sequence_parallel_size: the processes "
+                          "of a sequence-parallel group share their samples). Must be divisible by num_generations. "
+                          "Mutually exclusive with steps_per_generation."},
     )
     steps_per_generation: int | None = field(
         default=None,
@@ -225,6 +227,14 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                           "decode of the whole micro-batch up to float rounding); 1 gives the lowest peak memory, like "
                           "diffusers' vae.enable_slicing(). None decodes each micro-batch at once."},
     )
+    vae_tiling: bool = field(
+        default=False,
+        metadata={"help": "Decode with the VAE's spatial tiles (diffusers' vae.enable_tiling(): overlapping tiles, "
+                          "blended at the seams), whose peak memory is a tile's instead of the whole frame's. A long "
+                          "720p video needs it: HunyuanVideo 1.5's VAE decodes 121 frames at 720p in about 200 GB whole "
+                          "(flowgrpo plan). The pixels differ slightly from a whole decode near the seams; rewards see "
+                          "the tiled decode in training and evaluation alike. Needs a VAE with enable_tiling."},
+    )
     use_ema: bool = field(default=False, metadata={"help": "Keep an EMA of the trainable weights, used for "
                                                               "evaluation and saved adapters."})
     ema_decay: float = field(default=0.9, metadata={"help": "EMA decay per update (Flow-GRPO: 0.9)."})
@@ -281,6 +291,17 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                           "background decode and reward threads, which get one thread each (onnxruntime too), so the "
                           "run never oversubscribes its cores; an integer fixes the main thread's torch threads; "
                           "'keep' applies no policy (torch's and onnxruntime's own settings everywhere). See flowgrpo.cpu_threads and docs/benchmarks.md."},
+    )
+
+    # ---- sequence parallelism ------------------------------------------------------------------------
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={"help": "S: processes that share each sample, each holding 1/S of its tokens inside the "
+                          "transformer (Ulysses sequence parallelism through diffusers' context parallelism; "
+                          "docs/distributed.md). The launch is D = processes / S data-parallel replicas of S "
+                          "consecutive ranks; the S processes of a replica get the same prompts and noise, sample the "
+                          "same groups, score them once and sum their gradients. For video samples too long for one "
+                          "GPU (Wan, LTX-2, HunyuanVideo 1.5; also FLUX.1/Kontext, FLUX.2 and Qwen-Image). 1: off."},
     )
 
     # ---- rollout backend -----------------------------------------------------------------------------
@@ -406,6 +427,7 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         from ..cpu_threads import parse_cpu_threads
 
         self.cpu_threads = str(parse_cpu_threads(self.cpu_threads))
+        self._check_sequence_parallel()
         self._derive_generation_batch()
         self._check_memory_options()
         self._check_rollout_backend()
@@ -434,6 +456,7 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
             raise ValueError("rollouts_at_eval_guidance=True samples the rollouts at eval_guidance_scale, which is not "
                              "given; set eval_guidance_scale (e.g. 3.0, the scale the evaluation uses).")
         self.guidance_scale = float(self.eval_guidance_scale)
+
     #: why the algorithm's rollouts sample without classifier-free guidance, when they do by design (an unset
     #: guidance_scale is then the family's no-guidance value, not the model card's); None: the model's guidance
     _cfg_free_rollouts: ClassVar[str | None] = None
@@ -521,8 +544,49 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         for name in self.preemption_signals:
             resolve_signal(name)
 
+    def _check_sequence_parallel(self) -> None:
+        """``sequence_parallel_size``: an integer >= 1 that divides the launch, with an algorithm and a backend that
+        have been run with it."""
+        size = self.sequence_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"sequence_parallel_size={size!r} must be an integer >= 1 (1: every process holds whole "
+                             "samples).")
+        if size == 1:
+            return
+        from .registry import spec_of
+
+        if not spec_of(self).sequence_parallel:  # the algorithm's spec: tested with S > 1 or not
+            raise ValueError(f"sequence_parallel_size={size} with {self._trainer_name}: this algorithm has not been "
+                             "tested with sequence parallelism (Flow-GRPO and DiffusionNFT have); use "
+                             "sequence_parallel_size 1.")
+        if self.rollout_backend != "local":
+            raise ValueError(f"sequence_parallel_size={size} with rollout_backend={self.rollout_backend!r}: each "
+                             f"rollout worker would have to span {size} GPUs (one sequence-parallel group), which the "
+                             "Ray backend does not do; use rollout_backend: local.")
+        if self.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            raise ValueError(f"sequence_parallel_size={size} with DeepSpeed: sequence parallelism runs with DDP and "
+                             "FSDP2 (accelerate_configs/fsdp8_video.yaml); launch with one of those.")
+        if self.world_size > 1:  # one process is how recipes are parsed for planning and --help; trainers check it
+            self.check_sequence_parallel_launch(self.world_size)
+
+    def check_sequence_parallel_launch(self, processes: int) -> None:
+        """Refuse a launch of ``processes`` that ``sequence_parallel_size`` does not divide (the trainer calls it before
+        loading anything; the planner with the GPUs it plans for)."""
+        size = self.sequence_parallel_size
+        if processes % size:
+            raise ValueError(f"sequence_parallel_size={size} does not divide the {processes} processes of this "
+                             f"launch; launch a multiple of {size} processes (data-parallel replicas x "
+                             "sequence_parallel_size) or change it.")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """D: the data-parallel replicas of the launch, ``processes / sequence_parallel_size`` (at least 1)."""
+        return max(1, self.world_size // self.sequence_parallel_size)
+
     def _derive_generation_batch(self) -> None:
-        num_processes = self.world_size
+        num_processes = self.data_parallel_size  # the processes of a sequence-parallel group share their samples
+        processes = "processes" if self.sequence_parallel_size == 1 else \
+            f"data-parallel replicas ({self.world_size} processes / sequence_parallel_size {self.sequence_parallel_size})"
         global_micro = self.per_device_train_batch_size * num_processes
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise ValueError("generation_batch_size and steps_per_generation are mutually exclusive; set one.")
@@ -534,7 +598,7 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
             if self.generation_batch_size % global_micro:
                 raise ValueError(
                     f"generation_batch_size={self.generation_batch_size} must be divisible by "
-                    f"per_device_train_batch_size x num_processes = {self.per_device_train_batch_size} x "
+                    f"per_device_train_batch_size x {processes} = {self.per_device_train_batch_size} x "
                     f"{num_processes} = {global_micro}."
                 )
             self.steps_per_generation = self.generation_batch_size // global_micro
@@ -542,7 +606,7 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
             prompts = max(1, self.generation_batch_size // self.num_generations)
             raise ValueError(
                 f"The generation batch ({self.generation_batch_size} images = per_device_train_batch_size "
-                f"{self.per_device_train_batch_size} x {num_processes} processes x steps_per_generation "
+                f"{self.per_device_train_batch_size} x {num_processes} {processes} x steps_per_generation "
                 f"{self.steps_per_generation}) is not divisible by num_generations={self.num_generations}. Make it a "
                 f"multiple, e.g. per_device_train_batch_size / steps_per_generation giving "
                 f"{prompts * self.num_generations} images, or change num_generations."

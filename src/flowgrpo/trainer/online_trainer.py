@@ -70,6 +70,12 @@ from .rollout.backend_choice import build_rollout_backend
 from .rollout.engine import RolloutEngine
 from .rollout.sound import audio_reward_names, check_audio_rewards
 from .rollout.strategies import RolloutStrategy
+from .sequence_parallel import (
+    DataParallelView,
+    SequenceParallelLayout,
+    sequence_parallel_loss_scale,
+    sequence_parallel_mesh,
+)
 from .step_metrics import StepMetrics
 
 logger = logging.get_logger(__name__)
@@ -212,6 +218,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
             raise ValueError("A quantized transformer cannot be fully fine-tuned; pass a LoRA peft_config.")
         index = read_pipeline_index(model, pipeline_kwargs or {})
         check_family_settings(index, args, peft_config, (train_dataset, eval_dataset))
+        args.check_sequence_parallel_launch(args.world_size)  # before anything is loaded
         self._check_datasets(index, args, (train_dataset, eval_dataset))
         # Unset generation settings (size, steps, guidance, text length, frames) become the model's own, and
         # impossible ones are refused, from the configs alone (models/defaults.py); when the index could not be read,
@@ -274,13 +281,24 @@ class OnlineRLTrainer(FlowBaseTrainer):
             logger.info("CPU threads: %s", self.cpu_thread_plan.describe())
         self._thread_yield_hooks = install_main_thread_yield(adapter.transformers())
 
+        #: how the launch splits into data-parallel replicas of ``sequence_parallel_size`` processes each
+        self.sequence_parallel = SequenceParallelLayout(args.sequence_parallel_size, self.accelerator.process_index,
+                                                        self.accelerator.num_processes)
+        #: the accelerator as the parts count samples: one process per data-parallel replica, whose gathers keep one
+        #: copy of what the processes of a sequence-parallel group share (the accelerator itself without SP)
+        self.data_parallel = self.accelerator
+        mesh = None
+        if self.sequence_parallel.enabled:
+            mesh = sequence_parallel_mesh(self.sequence_parallel, self.accelerator.device)
+            self.data_parallel = DataParallelView(self.accelerator, self.sequence_parallel, mesh["ulysses"].get_group())
+
         # ---- the rest of the policy, the health guards, the rollout engine, the evaluator --------------------
         zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
         self.policy.attach(self.accelerator, lambda: self.model, lambda: self.model_wrapped, zero3=zero3)
         self.policy.place_on_device()
         self.policy.build_ema()
         self.policy.build_reference(own_adapter=bool(args.sync_ref_model or args.regularizer == "gardo"))
-        self.health = HealthGuards(args, self.reward_set, self.gold_reward_set, self.policy, self.accelerator,
+        self.health = HealthGuards(args, self.reward_set, self.gold_reward_set, self.policy, self.data_parallel,
                                    self.metrics, self.algorithm)
         for callback in self.health.callbacks():
             self.add_callback(callback)
@@ -291,13 +309,15 @@ class OnlineRLTrainer(FlowBaseTrainer):
             self.policy.build_old_policy()
         for name in self.algorithm.named_copies:
             self.policy.build_copy(name)
+        if mesh is not None:  # every copy exists now; none has sampled yet
+            self.policy.enable_sequence_parallel(mesh)
         self.rollouts = RolloutEngine(args, self.policy, self._rollout_strategy(args), self.reward_set,
-                                      self.accelerator, self.metrics, prompt_cache=prompt_cache,
+                                      self.data_parallel, self.metrics, prompt_cache=prompt_cache,
                                       console=self.console, on_scores=self.health.on_scores,
                                       on_reward_error=self._raise_if_reward_failed,
                                       constraints=self.health.constraints)
         self.evaluator = Evaluator(args, self.policy, self.rollouts, self.reward_set, self.gold_reward_set,
-                                   self.accelerator, ode_solver=self._eval_ode_solver(), audio_rewards=audio_rewards,
+                                   self.data_parallel, ode_solver=self._eval_ode_solver(), audio_rewards=audio_rewards,
                                    raw_weights=self._eval_raw_weights())
         #: where rollouts are sampled: the training processes (local) or Ray workers (rollout/backend.py)
         self.rollout_backend = build_rollout_backend(args, self.policy, self.rollouts, self.accelerator, self.metrics,
@@ -337,7 +357,8 @@ class OnlineRLTrainer(FlowBaseTrainer):
             dataset, num_generations=self.args.num_generations,
             prompts_per_generation=self.args.generation_batch_size // self.args.num_generations,
             repeat_count=self.args.num_iterations * self.args.steps_per_generation, shuffle=True,
-            seed=self.args.seed,
+            seed=self.args.seed, sequence_parallel_size=self.args.sequence_parallel_size,
+            data_parallel_size=self.args.data_parallel_size,
         )
 
     def get_train_dataloader(self):
@@ -452,6 +473,9 @@ class OnlineRLTrainer(FlowBaseTrainer):
         # a first pass over samples of older weights (rollout_backend: ray, max_staleness >= 1) is not on-policy
         on_policy = first_pass and self.rollout_backend.staleness == 0
         scale = 1.0 / (parts * self.current_gradient_accumulation_steps)
+        # sequence parallelism: S times the loss, so that data parallelism's mean over all processes is the mean over
+        # replicas of each SP group's summed gradient (sequence_parallel.layout.sequence_parallel_loss_scale)
+        backward_scale = scale * sequence_parallel_loss_scale(self.sequence_parallel)
         total = torch.zeros((), device=self.accelerator.device)
         m = self.metrics.train
         backward_kwargs = self._backward_kwargs()
@@ -462,7 +486,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
                 tic = clock()
                 out = self._batch_loss(model, batch, part, on_policy)
                 tac = clock()
-                self.accelerator.backward(out.loss * scale, **backward_kwargs)
+                self.accelerator.backward(out.loss * backward_scale, **backward_kwargs)
                 toc = clock()
                 # the wait for rewards scored while the forward ran is logged as timing/reward, not forward time
                 m["timing/training_forward"].append(tac - tic - self.rollouts.scoring_wait_s)

@@ -442,4 +442,5 @@ SPEC = AlgorithmSpec(
     eval_guidance_rollouts_refusal=("the ratio is the likelihood of each recorded SDE transition under the guided "
                                     "velocity that sampled it, so the trained velocity must use the rollouts' guidance "
                                     "(on a first pass the ratio is exactly 1)"),
+    sequence_parallel=True,  # tested: tests/distributed/test_sequence_parallel.py
 )

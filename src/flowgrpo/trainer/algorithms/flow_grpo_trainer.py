@@ -124,7 +124,7 @@ class FlowGRPOTrainer(OnlineRLTrainer):
         keep = max(1, int(num_steps * fraction))
         size = record["latents"].shape[0]
         gen = torch.Generator().manual_seed(seed_for(self.args.seed, 7331, self._micro_step,
-                                                     self.accelerator.process_index))
+                                                     self.data_parallel.process_index))
         order = torch.stack([torch.randperm(num_steps, generator=gen)[:keep] for _ in range(size)])
         rows = torch.arange(size)[:, None]
         selected = {key: record[key][rows.to(record[key].device), order.to(record[key].device)]

@@ -211,6 +211,7 @@ SPEC = AlgorithmSpec(
     eval_guidance_rollouts_refusal=("its implicit positive and negative policies (v+ = nft_beta v_theta + (1 - nft_beta) v_old, v- = (1 + "
                                     "nft_beta) v_old - nft_beta v_theta) split the policy that sampled the rollouts, "
                                     "so the trained and old velocities must use the rollouts' guidance"),
+    sequence_parallel=True,  # tested: tests/distributed/test_sequence_parallel.py
 )
 
 __all__ = ["FLOW_GRPO_ONLY_SETTINGS", "NFT_SAMPLERS", "SPEC", "DiffusionNFTConfig", "describe_nft",

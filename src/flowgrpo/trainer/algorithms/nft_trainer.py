@@ -82,7 +82,7 @@ class DiffusionNFTTrainer(OnlineRLTrainer):
         x0 = record["x0"]
         size, levels = record["sigmas"].shape
         trained = min(args.num_trained_timesteps, levels)
-        gen = torch.Generator().manual_seed(seed_for(args.seed, 6007, self._micro_step, self.accelerator.process_index))
+        gen = torch.Generator().manual_seed(seed_for(args.seed, 6007, self._micro_step, self.data_parallel.process_index))
         order = torch.stack([torch.randperm(levels, generator=gen)[:trained] for _ in range(size)]).to(device)
         noise = [torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(device) for _ in range(trained)]
         return ChainMap({"order": order, "noise": noise}, record)

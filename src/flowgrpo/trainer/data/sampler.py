@@ -20,10 +20,17 @@ class RepeatSampler(Sampler[int]):
 
         seed 0, 3 prompts, G=2, prompts_per_generation=3, repeat_count=2:
         [2, 2, 0, 0, 1, 1,   2, 2, 0, 0, 1, 1,   ...]
+
+    With sequence parallelism (``sequence_parallel_size = S``, ``data_parallel_size = D``) the processes of an SP
+    group must get the same rows: the chunk is cut into D equal shares (one per replica) and each share is emitted S
+    times in a row, so that accelerate's consecutive slices give ranks ``d S .. d S + S - 1`` share d.
+
+        the chunk above with D = 1, S = 2: [2, 2, 0, 0, 1, 1,   2, 2, 0, 0, 1, 1,   ...]  (each slice once per rank)
     """
 
     def __init__(self, data_source: Sized, num_generations: int, prompts_per_generation: int,
-                 repeat_count: int = 1, shuffle: bool = True, seed: int = 0):
+                 repeat_count: int = 1, shuffle: bool = True, seed: int = 0, sequence_parallel_size: int = 1,
+                 data_parallel_size: int = 1):
         self.num_samples = len(data_source)
         if self.num_samples < prompts_per_generation:
             raise ValueError(
@@ -36,6 +43,23 @@ class RepeatSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
+        self.sequence_parallel_size = int(sequence_parallel_size)
+        self.data_parallel_size = int(data_parallel_size)
+        rows = prompts_per_generation * num_generations
+        if rows % self.data_parallel_size:
+            raise ValueError(f"A generation batch of {rows} images cannot be shared by {self.data_parallel_size} "
+                             "data-parallel replicas; make it a multiple of them.")
+
+    def _emit(self, chunk: list[int]) -> Iterator[int]:
+        """One generation batch's rows, ``repeat_count`` times: each prompt ``num_generations`` times in a row, and
+        each replica's share once per process of its SP group."""
+        rows = [index for index in chunk for _ in range(self.num_generations)]
+        share = len(rows) // self.data_parallel_size
+        shares = [rows[d * share:(d + 1) * share] for d in range(self.data_parallel_size)]
+        for _ in range(self.repeat_count):
+            for part in shares:
+                for _ in range(self.sequence_parallel_size):
+                    yield from part
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -50,14 +74,11 @@ class RepeatSampler(Sampler[int]):
         order = self._order()
         usable = self.num_samples - self.num_samples % self.prompts_per_generation
         for start in range(0, usable, self.prompts_per_generation):
-            chunk = order[start:start + self.prompts_per_generation]
-            for _ in range(self.repeat_count):
-                for index in chunk:
-                    yield from [index] * self.num_generations
+            yield from self._emit(order[start:start + self.prompts_per_generation])
 
     def __len__(self) -> int:
         usable = self.num_samples - self.num_samples % self.prompts_per_generation
-        return usable * self.num_generations * self.repeat_count
+        return usable * self.num_generations * self.repeat_count * self.sequence_parallel_size
 
 
 class DomainRepeatSampler(RepeatSampler):
@@ -101,12 +122,11 @@ class DomainRepeatSampler(RepeatSampler):
         return self.domains[generation % len(self.domains)]
 
     def __iter__(self) -> Iterator[int]:
-        per_epoch = len(self) // (self.prompts_per_generation * self.num_generations * self.repeat_count)
+        per_epoch = len(self) // (self.prompts_per_generation * self.num_generations * self.repeat_count
+                                  * self.sequence_parallel_size)
         k = len(self.domains)
         for local in range(per_epoch):
             g = self.epoch * per_epoch + local
             domain = self.domains[g % k]
-            chunk = self._stream(domain, (g // k) * self.prompts_per_generation, self.prompts_per_generation)
-            for _ in range(self.repeat_count):
-                for index in chunk:
-                    yield from [index] * self.num_generations
+            yield from self._emit(self._stream(domain, (g // k) * self.prompts_per_generation,
+                                               self.prompts_per_generation))

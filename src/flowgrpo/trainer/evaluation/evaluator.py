@@ -39,7 +39,8 @@ class Evaluator:
         policy: the `Policy` (generation context; the EMA's weights are evaluated when there is an EMA).
         rollouts: the `RolloutEngine` (encoding and sampling).
         rewards: the training rewards; ``gold_rewards``: the gold evaluation rewards (``eval_reward_funcs``) or None.
-        accelerator: process index and gathers.
+        accelerator: process index and gathers (with sequence parallelism, the data-parallel view: one process per
+            replica, whose leader decodes and scores).
         ode_solver: the deterministic solver of evaluation samples (Euler for Flow-GRPO, the ``sampler`` of the others).
         audio_rewards: the names of the (training or gold) rewards that score sound.
         raw_weights: with an EMA, evaluate the raw weights too, under ``<prefix>_raw`` (AWM's official evaluation).
@@ -102,6 +103,7 @@ class Evaluator:
         args = self.args
         height, width = args.image_size
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        scores = getattr(self.accelerator, "scores_rewards", True)  # sequence parallelism: the leaders only
         per_prompt = args.eval_images_per_prompt
         indices = list(range(len(dataset) * per_prompt))[rank::world]
         records = []
@@ -118,6 +120,8 @@ class Evaluator:
                 gens = [torch.Generator().manual_seed(seed_for(args.seed, 7919, i)) for i in idx]
                 final, _ = self.rollouts.sample(model, embeds, args.eval_num_inference_steps, guidance_scale, 0.0,
                                                 (0, 0), gens, record=False, ode_solver=self.ode_solver)
+                if not scores:  # a sequence-parallel group's other process: its leader decodes and scores
+                    continue
                 final = final.to(self.policy.dtype)
                 adapter = self.policy.adapter
                 pil = to_pil(decode_in_slices(adapter.decode, final, height, width, args.vae_decode_batch_size))
@@ -130,7 +134,11 @@ class Evaluator:
                                     {**{n: result.per_reward[n][j] for n in self.rewards.names},
                                      **{n: v[j] for n, v in gold.items()}},
                                     {k: v[j] for k, v in result.metrics.items()}))
-        gathered = self.accelerator.gather_for_metrics(records, use_gather_object=True) if world > 1 else records
+        layout = getattr(self.accelerator, "layout", None)
+        if world > 1 or (layout is not None and layout.enabled):  # SP: the leaders' records, one copy per replica
+            gathered = self.accelerator.gather_for_metrics(records, use_gather_object=True)
+        else:
+            gathered = records
         gathered = sorted(gathered, key=lambda r: r[0])
 
         def stat(values):

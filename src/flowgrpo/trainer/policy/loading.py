@@ -64,13 +64,43 @@ def read_pipeline_index(model: Any, pipeline_kwargs: dict) -> dict | None:
     return index
 
 
+def check_sequence_parallel_family(adapter_cls: type, args: OnlineRLConfig) -> None:
+    """Refuse ``sequence_parallel_size > 1`` for a family whose tokens cannot be split (its adapter's
+    ``sequence_parallel_refusal`` says why)."""
+    size = getattr(args, "sequence_parallel_size", 1)
+    if size > 1 and adapter_cls.sequence_parallel_refusal:
+        raise ValueError(f"sequence_parallel_size={size} with {adapter_cls.family} "
+                         f"({', '.join(adapter_cls.pipeline_class_names)}): {adapter_cls.sequence_parallel_refusal} "
+                         "Use sequence_parallel_size 1.")
+
+
+def check_vae_tiling(vae_class: Any, name: str) -> None:
+    """Refuse ``vae_tiling`` for a VAE class that cannot decode in tiles."""
+    if vae_class is not None and not hasattr(vae_class, "enable_tiling"):
+        raise ValueError(f"vae_tiling=True, but this pipeline's VAE ({name}) cannot decode in tiles (no enable_tiling); "
+                         "set vae_tiling: false.")
+
+
+def enable_vae_tiling(pipeline: Any) -> None:
+    """``pipeline.vae.enable_tiling()`` (``vae_tiling``), refused with the reason for a VAE without it."""
+    vae = getattr(pipeline, "vae", None)
+    check_vae_tiling(type(vae) if vae is not None else None, type(vae).__name__)
+    vae.enable_tiling()
+
+
 def check_family_settings(index: dict | None, args: OnlineRLConfig, peft_config: Any, datasets: tuple) -> None:
     """Family-specific settings, checked from the pipeline's class name (``index``: its model_index.json) before
-    anything is loaded: the frame count, the source-image column of editing families, and what Wan 2.2's two
-    experts support."""
+    anything is loaded: the frame count, the source-image column of editing families, what Wan 2.2's two experts
+    support, and whether the family's tokens can be split over processes (``sequence_parallel_size``)."""
     if not index or "_class_name" not in index:
         return
     adapter_cls = family_adapter_class(index["_class_name"])
+    check_sequence_parallel_family(adapter_cls, args)
+    vae = index.get("vae")
+    if getattr(args, "vae_tiling", False) and isinstance(vae, (list, tuple)) and len(vae) == 2 and vae[0] == "diffusers":
+        import diffusers
+
+        check_vae_tiling(getattr(diffusers, vae[1], None), vae[1])
     adapter_cls.check_num_frames(args.num_frames)
     adapter_cls.check_video_settings(args.num_frames, *args.image_size, index.get("_vae_config"))
     if adapter_cls.accepts_images:
@@ -137,5 +167,6 @@ def load_quantized_transformer(model: str, args: OnlineRLConfig, pipeline_kwargs
                                **pipeline_kwargs)
 
 
-__all__ = ["TWO_EXPERTS_FULL_FINETUNE", "check_family_settings", "import_own_components", "load_pipeline",
-           "load_quantized_transformer", "read_pipeline_index", "torch_dtype"]
+__all__ = ["TWO_EXPERTS_FULL_FINETUNE", "check_family_settings", "check_sequence_parallel_family", "check_vae_tiling",
+           "enable_vae_tiling", "import_own_components", "load_pipeline", "load_quantized_transformer",
+           "read_pipeline_index", "torch_dtype"]

@@ -40,7 +40,13 @@ from transformers.trainer_utils import set_seed
 from ...models import PromptEmbeds, get_family_adapter
 from ..outputs.lora_export import save_diffusers_lora
 from .ema import EMA_STATE_NAME, EMAWeights
-from .loading import TWO_EXPERTS_FULL_FINETUNE, load_pipeline, torch_dtype
+from .loading import (
+    TWO_EXPERTS_FULL_FINETUNE,
+    check_sequence_parallel_family,
+    enable_vae_tiling,
+    load_pipeline,
+    torch_dtype,
+)
 from .old_policy import OLD_POLICY_ADAPTER, OldPolicy, build_old_policy, old_adapter_left_out
 from .reference import REFERENCE_ADAPTER, ReferencePolicy
 from .teachers import TEACHER_ADAPTER_PREFIX, Teacher
@@ -75,6 +81,9 @@ class Policy:
         #: the resolved generation settings (size, steps, guidance, text length, frames) and their sources
         self.generation_settings = generation_settings or resolve_trainer_settings(self.pipeline, args)
         self.adapter = get_family_adapter(self.pipeline, num_frames=args.num_frames)
+        check_sequence_parallel_family(type(self.adapter), args)
+        if getattr(args, "vae_tiling", False):
+            enable_vae_tiling(self.pipeline)
         #: the model id the model card names as the base
         self.base_model_id = model if isinstance(model, str) else getattr(self.pipeline, "name_or_path", None)
         if len(self.adapter.transformers()) > 1 and peft_config is None:
@@ -188,6 +197,24 @@ class Policy:
             raise ValueError(f"copy name {name!r} is taken or not an identifier; the names in use are {sorted(taken)}.")
         self.copies[name] = build_old_policy(self.model, self.is_peft, name=name)
         return self.copies[name]
+    def enable_sequence_parallel(self, mesh: Any) -> None:
+        """Split every transformer this policy runs (the trained one(s), and the frozen copies of full fine-tuning:
+        reference, old policy, named copies) over the ``"ulysses"`` dimension of ``mesh``
+        (`flowgrpo.trainer.sequence_parallel`): the family's plan and attention. Called once every copy exists (a copy
+        made afterwards would share its original's hooks) and before any of them samples."""
+        from ..sequence_parallel import enable_sequence_parallel
+
+        device = self.accelerator.device
+        modules = list(self.adapter.transformers())
+        if self.reference is not None and self.reference.copy is not None:
+            modules.append(self.reference.copy)
+        for held in [self.old_policy, *self.copies.values()]:
+            if held is not None and getattr(held, "module", None) is not None:
+                modules.append(held.module)
+        for module in dict.fromkeys(modules):
+            self.adapter.prepare_sequence_parallel(module)
+            enable_sequence_parallel(module, self.adapter.context_parallel_plan(module), mesh, device)
+
     def build_teachers(self, specs: list[Any], pipeline_kwargs: dict | None = None) -> None:
         """The frozen teachers of ``specs`` (``TeacherSpec``: ``lora`` or ``model_name_or_path``), in order: a LoRA
         as a further adapter of the trained LoRA model (a merged frozen copy for full fine-tuning), another checkpoint

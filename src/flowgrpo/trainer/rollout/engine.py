@@ -26,7 +26,7 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -111,6 +111,9 @@ class RolloutEngine:
         self.last_samples: tuple | None = None
         self.last_sample_notes: list[str] | None = None
         self.last_timing: dict[str, float] = {}
+        #: sequence parallelism: only an SP group's leader scores its samples (`_settle_scores` shares the scores);
+        #: the accelerator of a launch without SP always scores
+        self.scores_rewards = bool(getattr(accelerator, "scores_rewards", True))
 
     def sde_settings(self, noise_level: float | None = None, sde_type: str | None = None) -> SDESettings:
         """The stochastic step of this engine's rollouts (the strategy's noise level and step type unless given) with
@@ -340,8 +343,34 @@ class RolloutEngine:
             self._reference_tail = 0
         progress.close()
         timing["sampling_total"] = self.clock() - t0
+        sequence_parallel = getattr(self.accelerator, "layout", None)
+        settle = self._settle_scores if sequence_parallel is not None and sequence_parallel.enabled else None
         return Generation(records=records, jobs=jobs, chunks=chunks, prompts=prompts, group_ids=group_ids,
-                          timing=timing, step=step)
+                          timing=timing, step=step, settle_scores=settle)
+
+    def _settle_scores(self, generation: Generation) -> None:
+        """Sequence parallelism: the SP group's leader sends its reward results (or the error of a failed reward) to
+        the group's other processes, whose placeholders receive them; every process of the group then holds the same
+        scores, computed once. Runs on the main thread of every process of the group, at the same point."""
+        outcomes = []
+        for job in generation.jobs:
+            _, future, _ = job.result()
+            if not self.scores_rewards:
+                outcomes.append(None)
+                continue
+            try:
+                outcomes.append(("ok", future.result()))
+            except Exception as err:  # handed over; each process raises it where it reads the scores
+                outcomes.append(("error", f"{type(err).__name__}: {err}"))
+        shared = self.accelerator.broadcast_from_leader(outcomes)
+        if self.scores_rewards:
+            return
+        for job, (kind, value) in zip(generation.jobs, shared):
+            _, future, _ = job.result()
+            if kind == "ok":
+                future.set_result(value)
+            else:
+                future.set_exception(RuntimeError(f"the sequence-parallel group's leader: {value}"))
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -359,9 +388,11 @@ class RolloutEngine:
         with torch.no_grad(), self.accelerator.autocast():
             final = final.to(self.policy.dtype)
             pil = to_pil(decode_in_slices(self.adapter.decode, final, height, width, args.vae_decode_batch_size))
-            if self.rewards.audio_rewards:  # the sound too, for the rewards that score it
+            if self.rewards.audio_rewards and self.scores_rewards:  # the sound too, for the rewards that score it
                 columns = {**columns, **audio_columns(self.adapter, final, height, width, args.vae_decode_batch_size)}
         seconds = self.clock() - tic
+        if not self.scores_rewards:  # filled with the SP group leader's scores by `_settle_scores`
+            return pil, Future(), seconds
         # group-wise rewards (pickscore_rank) give raw scores here; they are combined over whole groups in `score`
         return pil, self.rewards.submit(prompts, pil, defer_groupwise=True, **columns), seconds
 
@@ -390,6 +421,7 @@ class RolloutEngine:
         device = self.accelerator.device
         timing = generation.timing
         tic = self.clock()
+        generation.settle()
         decoded, results, reward_error = [], [], None
         for job in generation.jobs:
             pil, reward_future, decode_seconds = job.result()
@@ -458,7 +490,8 @@ class RolloutEngine:
             m[f"rewards/{name}/failed"].append(float(g_failed[k]))  # samples scored None by on_failure="skip"
         # Metrics a reward defines itself (RewardOutput.metrics, e.g. GenEval's accuracy per task), over all processes.
         metric_sums = RewardResult.concatenate(results).metric_sums() if results else {}
-        for key, mean in metric_means(gather_object([metric_sums]) if self.accelerator.num_processes > 1
+        gather_objects = getattr(self.accelerator, "gather_object", gather_object)  # SP: one copy per replica
+        for key, mean in metric_means(gather_objects([metric_sums]) if self.accelerator.num_processes > 1
                                       else [metric_sums]).items():
             m[f"rewards/{key}"].append(mean)
         # sampling: the rollout phase (text encoding, sampling, decoding unless it runs in the background);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,10 +46,20 @@ class Generation:
     timing: dict[str, float] = field(default_factory=dict)
     step: int = 0
     constraint_terms: Any = None
+    #: run once before the rewards are read, on every process at the same point (sequence parallelism: the SP group
+    #: leader's scores are handed to the group's other processes, which do not score); None: nothing to do
+    settle_scores: Callable[[Generation], None] | None = None
+
+    def settle(self) -> None:
+        """Run `settle_scores` (once)."""
+        if self.settle_scores is not None:
+            settle, self.settle_scores = self.settle_scores, None
+            settle(self)
 
     def local_results(self) -> tuple[list[list], list[RewardResult], list[float]]:
         """Wait for the decoding and this process's rewards (no gather): images per micro-batch, reward results,
         decode seconds. A reward's exception is raised here."""
+        self.settle()
         images, results, seconds = [], [], []
         for job in self.jobs:
             pil, future, decode_seconds = job.result()
