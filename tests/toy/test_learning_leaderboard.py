@@ -39,14 +39,15 @@ TOY_RECIPES = {
     "toy_same_noise.yaml": "same-noise", "toy_nft.yaml": "diffusion-nft", "toy_dancegrpo.yaml": "dancegrpo",
     "toy_awm.yaml": "awm", "toy_nft_fast.yaml": "diffusion-nft-fast", "toy_flowdppo.yaml": "flow-dppo",
     "toy_branchgrpo.yaml": "branchgrpo", "toy_dgpo.yaml": "dgpo", "toy_crd.yaml": "crd",
+    "toy_tempflow.yaml": "tempflow-grpo", "toy_draft.yaml": "draft-lv", "toy_refl.yaml": "refl",
 }
 
 
 def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp_path):
     variants = leaderboard_variants(120)
     names = [s.name for s, _ in variants]
-    assert len(set(names)) == len(names) == 21 and REFERENCE_VARIANT in names and names[-2] == NFT_VARIANT
-    assert names[-1] == "diffusion-nft-fast"
+    assert len(set(names)) == len(names) == 24 and REFERENCE_VARIANT in names and names[-4] == NFT_VARIANT
+    assert names[-3:] == ["diffusion-nft-fast", "draft-lv", "refl"]
     assert {"dancegrpo", "awm", "diffusion-dpo", "dgpo", "crd", OPD_VARIANT} <= set(names)
     reference = next(s for s, _ in variants if s.name == REFERENCE_VARIANT)
     assert dataclasses.replace(reference, name="x") == dataclasses.replace(RLSettings(max_steps=120), name="x")
@@ -74,6 +75,17 @@ def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp
             args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
             assert (args.sde_type, args.noise_level, args.timestep_fraction, args.epsilon) == ("dance", 0.3, 0.6, 1e-4)
             assert args.same_noise_per_group and args.sde_window_size == 0
+            continue
+        if settings.name == "tempflow-grpo":  # an ODE trajectory a group, 6 children at each of steps 0-6
+            args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
+            assert what and (args.tempflow_children, args.num_generations, args.generation_batch_size) == (6, 42, 84)
+            assert args.guidance_scale == reference.guidance_scale and args.sde_window_size == 0
+            continue
+        if settings.trainer == "reward_backprop":  # the world's differentiable reward, 32 prompts a step
+            args = toy_trainer_classes(settings.trainer)[0](output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                                           **settings.config_kwargs())
+            assert what and settings.reward == "toy_smooth_shape_color" and args.generation_batch_size == 32
+            assert args.reward_backprop_mode == {"draft-lv": "draft_lv", "refl": "refl"}[settings.name]
             continue
         if settings.name in ("flow-dppo", "branchgrpo"):  # Flow-GRPO's own switches, the recipe's world and batch
             args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
@@ -274,7 +286,7 @@ def test_leaderboard_command_line_fails_fast_on_unknown_variants(tmp_path, capsy
     assert "no-such-variant" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
     runs, descriptions = bench.leaderboard_runs(50, [0, 1, 2], None, None)
-    assert len(runs) == 63 and len(descriptions) == 21 and {r.seed for r in runs} == {0, 1, 2}
+    assert len(runs) == 72 and len(descriptions) == 24 and {r.seed for r in runs} == {0, 1, 2}
     assert all(r.max_steps == 50 for r in runs)
 
 
@@ -285,7 +297,9 @@ def test_leaderboard_splits_variants_over_processes():
     names = [s.name for s, _ in leaderboard_variants(10)]
     shards = bench.shard_variants(names, 2)
     assert sorted(shards[0] + shards[1]) == sorted(names) and not set(shards[0]) & set(shards[1])
-    assert ("flow-grpo" in shards[0]) != ("diffusion-nft" in shards[0])  # the two slowest apart
+    assert ("tempflow-grpo" in shards[0]) != ("flow-grpo" in shards[0])  # the two slowest apart
+    loads = [sum(bench.VARIANT_COST.get(n, 1.0) for n in shard) for shard in shards]
+    assert abs(loads[0] - loads[1]) <= max(bench.VARIANT_COST.values())
     assert bench.shard_variants(["a"], 3) == [["a"]]
     argv = ["--leaderboard", "--only", "a,b", "--processes=2", "--note", "x y", "--seeds", "0"]
     assert bench._without_options(argv, ("--only", "--processes", "--note")) == ["--leaderboard", "--seeds", "0"]
