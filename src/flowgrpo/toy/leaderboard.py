@@ -511,16 +511,20 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
     budgets = summary["budgets"]
     lines = [
         "# Learning leaderboard: the Flow-GRPO family, DanceGRPO, AWM, Diffusion-DPO, DGPO, CRD, on-policy "
-        "distillation and DiffusionNFT on the toy world",
+        "distillation, DiffusionNFT and the reward-gradient methods on the toy world",
         "",
         "Written by `scripts/learning_benchmark.py --leaderboard`; do not edit by hand. Every Flow-GRPO variant is the "
-        "toy recipe (`recipes/toy.yaml`) with one algorithmic change (`flow-dppo` and `branchgrpo` included: "
-        "`toy_flowdppo.yaml`, `toy_branchgrpo.yaml`); `dancegrpo`, `awm`, `diffusion-dpo`, `dgpo`, `crd` and "
+        "toy recipe (`recipes/toy.yaml`) with one algorithmic change (`flow-dppo`, `branchgrpo` and `tempflow-grpo` "
+        "included: `toy_flowdppo.yaml`, `toy_branchgrpo.yaml`, `toy_tempflow.yaml`); `dancegrpo`, `awm`, "
+        "`diffusion-dpo`, `dgpo`, `crd` and "
         "`diffusion-nft` are those trainers at their published-style settings (`recipes/toy_dancegrpo.yaml`, "
         "`toy_awm.yaml`, `toy_dpo.yaml` online, `toy_dgpo.yaml`, `toy_crd.yaml`, `toy_nft.yaml`); `diffusion-nft-fast` "
         "is our cheaper DiffusionNFT (`toy_nft_fast.yaml`); `diffusion-opd` distils two experts trained from the world "
         "(one on the shape score, one on colour) into a fresh student (`toy_opd.yaml` with `teachers`; the experts' "
-        "training is not counted in its seconds). All are trained from the same pretrained world with seeds "
+        "training is not counted in its seconds); `draft-lv` and `refl` are the reward-gradient trainer "
+        "(`toy_draft.yaml`, `toy_refl.yaml`) on the world's differentiable reward, `toy_smooth_shape_color` (the "
+        "others' dense shape score gives no gradient), judged by the same held-out accuracy. All are trained from the "
+        "same pretrained world with seeds "
         f"{', '.join(map(str, seeds))}. Figures are held-out {attribute} accuracy: the mean over seeds with the "
         "range (lowest-highest seed) in brackets. A difference *exceeds the seed spread* when the two ranges do not "
         "overlap (every seed of one variant beats every seed of the other).",
