@@ -65,9 +65,9 @@ class RewardBackpropConfig(OnlineRLConfig):
     backprop_steps: int = field(
         default=1,
         metadata={"help": "K, the sampling steps trained with gradient at the end of the trajectory (draft: 1 .. "
-                          "num_inference_steps, K = num_inference_steps is full DRaFT; the paper's best is K = 1). "
-                          "alignprop: the largest K of the uniform draw, or the mean K of the gaussian one. draft_lv "
-                          "and refl train one step: leave it at 1."},
+                          "num_inference_steps, K = num_inference_steps is full DRaFT; the paper's most efficient is "
+                          "K = 1). alignprop: the largest K of the uniform draw, or the mean K of the gaussian one. "
+                          "draft_lv and refl train one step: leave it at 1."},
     )
     lv_draws: int = field(
         default=2,
@@ -156,7 +156,7 @@ class RewardBackpropConfig(OnlineRLConfig):
         k = self.backprop_steps
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"backprop_steps={k!r} must be an integer >= 1 (the sampling steps trained with "
-                             "gradient; DRaFT's best: 1).")
+                             "gradient; DRaFT's most efficient: 1).")
         if mode in ("draft_lv", "refl") and k != 1:
             raise ValueError(f"backprop_steps={k} with reward_backprop_mode={mode!r}, which trains one step; set "
                              "backprop_steps: 1, or use 'draft' (DRaFT-K) or 'alignprop'.")
