@@ -56,7 +56,7 @@ MODEL_FOLDERS = {**{family: "flowgrpo.testing.model_folder:TINY_PIPELINE" for fa
 # The algorithms of flowgrpo.trainer.registry (name, the module declaring its SPEC), in the documentation's order.
 BUILTIN_TRAINERS = (("flow_grpo", "flow_grpo_config"), ("diffusion_nft", "nft_config"), ("awm", "awm_config"),
                     ("diffusion_dpo", "dpo_config"), ("dgpo", "dgpo_config"), ("crd", "crd_config"),
-                    ("diffusion_opd", "opd_config"))
+                    ("diffusion_opd", "opd_config"), ("reward_backprop", "reward_backprop_config"))
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "src/flowgrpo/__init__.py").read_text()).group(1)
 
 INSTALL_REQUIRES = [

@@ -7,10 +7,12 @@
 
 ``--leaderboard`` runs the Flow-GRPO family (``flowgrpo.toy.leaderboard.leaderboard_variants``: plain Flow-GRPO,
 Fast random windows, MixGRPO progressive windows, MixGRPO-Flash, GRPO-Guard, each KL estimator at beta 0.04,
-rewards normalised before summing, shared group noise, DanceGRPO, Flow-DPPO, BranchGRPO), DGPO, CRD, on-policy
-distillation of two experts (trained first when missing, ``scripts/opd_demo.py --stage experts``; run it from the
-repository root), AWM, online Diffusion-DPO and DiffusionNFT (``recipes/toy_nft.yaml``), each at its
-published-style settings, with ``--seeds`` (0,1,2,3,4) each, and writes the
+rewards normalised before summing, shared group noise, DanceGRPO, Flow-DPPO, BranchGRPO, TempFlow-GRPO), DGPO, CRD,
+on-policy distillation of two experts (trained first when missing, ``scripts/opd_demo.py --stage experts``; run it
+from the repository root), AWM, online Diffusion-DPO, DiffusionNFT (``recipes/toy_nft.yaml``) and the reward-gradient
+methods DRaFT-LV and ReFL (``recipes/toy_draft.yaml``, ``recipes/toy_refl.yaml``: on the world's differentiable
+``toy_smooth_shape_color``, which ``--reward`` does not replace), each at its published-style settings, with
+``--seeds`` (0,1,2,3,4) each, and writes the
 leaderboard (held-out shape accuracy at equal steps and at equal training-seconds budgets, colour kept, seconds per
 step, the means with 95% bootstrap intervals and the pairwise paired-difference verdicts, and a plot of accuracy
 against training seconds with each variant's band) to ``--leaderboard-md`` (``docs/learning_leaderboard.md``, the
@@ -422,7 +424,8 @@ def _without_note(argv: list[str]) -> list[str]:
 #: Rough cost of a variant's run relative to the recipe's (more trained steps or extra forwards per step), for
 #: dealing the variants out to processes of about equal length.
 VARIANT_COST = {"flow-grpo": 3.0, "diffusion-nft": 3.0, "awm": 2.5, "dancegrpo": 2.0, "diffusion-dpo": 1.5,
-                "awm-colour-kept": 3.0, "awm-rollouts-cfg3": 3.5, "dgpo-colour-kept": 1.5, "dgpo-rollouts-cfg3": 1.5}
+                "awm-colour-kept": 3.0, "awm-rollouts-cfg3": 3.5, "dgpo-colour-kept": 1.5, "dgpo-rollouts-cfg3": 1.5,
+                "tempflow-grpo": 8.0, "draft-lv": 2.5, "refl": 1.5}
 
 
 def shard_variants(names: list[str], processes: int) -> list[list[str]]:

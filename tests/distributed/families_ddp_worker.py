@@ -9,7 +9,7 @@ weights (equal on both ranks when gradients are synchronised) and a digest of it
 rank samples its own noise). Each trainer named in ``--trainers`` then trains one step of its own on the same
 pipeline (one trained noise level, one group of four images split over the two ranks, so that its cross-process sums
 and gathers join samples of one group; a LoRA initialised away from zero, so that the policy differs from the base
-from the start), recorded under ``<case>/<trainer>``. Rank ``r`` writes ``DIR/rank<r>.json``.
+from the start), recorded under ``<case>/<trainer>`` (the reward-gradient trainer on the families of `ONLY_ON`). Rank ``r`` writes ``DIR/rank<r>.json``.
 
 With ``--dppo_branch_opd PIPELINE --teacher_lora DIR`` the same launch then trains, on that pipeline, Flow-DPPO,
 BranchGRPO and on-policy distillation (recorded as cases ``new:dppo_branch`` and ``new:opd``): Flow-GRPO with
@@ -41,7 +41,12 @@ def _digest(tensors) -> str:
 OWN_SETTINGS = {
     "dgpo": dict(dgpo_num_timesteps=1, dgpo_trunc_steps=1, beta=0.01, beta_dpo=10.0),
     "crd": dict(crd_num_timesteps=1, beta=0.01, kl_guidance_scale=1.0),
+    # DRaFT-K through the last 2 steps, each checkpointed (DDP: the last one through DDP's forward), with the KL
+    "reward_backprop": dict(reward_backprop_mode="draft", backprop_steps=2, kl_beta=0.01),
 }
+#: further trainers run on some families only: the reward-gradient trainer (video families do not give it images) on
+#: one family whose DDP searches for unused weights and one editing family with packed latents, to keep the launch short
+ONLY_ON = {"reward_backprop": ("qwenimage", "flux_kontext")}
 
 
 def main() -> None:
@@ -113,6 +118,8 @@ def main() -> None:
         trainer.train()
         trainer.reward_set.close()
         for kind in json.loads(cli.trainers):
+            if kind in ONLY_ON and case.name not in ONLY_ON[kind]:
+                continue
             own = OWN_SETTINGS[kind]
             args = config_class(kind)(output_dir=str(out / case.name / kind), **config_kwargs(
                 case, max_steps=1, per_device_train_batch_size=2, num_generations=4, use_cpu=True, **own))

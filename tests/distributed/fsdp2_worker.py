@@ -4,9 +4,10 @@
 
 accelerate has no FSDP on CPU (it falls back to DDP), so this drives ``fully_shard`` directly with the wrapping of
 ``accelerate_configs/fsdp8.yaml``: every transformer block a unit, the diffusers transformer a unit, the PeftModel
-the root. Each rank takes one Flow-GRPO policy-gradient step on its own samples (the clipped-ratio loss of
-``flowgrpo.trainer`` on one SDE step), calls the pipeline with the sharded transformer, gathers the full state dict
-and rank 0 exports the LoRA in diffusers format. ``reference_step`` is the same step without sharding, for the
+the root. Each rank takes one step on its own samples, of a Flow-GRPO policy-gradient loss (the clipped-ratio loss of
+``flowgrpo.trainer`` on one SDE step) plus a reward-gradient loss (the reward backpropagated through two sampling
+steps, each checkpointed around the sharded model as the reward-gradient trainer checkpoints them), calls the pipeline
+with the sharded transformer, gathers the full state dict and rank 0 exports the LoRA in diffusers format. ``reference_step`` is the same step without sharding, for the
 test to compare against.
 """
 
@@ -66,11 +67,39 @@ def rank_loss(pipe, model, rank: int) -> torch.Tensor:
     return torch.maximum(-advantages * ratio, -advantages * clipped).mean()
 
 
+def rank_reward_gradient_loss(pipe, model, rank: int, checkpointed: bool) -> torch.Tensor:
+    """The reward-gradient trainer's step on this rank's own noise: both sampling steps with gradient, each
+    checkpointed around the (sharded) model as the trainer does when nothing wraps it, the decoded images' mean
+    brightness the reward; ``checkpointed=False`` is the plain unrolled chain of the reference."""
+    from torch.utils.checkpoint import checkpoint
+
+    from flowgrpo.models import get_family_adapter
+    from flowgrpo.trainer.algorithms.reward_backprop_loss import unrolled_euler
+
+    adapter = get_family_adapter(pipe)
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(PROMPTS, 8, torch.device("cpu"))
+    adapter.set_timesteps(pipe.scheduler, STEPS, SIZE, SIZE, torch.device("cpu"))
+    sigmas, timesteps = pipe.scheduler.sigmas.float(), pipe.scheduler.timesteps
+    x = adapter.prepare_latents(len(PROMPTS), SIZE, SIZE, torch.Generator().manual_seed(2000 + rank),
+                                torch.device("cpu"), torch.float32)
+
+    def forward(net, state, i):
+        return adapter.predict_velocity(net, state, timesteps[i].expand(len(PROMPTS)), embeds, 1.0, None, SIZE, SIZE)
+
+    def velocity(state, i):
+        return checkpoint(forward, model, state, i, use_reentrant=False) if checkpointed else forward(model, state, i)
+
+    final = unrolled_euler(velocity, x, sigmas, 0, STEPS)
+    return -adapter.decode(final, SIZE, SIZE).mean()
+
+
 def reference_step(world_size: int = 2):
     """The same optimizer step without sharding: gradients of the mean of the ranks' losses."""
     pipe, peft_model = build()
     optimizer = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=LEARNING_RATE)
-    loss = sum(rank_loss(pipe, peft_model, r) for r in range(world_size)) / world_size
+    loss = sum(rank_loss(pipe, peft_model, r) + rank_reward_gradient_loss(pipe, peft_model, r, checkpointed=False)
+               for r in range(world_size)) / world_size
     loss.backward()
     optimizer.step()
     return pipe, peft_model
@@ -100,7 +129,7 @@ def main() -> None:
     sharded = [n for n, p in peft_model.named_parameters() if type(p).__name__ == "DTensor"]
 
     optimizer = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=LEARNING_RATE)
-    loss = rank_loss(pipe, peft_model, rank)
+    loss = rank_loss(pipe, peft_model, rank) + rank_reward_gradient_loss(pipe, peft_model, rank, checkpointed=True)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()

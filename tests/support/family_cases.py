@@ -85,8 +85,14 @@ def dataset_rows(case: FamilyCase, n: int = 4) -> dict[str, list]:
 
 
 def brightness_reward(prompts, images, **columns):
-    """Mean brightness in [0, 1] of each image (a video's frames are scored one by one)."""
+    """Mean brightness in [0, 1] of each image (a video's frames are scored one by one); differentiable (a float
+    tensor (N, 3, H, W) in [0, 1] gives a tensor (N,) with its gradient)."""
+    if hasattr(images, "requires_grad"):
+        return images.mean(dim=(1, 2, 3))
     return [float(np.asarray(im, dtype=np.float32).mean() / 255.0) for im in images]
+
+
+brightness_reward.differentiable = True
 
 
 def config_kwargs(case: FamilyCase, **overrides) -> dict:

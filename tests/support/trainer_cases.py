@@ -6,6 +6,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 from datasets import Dataset
 from peft import LoraConfig
 
@@ -22,6 +23,8 @@ from flowgrpo import (
     DiffusionOPDTrainer,
     FlowGRPOConfig,
     FlowGRPOTrainer,
+    RewardBackpropConfig,
+    RewardBackpropTrainer,
 )
 
 PROMPTS = ["a red circle", "two blue squares", 'a sign that says "hi"', "a green triangle on the left",
@@ -29,16 +32,26 @@ PROMPTS = ["a red circle", "two blue squares", 'a sign that says "hi"', "a green
 
 
 def brightness_reward(prompts, images, **columns):
-    """Cheap deterministic reward: mean brightness in [0, 1]."""
+    """Cheap deterministic reward: mean brightness in [0, 1]; differentiable (a float tensor (N, 3, H, W) in [0, 1]
+    gives a tensor (N,) with its gradient, for the reward-gradient trainer)."""
+    if isinstance(images, torch.Tensor):
+        return images.mean(dim=(1, 2, 3))
     return [float(np.asarray(im, dtype=np.float32).mean() / 255.0) for im in images]
 
 
 def redness_reward(prompts, images, **columns):
+    """Red minus the other channels, in [-1, 1]; differentiable as `brightness_reward`."""
+    if isinstance(images, torch.Tensor):
+        return images[:, 0].mean(dim=(1, 2)) - images[:, 1:].mean(dim=(1, 2, 3))
     out = []
     for im in images:
         a = np.asarray(im, dtype=np.float32) / 255.0
         out.append(float(a[..., 0].mean() - a[..., 1:].mean()))
     return out
+
+
+brightness_reward.differentiable = True
+redness_reward.differentiable = True
 
 
 def lora_config(init="gaussian"):
@@ -72,6 +85,9 @@ TRAINER_KINDS = {
                   ("ratio_mean", "policy_loss", "dppo/divergence_mean", "grad_norm")),
     "branch_grpo": (FlowGRPOConfig, FlowGRPOTrainer, dict(branch_steps=[0, 1], noise_level=1.0),
                     ("reward", "policy_loss", "ratio_mean", "branch/trained_edges", "grad_norm")),
+    # DRaFT-K through the last 2 of 4 steps, checkpointed step by step, with the KL to the base
+    "reward_backprop": (RewardBackpropConfig, RewardBackpropTrainer, dict(backprop_steps=2, kl_beta=0.01),
+                        ("reward", "loss", "backprop/reward_loss", "kl", "grad_norm")),
     # a third-party algorithm (support/plugin_package.py), found by its entry point; its classes load with it
     "scaled_grpo": (None, None, dict(sde_window_size=2, sde_window_range=[0, 2], advantage_scale=-1.0),
                     ("reward", "policy_loss", "ratio_mean", "grad_norm")),

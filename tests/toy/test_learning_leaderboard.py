@@ -42,14 +42,16 @@ TOY_RECIPES = {
     "toy_awm.yaml": "awm", "toy_nft_fast.yaml": "diffusion-nft-fast", "toy_flowdppo.yaml": "flow-dppo",
     "toy_branchgrpo.yaml": "branchgrpo", "toy_dgpo.yaml": "dgpo", "toy_crd.yaml": "crd",
     "toy_awm_colour_kept.yaml": "awm-colour-kept", "toy_dgpo_colour_kept.yaml": "dgpo-colour-kept",
+    "toy_tempflow.yaml": "tempflow-grpo", "toy_draft.yaml": "draft-lv", "toy_refl.yaml": "refl",
 }
 
 
 def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp_path):
     variants = leaderboard_variants(120)
     names = [s.name for s, _ in variants]
-    assert len(set(names)) == len(names) == 21 + len(GOAL_ROWS) and REFERENCE_VARIANT in names
+    assert len(set(names)) == len(names) == 24 + len(GOAL_ROWS) and REFERENCE_VARIANT in names
     assert names[names.index(NFT_VARIANT) + 1] == "diffusion-nft-fast" and names[-len(GOAL_ROWS):] == list(GOAL_ROWS)
+    assert names[names.index("diffusion-nft-fast") + 1:][:2] == ["draft-lv", "refl"]
     assert {"dancegrpo", "awm", "diffusion-dpo", "dgpo", "crd", OPD_VARIANT} <= set(names)
     reference = next(s for s, _ in variants if s.name == REFERENCE_VARIANT)
     assert dataclasses.replace(reference, name="x") == dataclasses.replace(RLSettings(max_steps=120), name="x")
@@ -92,6 +94,17 @@ def test_every_variant_validates_and_differs_from_the_reference_in_one_place(tmp
             args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
             assert (args.sde_type, args.noise_level, args.timestep_fraction, args.epsilon) == ("dance", 0.3, 0.6, 1e-4)
             assert args.same_noise_per_group and args.sde_window_size == 0
+            continue
+        if settings.name == "tempflow-grpo":  # an ODE trajectory a group, 6 children at each of steps 0-6
+            args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
+            assert what and (args.tempflow_children, args.num_generations, args.generation_batch_size) == (6, 42, 84)
+            assert args.guidance_scale == reference.guidance_scale and args.sde_window_size == 0
+            continue
+        if settings.trainer == "reward_backprop":  # the world's differentiable reward, 32 prompts a step
+            args = toy_trainer_classes(settings.trainer)[0](output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                                           **settings.config_kwargs())
+            assert what and settings.reward == "toy_smooth_shape_color" and args.generation_batch_size == 32
+            assert args.reward_backprop_mode == {"draft-lv": "draft_lv", "refl": "refl"}[settings.name]
             continue
         if settings.name in ("flow-dppo", "branchgrpo"):  # Flow-GRPO's own switches, the recipe's world and batch
             args = FlowGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings.config_kwargs())
@@ -294,7 +307,7 @@ def test_leaderboard_command_line_fails_fast_on_unknown_variants(tmp_path, capsy
     assert "no-such-variant" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
     runs, descriptions = bench.leaderboard_runs(50, [0, 1, 2], None, None)
-    count = 21 + len(GOAL_ROWS)
+    count = 24 + len(GOAL_ROWS)
     assert len(runs) == 3 * count and len(descriptions) == count and {r.seed for r in runs} == {0, 1, 2}
     assert all(r.max_steps == 50 for r in runs)
 
@@ -308,6 +321,8 @@ def test_leaderboard_splits_variants_over_processes():
     assert sorted(shards[0] + shards[1]) == sorted(names) and not set(shards[0]) & set(shards[1])
     slowest = sorted(names, key=lambda n: -bench.VARIANT_COST.get(n, 1.0))[:2]
     assert (slowest[0] in shards[0]) != (slowest[1] in shards[0])  # the two slowest apart
+    loads = [sum(bench.VARIANT_COST.get(n, 1.0) for n in shard) for shard in shards]
+    assert abs(loads[0] - loads[1]) <= max(bench.VARIANT_COST.values())
     assert bench.shard_variants(["a"], 3) == [["a"]]
     argv = ["--leaderboard", "--only", "a,b", "--processes=2", "--note", "x y", "--seeds", "0"]
     assert bench._without_options(argv, ("--only", "--processes", "--note")) == ["--leaderboard", "--seeds", "0"]

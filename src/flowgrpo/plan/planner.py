@@ -65,6 +65,8 @@ REWARD_MODEL_PARAMS: dict[str, tuple[float, int]] = {
     "clap": (193e6, 4),          # laion/larger_clap_general: HTSAT + RoBERTa, fp32
     "videoalign": (2.21e9, 2),   # KlingTeam/VideoReward: Qwen2-VL-2B (LoRA merged) + a linear head, bf16
     "geneval2": (8.77e9, 2),     # Qwen/Qwen3-VL-8B-Instruct, bf16
+    "hpsv2": (986e6, 4),         # HPS v2.1: open_clip ViT-H-14, float32 (the reward's default)
+    "imagereward": (446e6, 4),   # ImageReward v1.0: BLIP ViT-L/16 + BERT-base with cross-attention + MLP, float32
 }
 CUDA_CONTEXT_GB = 0.75
 NCCL_BUFFERS_GB = 0.5
@@ -144,7 +146,8 @@ def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> Ste
         rollout_passes=planned.rollout_passes, trained_passes=planned.trained_per_sample,
         trained_batch=planned.trained_batch, stored_per_step=planned.stored_per_step, teachers=teachers,
         teacher_kind=teacher_kind, split_tokens=int(args.sequence_parallel_size or 1) > 1,
-        vae_tiling=bool(args.vae_tiling))
+        vae_tiling=bool(args.vae_tiling), backprop_steps=planned.backprop_steps,
+        checkpointed_steps=planned.checkpointed_steps)
 
 
 def _opt_bytes_per_param(optimizer: str, param_bytes: int) -> float:
@@ -324,7 +327,8 @@ def _collective_bytes(par: Parallelism, params: dict[str, float], trainable: flo
     # the gradients
     trained = s.trained_passes or s.trained_steps
     extra = len(s.frozen_forwards)  # the reference, a teacher, the old policy: forwards without gradient
-    forwards = ga * ((s.rollout_passes or s.num_inference_steps) + trained * (2 + extra))
+    chain = max(1, s.backprop_steps)  # a reward-gradient chain: that many forwards (and recomputations) a pass
+    forwards = ga * (s.sampling_passes + trained * chain * (2 + extra))
     backwards = ga * trained
     return ring * (forwards * params["total"] * b + backwards * (params["total"] * b + trainable * train_bytes))
 

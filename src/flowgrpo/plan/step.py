@@ -84,6 +84,16 @@ class StepSettings:
     split_tokens: bool = False       # sequence parallelism: the family's attention for split tokens
                                      # (``prepare_sequence_parallel``: HunyuanVideo 1.5's key-only mask)
     vae_tiling: bool = False         # decode in the VAE's spatial tiles (``vae_tiling``)
+    backprop_steps: int = 0          # a reward-gradient step: sampler steps one trained chain runs with gradient
+    checkpointed_steps: bool = False  # each of them recomputed in the backward (only its input kept), the decoder too
+
+    @property
+    def sampling_passes(self) -> float:
+        """Transformer passes per sample without gradient: ``rollout_passes``, or the whole trajectory when that is 0
+        (a reward-gradient step that backpropagates through every step samples nothing without gradient)."""
+        if self.rollout_passes or self.backprop_steps:
+            return float(self.rollout_passes)
+        return float(self.num_inference_steps)
 
 
 @dataclass
@@ -391,7 +401,7 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
             x_next, old_log_prob = out.prev_sample, out.log_prob
             del v, out
         measure.rollout_bytes = live.peak
-        measure.rollout_flops = live.get_total_flops() * (settings.rollout_passes or settings.num_inference_steps)
+        measure.rollout_flops = live.get_total_flops() * settings.sampling_passes
 
         # ---- decode: one slice of the micro-batch ------------------------------------------------------------------
         if decode:  # the VAE does not change with the transformer's depth: measured once
@@ -411,9 +421,14 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
         hooks = [p.register_post_accumulate_grad_hook(lambda param: live.exclude(param.grad))
                  for p in model.parameters() if p.requires_grad]
         trained_velocity = _trained_velocity(spec, config, adapter, settings, latents, embeds, negative)
+        if settings.loss == "reward_gradient" and fake and not decode:
+            vae.to_empty(device="cpu")  # the chain is decoded with gradient: the VAE takes part in every copy
         with live, flops:
-            loss = _trained_step_loss(settings, model, trained_velocity, latents, x_next, old_log_prob, sigmas,
-                                      timesteps[0])
+            if settings.loss == "reward_gradient":
+                loss = _reward_gradient_loss(settings, model, trained_velocity, adapter, latents, sigmas, timesteps)
+            else:
+                loss = _trained_step_loss(settings, model, trained_velocity, latents, x_next, old_log_prob, sigmas,
+                                          timesteps[0])
             loss.backward()
             del loss
         for hook in hooks:
@@ -484,6 +499,39 @@ def _trained_step_loss(settings: StepSettings, model, velocity, latents: torch.T
     if "reference" in frozen and settings.beta > 0:
         loss = loss + settings.beta * ((v - frozen["reference"]) ** 2).mean()
     return loss
+
+
+def _reward_gradient_loss(settings: StepSettings, model, velocity, adapter, latents: torch.Tensor,
+                          sigmas: list[float], timesteps: list[float]) -> torch.Tensor:
+    """A reward-gradient step as the trainer runs it: ``backprop_steps`` Euler steps with gradient from a state the
+    sampler reached without it (each checkpointed with ``checkpointed_steps``: only its input kept, its forward
+    recomputed in the backward), with the KL reference's forward at each state when the spec names it, the end decoded
+    with gradient in slices of the decode batch (each checkpointed likewise), and a stand-in reward (the images'
+    mean) backpropagated through all of it. The reward model's own activations are not part of the measure."""
+    from torch.utils.checkpoint import checkpoint
+
+    steps = settings.num_inference_steps
+    chain = max(1, min(settings.backprop_steps, steps))
+    x = latents
+    for i in range(steps - chain, steps):
+        if "reference" in settings.frozen_forwards:
+            with torch.no_grad():
+                _reference_velocity(model, velocity, x, timesteps[i], settings)
+        if settings.checkpointed_steps:
+            v = checkpoint(velocity, model, x, timesteps[i], use_reentrant=False, preserve_rng_state=False)
+        else:
+            v = velocity(model, x, timesteps[i])
+        x = x + (sigmas[i + 1] - sigmas[i]) * v
+
+    def decode(z):
+        return adapter.decode(z.to(settings.dtype), settings.height, settings.width).float()
+
+    slices = []
+    for start in range(0, x.shape[0], max(1, settings.decode_batch)):
+        part = x[start:start + max(1, settings.decode_batch)]
+        slices.append(checkpoint(decode, part, use_reentrant=False, preserve_rng_state=False)
+                      if settings.checkpointed_steps else decode(part))
+    return -torch.cat(slices).mean()
 
 
 def _reference_velocity(model, velocity, x, t_value, settings: StepSettings):

@@ -1,5 +1,6 @@
-"""The algorithm leaderboard: the Flow-GRPO family (Flow-DPPO and BranchGRPO included), DanceGRPO, AWM, Diffusion-DPO,
-DGPO, CRD, on-policy distillation and DiffusionNFT compared on the toy world, several seeds each.
+"""The algorithm leaderboard: the Flow-GRPO family (Flow-DPPO, BranchGRPO and TempFlow-GRPO included), DanceGRPO, AWM,
+Diffusion-DPO, DGPO, CRD, on-policy distillation, DiffusionNFT and the reward-gradient methods (DRaFT-LV, ReFL)
+compared on the toy world, several seeds each.
 
 ::
 
@@ -14,7 +15,9 @@ the dense shape score plus half-weight colour) with one algorithmic change, so e
 do on equal footing". The other trainer, DiffusionNFT, is one more row (`NFT_VARIANT`, with the settings of
 ``recipes/toy_nft.yaml``: same world, rewards, group size and batch; DiffusionNFT's published sampling, loss and
 schedule). Every row's held-out accuracy is measured at the world's own guidance (CFG 3, `EVAL_GUIDANCE_SCALE`),
-whatever guidance it trains at. A later trainer joins the same way with ``RLSettings(trainer=...)`` (see
+whatever guidance it trains at. The reward-gradient rows (`TOY_DRAFT_SETTINGS`, `TOY_REFL_SETTINGS`) train on the toy
+world's differentiable reward (``toy_smooth_shape_color``), the only kind they can use; the others on the recipe's
+(the dense shape score and half colour, which give no gradient); all are judged by the same held-out accuracy. A later trainer joins the same way with ``RLSettings(trainer=...)`` (see
 ``flowgrpo.toy.learning.TOY_TRAINERS``).
 
 How the comparison is made:
@@ -43,7 +46,8 @@ from .learning import RLSettings
 
 __all__ = ["COLOUR_KEPT", "EVAL_GUIDANCE_SCALE", "GOAL_ROWS", "NFT_VARIANT", "OPD_EXPERTS", "OPD_VARIANT", "REFERENCE_VARIANT", "TOY_AWM_SETTINGS",
            "TOY_BRANCHGRPO_SETTINGS", "TOY_CRD_SETTINGS", "TOY_DANCEGRPO_SETTINGS", "TOY_DGPO_SETTINGS",
-           "TOY_DPO_SETTINGS", "TOY_FLOWDPPO_SETTINGS", "TOY_NFT_FAST_SETTINGS", "TOY_NFT_SETTINGS", "TOY_OPD_SETTINGS",
+           "TOY_DPO_SETTINGS", "TOY_DRAFT_SETTINGS", "TOY_FLOWDPPO_SETTINGS", "TOY_NFT_FAST_SETTINGS",
+           "TOY_NFT_SETTINGS", "TOY_OPD_SETTINGS", "TOY_REFL_SETTINGS", "TOY_TEMPFLOW_SETTINGS",
            "ROLLOUTS_AT_EVAL_GUIDANCE", "VariantSummary", "bootstrap_interval", "with_config",
            "leaderboard_variants", "paired_difference", "plot_leaderboard", "render_leaderboard", "summarize"]
 
@@ -111,6 +115,32 @@ TOY_FLOWDPPO_SETTINGS: dict = dict(num_iterations=2, extra_config={"policy_loss"
 TOY_BRANCHGRPO_SETTINGS: dict = dict(
     sde_window_size=0, sde_window_range=None,
     extra_config={"branch_steps": [0, 2, 4], "branch_factor": 2, "branch_noise_scale": 1.0},
+)
+
+#: TempFlow-GRPO's row (``recipes/toy_tempflow.yaml``): each group one ODE trajectory of the toy sampling (8 steps at
+#: CFG 3) branching into 6 SDE children (noise level 0.7) at each of steps 0-6, per-state advantages, the clipped loss
+#: weighted by 2.25 x the step's std; two trajectories (84 images) a step.
+TOY_TEMPFLOW_SETTINGS: dict = dict(
+    sde_window_size=0, sde_window_range=None, num_generations=42, prompts_per_step=1,
+    extra_config={"tempflow_children": 6, "tempflow_branch_steps": [0, 1, 2, 3, 4, 5, 6],
+                  "tempflow_noise_weight": 2.25, "gradient_accumulation_steps": 2},
+)
+#: DRaFT-LV's row (``recipes/toy_draft.yaml``): the toy sampling (8 Euler steps at CFG 3) without gradient, then the
+#: last step with it on 2 re-noisings of each final sample, the gradient of the toy world's differentiable reward
+#: (``toy_smooth_shape_color``) backpropagated; 32 prompts a step, a constant 3e-4.
+TOY_DRAFT_SETTINGS: dict = dict(
+    trainer="reward_backprop", reward="toy_smooth_shape_color", reward_weights=None, num_generations=1,
+    prompts_per_step=32, lr_scheduler_type="constant", scale_rewards="batch",  # the configuration's own (unused)
+    extra_config={"reward_backprop_mode": "draft_lv", "backprop_steps": 1, "lv_draws": 2},
+)
+#: ReFL's row (``recipes/toy_refl.yaml``): the official loss and draw (relu(2 - reward) x 1e-3, the step with gradient
+#: in the last quarter of the trajectory, here 6 or 7 of 8, the training rollouts without guidance) with the toy
+#: world's differentiable reward; 32 prompts a step, a constant 3e-4.
+TOY_REFL_SETTINGS: dict = dict(
+    trainer="reward_backprop", reward="toy_smooth_shape_color", reward_weights=None, num_generations=1,
+    prompts_per_step=32, lr_scheduler_type="constant", scale_rewards="batch", guidance_scale=1.0,
+    extra_config={"reward_backprop_mode": "refl", "refl_step_range": [6, 7], "refl_loss": "relu",
+                  "refl_target": 2.0, "reward_loss_scale": 1e-3},
 )
 
 
@@ -227,8 +257,10 @@ def _copy(settings: dict) -> dict:
 
 def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tuple[RLSettings, str]]:
     """The compared variants as ``(settings, what changes)``, all from ``base`` (default: the recipe) at ``steps``:
-    the Flow-GRPO family (DanceGRPO, Flow-DPPO and BranchGRPO included), then DGPO, CRD, on-policy distillation
-    (`OPD_VARIANT`, whose teachers must exist: `OPD_EXPERTS`), AWM, Diffusion-DPO and DiffusionNFT (`NFT_VARIANT`).
+    the Flow-GRPO family (DanceGRPO, Flow-DPPO, BranchGRPO and TempFlow-GRPO included), then DGPO, CRD, on-policy
+    distillation (`OPD_VARIANT`, whose teachers must exist: `OPD_EXPERTS`), AWM, Diffusion-DPO, DiffusionNFT
+    (`NFT_VARIANT`) and the reward-gradient rows (DRaFT-LV, ReFL: their own differentiable reward, whatever
+    ``base``'s).
 
     Progressive windows move over the same candidate starts as the random ones (``sde_window_range``) and shift
     every ``max(1, steps // 6)`` steps, so they visit each start twice in a run; the KL rows use beta 0.04 (the
@@ -262,6 +294,10 @@ def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tup
         (dict(name="branchgrpo", **_copy(TOY_BRANCHGRPO_SETTINGS)),
          "BranchGRPO (recipes/toy_branchgrpo.yaml): each prompt's 8 images a tree split at steps 0, 2 and 4, depth-wise "
          "advantages, every edge trained with its child's"),
+        (dict(name="tempflow-grpo", **_copy(TOY_TEMPFLOW_SETTINGS)),
+         "TempFlow-GRPO (recipes/toy_tempflow.yaml): an ODE trajectory a group branching into 6 SDE children at each of "
+         "steps 0-6, each child's step trained with its siblings' advantage, the loss weighted by 2.25 x the step's "
+         "std; 2 trajectories (84 images) a step"),
         (dict(name="dgpo", **_copy(TOY_DGPO_SETTINGS)),
          "DGPO (recipes/toy_dgpo.yaml): group-level DPO on CFG-free DPM-Solver++ rollouts of 6 steps, 2 of the first "
          "4 steps trained on a noise shared by each group, beta_dpo 100, no trust region (dgpo_clip_dsm off: on "
@@ -287,6 +323,12 @@ def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tup
         (dict(name="diffusion-nft-fast", **_copy(TOY_NFT_FAST_SETTINGS)),
          "DiffusionNFT made cheap per step (recipes/toy_nft_fast.yaml, ours): as published but 6 sampling steps, 2 of "
          "them trained per image, EMA 0.9 evaluated"),
+        (dict(name="draft-lv", **_copy(TOY_DRAFT_SETTINGS)),
+         "DRaFT-LV (recipes/toy_draft.yaml): the gradient of the differentiable toy_smooth_shape_color backpropagated "
+         "through the last step, 2 re-noisings of each of 32 samples a step"),
+        (dict(name="refl", **_copy(TOY_REFL_SETTINGS)),
+         "ReFL (recipes/toy_refl.yaml): one step with gradient at step 6 or 7 of 8, its x0-prediction scored by "
+         "toy_smooth_shape_color, relu(2 - reward) x 1e-3, CFG-free training rollouts"),
     ]
     by_name = {settings["name"]: settings for settings, _ in rows}  # a goal row builds on its row, by the row's name
     rows += [({**with_config(by_name[row], **change), "name": name}, what) for name, (row, change, what) in GOAL_ROWS.items()]
@@ -551,11 +593,12 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
     budgets = summary["budgets"]
     lines = [
         "# Learning leaderboard: the Flow-GRPO family, DanceGRPO, AWM, Diffusion-DPO, DGPO, CRD, on-policy "
-        "distillation and DiffusionNFT on the toy world",
+        "distillation, DiffusionNFT and the reward-gradient methods on the toy world",
         "",
         "Written by `scripts/learning_benchmark.py --leaderboard`; do not edit by hand. Every Flow-GRPO variant is the "
-        "toy recipe (`recipes/toy.yaml`) with one algorithmic change (`flow-dppo` and `branchgrpo` included: "
-        "`toy_flowdppo.yaml`, `toy_branchgrpo.yaml`); `dancegrpo`, `awm`, `diffusion-dpo`, `dgpo`, `crd` and "
+        "toy recipe (`recipes/toy.yaml`) with one algorithmic change (`flow-dppo`, `branchgrpo` and `tempflow-grpo` "
+        "included: `toy_flowdppo.yaml`, `toy_branchgrpo.yaml`, `toy_tempflow.yaml`); `dancegrpo`, `awm`, "
+        "`diffusion-dpo`, `dgpo`, `crd` and "
         "`diffusion-nft` are those trainers at their published-style settings (`recipes/toy_dancegrpo.yaml`, "
         "`toy_awm.yaml`, `toy_dpo.yaml` online, `toy_dgpo.yaml`, `toy_crd.yaml`, `toy_nft.yaml`); `diffusion-nft-fast` "
         "is our cheaper DiffusionNFT (`toy_nft_fast.yaml`); `diffusion-opd` distils two experts trained from the world "
@@ -564,7 +607,10 @@ def render_leaderboard(summary: dict[str, Any], context: dict[str, Any]) -> str:
         "kept by a reward constraint read from the trainer's own evaluation at CFG 3 on validation prompts (every "
         "fourth training prompt; `toy_awm_colour_kept.yaml`, `toy_dgpo_colour_kept.yaml`), `awm-rollouts-cfg3` and "
         "`dgpo-rollouts-cfg3` those rows rolling out at the evaluation's CFG 3 (`rollouts_at_eval_guidance`); the "
-        "constraint's evaluations count as training seconds. All are trained from the same pretrained world with seeds "
+        "constraint's evaluations count as training seconds; `draft-lv` and `refl` are the reward-gradient trainer "
+        "(`toy_draft.yaml`, `toy_refl.yaml`) on the world's differentiable reward, `toy_smooth_shape_color` (the "
+        "others' dense shape score gives no gradient), judged by the same held-out accuracy. All are trained from the "
+        "same pretrained world with seeds "
         f"{', '.join(map(str, seeds))}. Figures are held-out {attribute} accuracy: the mean over seeds with the "
         "range (lowest-highest seed) in brackets. A difference *exceeds the seed spread* when the two ranges do not "
         "overlap (every seed of one variant beats every seed of the other).",

@@ -84,7 +84,7 @@ FLOW_GRPO_FIELDS = (
 )
 
 _REWARD_ATTRIBUTE = {"toy_color": "color", "toy_shape": "shape", "toy_count": "count", "toy_position": "position",
-                     "toy_geneval": "all", "toy_shape_score": "shape"}
+                     "toy_geneval": "all", "toy_shape_score": "shape", "toy_smooth_shape_color": "shape"}
 
 
 #: The recipe's LoRA targets: every linear layer of the joint blocks (attention and both feed-forwards) and the

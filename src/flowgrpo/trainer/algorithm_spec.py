@@ -36,11 +36,11 @@ __all__ = ["AlgorithmFacts", "AlgorithmSpec", "PlannedStep", "PolicyCopy", "Roll
            "WorkerNeeds", "load_path"]
 
 #: where a recorded step comes from for the planner and the probe
-TRAINED_INPUTS = ("recorded_transition", "noised_sample")
+TRAINED_INPUTS = ("recorded_transition", "noised_sample", "sampled_state")
 #: the form of the loss the planner runs on fake tensors
-PLANNED_LOSSES = ("ratio", "transition_mean_mse", "velocity_mse")
+PLANNED_LOSSES = ("ratio", "transition_mean_mse", "velocity_mse", "reward_gradient")
 #: what a rollout records per micro-batch
-RECORD_KINDS = ("transitions", "final_sample", "pairs")
+RECORD_KINDS = ("transitions", "final_sample", "pairs", "prompts")
 
 
 def load_path(path: str) -> Any:
@@ -77,8 +77,9 @@ class RolloutRecord:
     """What a training rollout records per micro-batch.
 
     ``kind``: ``"transitions"`` (the recorded SDE steps: x_j, x_{j+1}, log p_old, t_j and the noise levels, per step),
-    ``"final_sample"`` (the clean latent x0 and the rollout's noise levels) or ``"pairs"`` (preference pairs read from
-    data); ``fields``: the record's tensors the loss reads; ``steps``: recorded steps per sample (``transitions``);
+    ``"final_sample"`` (the clean latent x0 and the rollout's noise levels), ``"pairs"`` (preference pairs read from
+    data) or ``"prompts"`` (only the prompts' embeddings: the rollout runs inside the loss, with gradient, as the
+    reward-gradient trainers do; it writes its final sample into the record when it has run); ``fields``: the record's tensors the loss reads; ``steps``: recorded steps per sample (``transitions``);
     ``means``: whether each recorded step keeps its transition mean; ``last_step``: the last sampling step a rollout
     may record and train (None when it trains no recorded step), which sampling with the base model's tail must not
     reach."""
@@ -125,18 +126,24 @@ class PlannedStep:
     """The training step the planner (`flowgrpo plan`) measures on fake tensors, per micro-batch.
 
     ``trained_input``: ``"recorded_transition"`` (the trained forward replays a recorded SDE step and its transition is
-    recomputed) or ``"noised_sample"`` (the final sample noised to a level of the forward process); ``trained_timesteps``:
-    trained timesteps per micro-batch (each a forward and a backward of the trained model); ``trained_per_sample``:
+    recomputed), ``"noised_sample"`` (the final sample noised to a level of the forward process) or ``"sampled_state"``
+    (a state the sampler reached without gradient, from which ``backprop_steps`` sampler steps run with gradient);
+    ``trained_timesteps``: trained timesteps per micro-batch (each a forward and a backward of the trained model; with
+    ``backprop_steps``, each a chain of that many forwards and one backward); ``trained_per_sample``:
     trained transitions per sample when a micro-batch's samples do not all train the same count (BranchGRPO: a tree's
     edges per leaf; 0: ``trained_timesteps``); ``trained_batch``: rows of one trained pass per sample (AWM's
     ``train_timesteps`` noise levels go through one forward); ``rollout_passes``: transformer passes per sample in a rollout (0:
     ``num_inference_steps``; a tree's samples share their prefixes); ``frozen_forwards``: forwards without gradient that
     each trained timestep adds besides the KL reference's (``"old_policy"``, ``"teacher"``); ``loss``: the loss's form
-    on the fake step (``"ratio"``, ``"transition_mean_mse"``, ``"velocity_mse"``); ``stored_per_step``: latents kept per
-    recorded step (x_j, x_{j+1}, and the transition mean); ``unsharded_reference``: full fine-tuning with a KL term
-    keeps a frozen reference copy outside FSDP / ZeRO, whole on every GPU; ``noise_level`` / ``sde_type``: the
-    stochastic step of the planned rollout step and of the recomputed transition (a deterministic sampler's memory and
-    FLOPs are the same)."""
+    on the fake step (``"ratio"``, ``"transition_mean_mse"``, ``"velocity_mse"``, ``"reward_gradient"``: the reward of the
+    decoded chain's end backpropagated through the decoder and ``backprop_steps`` sampler steps); ``stored_per_step``:
+    latents kept per recorded step (x_j, x_{j+1}, and the transition mean); ``unsharded_reference``: full fine-tuning
+    with a KL term keeps a frozen reference copy outside FSDP / ZeRO, whole on every GPU; ``noise_level`` /
+    ``sde_type``: the stochastic step of the planned rollout step and of the recomputed transition (a deterministic
+    sampler's memory and FLOPs are the same); ``backprop_steps``: the sampler steps one trained chain runs with
+    gradient (0: none, each trained timestep is one forward; a reward-gradient step keeps the activations of all of
+    them until its backward, the largest count it may draw); ``checkpointed_steps``: each of those steps is recomputed
+    in the backward (only its input is kept), as gradient checkpointing through the sampler's steps does."""
 
     trained_input: str
     trained_timesteps: int
@@ -149,6 +156,8 @@ class PlannedStep:
     unsharded_reference: bool = False
     noise_level: float = 0.7
     sde_type: str = "sde"
+    backprop_steps: int = 0
+    checkpointed_steps: bool = False
 
 
 @dataclass(frozen=True)

@@ -460,6 +460,8 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
     #: why the algorithm's rollouts sample without classifier-free guidance, when they do by design (an unset
     #: guidance_scale is then the family's no-guidance value, not the model card's); None: the model's guidance
     _cfg_free_rollouts: ClassVar[str | None] = None
+    #: the smallest group the algorithm accepts (group advantages need 2; a reward-gradient trainer has no groups)
+    _min_group_size: ClassVar[int] = 2
 
     def _check_generation_settings(self) -> None:
         """The checks that use the generation settings, run again once the trainer has resolved them from the model
@@ -489,9 +491,9 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         check_choice("reward_aggregation", self.reward_aggregation, REWARD_AGGREGATIONS)
         if self.quantization is not None:
             check_choice("quantization", self.quantization, QUANTIZATIONS)
-        if self.num_generations < 2:
-            raise ValueError(f"num_generations={self.num_generations}: a group needs at least 2 images to compute "
-                             "advantages; set num_generations >= 2.")
+        if self.num_generations < self._min_group_size:
+            raise ValueError(f"num_generations={self.num_generations}: a group needs at least {self._min_group_size} "
+                             f"images to compute advantages; set num_generations >= {self._min_group_size}.")
         if self.eval_images_per_prompt < 1:
             raise ValueError(f"eval_images_per_prompt={self.eval_images_per_prompt} must be >= 1.")
         if self.num_frames is not None and (isinstance(self.num_frames, bool) or not isinstance(self.num_frames, int)

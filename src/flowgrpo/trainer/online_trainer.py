@@ -25,10 +25,11 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
 
 What an algorithm (a subclass) provides: ``_config_class``, ``_name`` / ``_tag_names`` / ``_paper`` (model card),
 ``_rollout_strategy``, ``_batch_loss`` (and ``_loss_parts`` / ``_prepare_batch`` when it trains a micro-batch in
-several parts), ``_card_setup_lines``; optional: ``_eval_ode_solver``, ``_eval_raw_weights``, ``_check_datasets``,
-``_on_optimizer_step_end``, ``_generate``. What the algorithm *is* (the copies of the policy it keeps, whether its loss
-reads the reference, what a rollout worker needs, what the planner plans) is its `AlgorithmSpec`, declared next to its
-configuration and read as ``trainer.spec`` / ``trainer.algorithm`` (`flowgrpo.trainer.algorithm_spec`).
+several parts), ``_card_setup_lines``; optional: ``_eval_ode_solver``, ``_eval_raw_weights``, ``_check_rewards``,
+``_check_datasets``, ``_on_optimizer_step_end``, ``_generate``. What the algorithm *is* (the copies of the policy it
+keeps, whether its loss reads the reference, what a rollout worker needs, what the planner plans) is its
+`AlgorithmSpec`, declared next to its configuration and read as ``trainer.spec`` / ``trainer.algorithm``
+(`flowgrpo.trainer.algorithm_spec`).
 """
 
 from __future__ import annotations
@@ -207,6 +208,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
                                                           num_workers=args.reward_num_workers,
                                                           on_failure=args.reward_on_failure,
                                                           offload=args.reward_offload)
+        self._check_rewards(args, self.reward_set)
         self.gold_reward_set: RewardSet | None = resolve_gold_rewards(args, self.reward_set)
         audio_rewards = audio_reward_names(self.reward_set, self.gold_reward_set)
         check_health_setup(args, self.reward_set.names, self.spec.facts(args))
@@ -382,6 +384,10 @@ class OnlineRLTrainer(FlowBaseTrainer):
     def _eval_raw_weights(self) -> bool:
         """Whether evaluation also scores the raw weights when there is an EMA (AWM), under ``<prefix>_raw``."""
         return False
+
+    def _check_rewards(self, args: OnlineRLConfig, rewards: RewardSet) -> None:
+        """The algorithm's own checks of its training rewards, before anything is loaded (a reward-gradient trainer
+        refuses the rewards that give no gradient)."""
 
     def _check_datasets(self, index: dict | None, args: OnlineRLConfig, datasets: tuple) -> None:
         """The algorithm's own checks of its datasets, before anything is loaded (``index``: model_index.json)."""

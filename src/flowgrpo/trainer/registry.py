@@ -49,6 +49,9 @@ BUILTIN_TRAINERS: dict[str, tuple[str, str, str]] = {
             f"{_ALGORITHMS}.crd_trainer:CRDTrainer"),
     "diffusion_opd": (f"{_ALGORITHMS}.opd_config:SPEC", f"{_ALGORITHMS}.opd_config:DiffusionOPDConfig",
                       f"{_ALGORITHMS}.opd_trainer:DiffusionOPDTrainer"),
+    "reward_backprop": (f"{_ALGORITHMS}.reward_backprop_config:SPEC",
+                        f"{_ALGORITHMS}.reward_backprop_config:RewardBackpropConfig",
+                        f"{_ALGORITHMS}.reward_backprop_trainer:RewardBackpropTrainer"),
 }
 DEFAULT_TRAINER = "flow_grpo"
 

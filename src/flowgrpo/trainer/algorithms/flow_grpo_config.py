@@ -212,6 +212,27 @@ class FlowGRPOConfig(OnlineRLConfig):
                           "0: fixed depths."},
     )
 
+    # ---- TempFlow-GRPO branching --------------------------------------------------------------------------
+    tempflow_children: int = field(
+        default=0,
+        metadata={"help": "TempFlow-GRPO: > 0 samples each group as one ODE trajectory that branches, at each of "
+                          "tempflow_branch_steps, into this many SDE children, each continued by ODE to its image "
+                          "(official: 6). A child's only stochastic step is trained, with the advantage among its "
+                          "siblings (the children of the same state) and the loss weighted by tempflow_noise_weight x "
+                          "the step's std. num_generations must be tempflow_children x len(tempflow_branch_steps). 0 "
+                          "(default): no branching."},
+    )
+    tempflow_branch_steps: list[int] | None = field(
+        default=None,
+        metadata={"help": "TempFlow-GRPO: the sampling steps the trajectory branches at (0 .. num_inference_steps - "
+                          "2). Unset: every step but the last, as the official script."},
+    )
+    tempflow_noise_weight: float = field(
+        default=2.25,
+        metadata={"help": "TempFlow-GRPO: c in the loss weight c x std_j of the clipped objective at branch step j "
+                          "(std_j the step's transition std; official: 2.25). > 0."},
+    )
+
 
     _trainer_name = "FlowGRPOTrainer"
 
@@ -247,6 +268,7 @@ class FlowGRPOConfig(OnlineRLConfig):
         self._check_window()
         self._check_policy_loss()
         self._check_branching()
+        self._check_tempflow()
 
     def _check_policy_loss(self) -> None:
         check_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
@@ -332,6 +354,69 @@ class FlowGRPOConfig(OnlineRLConfig):
                 raise ValueError("branch_pruning='depth' needs branch_prune_depths, the depths whose edges are left "
                                  "out, e.g. [15, 16, 17, 18] for 20 steps.")
 
+    def _check_tempflow(self) -> None:
+        children = self.tempflow_children
+        if isinstance(children, bool) or not isinstance(children, int) or children < 0:
+            raise ValueError(f"tempflow_children={children!r} must be an integer >= 0 (0: no TempFlow-GRPO branching; "
+                             "official: 6).")
+        if not self.tempflow_noise_weight > 0:
+            raise ValueError(f"tempflow_noise_weight={self.tempflow_noise_weight} must be > 0 (official: 2.25).")
+        if children == 0:
+            if self.tempflow_branch_steps is not None:
+                raise ValueError(f"tempflow_branch_steps={self.tempflow_branch_steps} needs tempflow_children > 0 (the "
+                                 "children each branch step gets; official: 6).")
+            return
+        if children < 2:
+            raise ValueError(f"tempflow_children={children}: a branch step's advantages compare its children, so it "
+                             "needs at least 2 (official: 6).")
+        steps = self.num_inference_steps  # unset: the model's own, checked once the trainer has resolved it
+        if self.tempflow_branch_steps is None:
+            if steps is None:
+                return
+            from .tempflow import default_branch_steps
+
+            self.tempflow_branch_steps = default_branch_steps(int(steps))
+        values = [self.tempflow_branch_steps] if isinstance(self.tempflow_branch_steps, int) \
+            else list(self.tempflow_branch_steps)
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0
+               or (steps is not None and v > steps - 2)]
+        if not values or bad or len(set(values)) != len(values):
+            raise ValueError(f"tempflow_branch_steps={self.tempflow_branch_steps} must be distinct sampling steps in "
+                             f"0 .. num_inference_steps - 2 = {'T - 2' if steps is None else steps - 2} (the last step "
+                             "is the deterministic step to the clean sample).")
+        self.tempflow_branch_steps = sorted(values)
+        rows = children * len(values)
+        if self.num_generations != rows:
+            raise ValueError(f"tempflow_children={children} at {len(values)} branch steps gives {rows} images a "
+                             f"group, but num_generations={self.num_generations}: each group is one trajectory's "
+                             f"children. Set num_generations: {rows}.")
+        refused = {
+            "branch_steps": (bool(self.branch_steps), "BranchGRPO's trees and TempFlow's branches are two rollouts; "
+                             "use one"),
+            "sde_window_size": (self.sde_window_size != 0, "the branch steps are the stochastic steps; set "
+                                "sde_window_size: 0"),
+            "noise_level": (self.noise_level <= 0, "the children need stochastic steps; set noise_level > 0 "
+                            "(official: 0.7)"),
+            "ode_solver": (self.ode_solver != "euler", "the trunk and the children's continuations are Euler steps, "
+                           "as the official code's"),
+            "same_noise_per_group": (self.same_noise_per_group, "a group's children share their trunk by "
+                                     "construction"),
+            "timestep_fraction": (self.timestep_fraction < 1, "each child has one stochastic step, always trained"),
+            "filter_zero_std_groups": (self.filter_zero_std_groups, "dynamic sampling would refill whole prompt "
+                                       "groups, not sibling sets"),
+            "base_model_tail_steps": (self.base_model_tail_steps > 0, "the children are continued by the policy"),
+            "policy_loss": (self.policy_loss != "clip", "TempFlow-GRPO weights the clipped objective"),
+        }
+        for name, (wrong, fix) in refused.items():
+            if wrong:
+                raise ValueError(f"tempflow_children (TempFlow-GRPO) cannot be combined with {name}="
+                                 f"{getattr(self, name)!r}: {fix}.")
+
+    @property
+    def uses_tempflow(self) -> bool:
+        """Whether rollouts are TempFlow-GRPO branches (tempflow_children > 0)."""
+        return bool(self.tempflow_children)
+
     @property
     def uses_branching(self) -> bool:
         """Whether rollouts are BranchGRPO trees (branch_steps is not empty)."""
@@ -374,7 +459,9 @@ class FlowGRPOConfig(OnlineRLConfig):
 # ---- the algorithm spec (flowgrpo.trainer.algorithm_spec) ----------------------------------------------------------
 def recorded_steps(args: FlowGRPOConfig) -> int:
     """SDE steps a rollout records per sample: the window, or every step but the last (a BranchGRPO tree records
-    them all)."""
+    them all; a TempFlow-GRPO child its one branch step)."""
+    if args.tempflow_children:
+        return 1
     steps = int(args.num_inference_steps or 0)
     window = int(args.sde_window_size or 0)
     return window if window > 0 else max(1, steps - 1)
@@ -386,6 +473,8 @@ def last_recorded_step(args: FlowGRPOConfig) -> int | None:
     steps = args.num_inference_steps
     if steps is None or args.ode_compression_ratio != 1.0:
         return None
+    if args.tempflow_children and args.tempflow_branch_steps:
+        return max(args.tempflow_branch_steps)
     size = args.sde_window_size
     return steps - 2 if size == 0 else args.sde_window_range[1] + size - 2
 
@@ -402,15 +491,25 @@ def describe_flow_grpo(args: FlowGRPOConfig, use_lora: bool | None = None) -> Al
 
         rollout_passes, trained_per_sample = tree_passes(int(args.num_inference_steps), args.branch_steps,
                                                          args.branch_factor)
+    if args.tempflow_children and args.num_inference_steps and args.tempflow_branch_steps:
+        from .tempflow import tempflow_cost
+
+        rollout_passes, parts = tempflow_cost(int(args.num_inference_steps), args.tempflow_branch_steps,
+                                              args.tempflow_children, int(args.per_device_train_batch_size))
+        trained = max(1, round(parts))  # backward passes per micro-batch: one per branch step it holds
+        trained_per_sample = 1.0  # each child trains its one transition
     refusal = None
     if args.branch_steps:
         refusal = (f"branch_steps={args.branch_steps} samples each group as a tree (BranchGRPO), which the rollout "
                    "workers do not sample yet.")
+    elif args.tempflow_children:
+        refusal = (f"tempflow_children={args.tempflow_children} samples each group as a trajectory's branches "
+                   "(TempFlow-GRPO), which the rollout workers do not sample yet.")
     elif args.policy_loss == "dppo":
         refusal = ("policy_loss='dppo' anchors each transition to the sampling weights' means, which has not been "
                    "run against rollout workers yet.")
     fields = ("latents", "next_latents", "log_probs", "timesteps", "sigmas", "sigmas_next", "window") + (
-        ("means",) if means else ())
+        ("means",) if means else ()) + (("tempflow_step",) if args.tempflow_children else ())
     return AlgorithmFacts(
         copies=(),
         reads_reference=args.beta > 0,
@@ -437,7 +536,7 @@ SPEC = AlgorithmSpec(
     config="flowgrpo.trainer.algorithms.flow_grpo_config:FlowGRPOConfig",
     trainer="flowgrpo.trainer.algorithms.flow_grpo_trainer:FlowGRPOTrainer",
     summary="SDE rollouts, the clipped likelihood ratio of each recorded step (Fast, CPS, MixGRPO, GRPO-Guard, "
-            "DanceGRPO, Flow-DPPO, BranchGRPO variants)",
+            "DanceGRPO, Flow-DPPO, BranchGRPO, TempFlow-GRPO variants)",
     describe=describe_flow_grpo,
     eval_guidance_rollouts_refusal=("the ratio is the likelihood of each recorded SDE transition under the guided "
                                     "velocity that sampled it, so the trained velocity must use the rollouts' guidance "

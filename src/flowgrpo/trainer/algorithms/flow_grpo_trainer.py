@@ -21,15 +21,18 @@ window compressed by ``ode_compression_ratio``); ``same_noise_per_group`` shares
 ``reward_aggregation`` combines several rewards (``advantages.py``). DanceGRPO is ``sde_type="dance"`` with
 ``same_noise_per_group`` and ``timestep_fraction < 1`` (each sample trains a random subset of its steps).
 
-Two switches change the objective and the rollout. ``policy_loss: dppo`` (Flow-DPPO, `flow_dppo_loss`) replaces
+Three switches change the objective and the rollout. ``policy_loss: dppo`` (Flow-DPPO, `flow_dppo_loss`) replaces
 the ratio clip by a trust region on the divergence from the frozen anchor, the transition means of the weights that
 sampled the batch (recorded during the rollout, which computes exactly them, so no extra forward). ``branch_steps``
 (BranchGRPO, `branch_grpo_rollout.BranchTreeRollout`) samples each group as a tree with shared prefixes and trains
-every edge with its child's depth-wise advantage.
+every edge with its child's depth-wise advantage. ``tempflow_children`` (TempFlow-GRPO,
+`tempflow_rollout.TempFlowRollout`) samples each group as one ODE trajectory branching into SDE children at its branch
+steps and trains each child's step with its siblings' advantage, weighted by the step's noise level (`tempflow`).
 
 Logged besides the shared keys: ``policy_loss``, ``approx_kl``, ``clip_frac``, ``ratio_mean``, ``sde_window_start``,
 ``on_policy_ratio_max_dev`` (first pass), ``kl`` (beta > 0); Flow-DPPO: ``dppo/dropped_frac``, ``dppo/outside_frac``,
-``dppo/divergence_mean``, ``dppo/divergence_max`` instead of ``clip_frac``; BranchGRPO: ``branch/trained_edges``.
+``dppo/divergence_mean``, ``dppo/divergence_max`` instead of ``clip_frac``; BranchGRPO: ``branch/trained_edges``;
+TempFlow-GRPO: ``tempflow/weight`` (the mean loss weight of a branch step).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from .flow_grpo_config import FlowGRPOConfig
 from .flow_grpo_importance import apply_truncated_importance_weights
 from .flow_grpo_loss import flow_grpo_loss, gated_mean, grpo_guard_log_ratio, kl_estimate
 from .flow_grpo_rollout import SDEWindowRollout
+from .tempflow import weighted_advantages
+from .tempflow_rollout import TempFlowRollout, is_tempflow_record
 
 __all__ = ["FlowGRPOTrainer", "LORA_WEIGHTS_NAME", "TrainedTransition"]
 
@@ -104,6 +109,8 @@ class FlowGRPOTrainer(OnlineRLTrainer):
     def _rollout_strategy(self, args: FlowGRPOConfig) -> SDEWindowRollout:
         if args.uses_branching:
             return BranchTreeRollout(args)
+        if args.uses_tempflow:
+            return TempFlowRollout(args, records_means=self.spec.facts(args).record.means)
         return SDEWindowRollout(args, records_means=self.spec.facts(args).record.means)
 
     def _prepare_batch(self, record: dict) -> dict:
@@ -117,6 +124,8 @@ class FlowGRPOTrainer(OnlineRLTrainer):
             self.rollouts.resolve_scoring()
             parts, edges = tree_parts(record)
             return ChainMap({"tree_parts": parts, "tree_edges": edges}, record)
+        if is_tempflow_record(record):  # one part per branch step the micro-batch holds
+            return ChainMap({"tempflow_parts": sorted(set(record["tempflow_step"].tolist()))}, record)
         fraction = self.args.timestep_fraction
         num_steps = record["latents"].shape[1]
         if fraction >= 1:
@@ -134,11 +143,15 @@ class FlowGRPOTrainer(OnlineRLTrainer):
     def _loss_parts(self, batch: dict) -> int:
         if is_tree_record(batch):
             return max(1, len(batch["tree_parts"]))
+        if is_tempflow_record(batch):
+            return len(batch["tempflow_parts"])
         return batch["latents"].shape[1]
 
     def _batch_loss(self, model, batch: dict, j: int, first_pass: bool) -> LossPart:
         if is_tree_record(batch):
             return self._tree_loss(model, batch, j, first_pass)
+        if is_tempflow_record(batch):
+            return self._tempflow_loss(model, batch, j, first_pass)
         step = self._replay(model, batch, j)
         step.old_log_prob = batch["log_probs"][:, j]
         step.old_mean = batch["means"][:, j] if "means" in batch else None
@@ -256,6 +269,24 @@ class FlowGRPOTrainer(OnlineRLTrainer):
         metrics.update({"sde_window_start": 0.0, "branch/trained_edges": float(edges)})
         return LossPart(loss * weight, metrics)
 
+    def _tempflow_loss(self, model, batch: dict, part: int, first_pass: bool) -> LossPart:
+        """Part ``part`` of a TempFlow-GRPO micro-batch: the children that branch at one step, each replayed from its
+        trunk state with its sibling advantage weighted by ``tempflow_noise_weight`` x the step's std (`tempflow`),
+        weighted so that the parts sum to the mean over the micro-batch's children."""
+        args = self.args
+        branch_step = batch["tempflow_parts"][part]
+        rows = (batch["tempflow_step"] == branch_step).nonzero().flatten().to(batch["latents"].device)
+        step = self._replay(model, batch, 0, rows)
+        step.old_log_prob = batch["log_probs"][rows, 0]
+        step.old_mean = batch["means"][rows, 0] if "means" in batch else None
+        step.advantages = weighted_advantages(self._advantages(batch)[rows], step.std, args.tempflow_noise_weight)
+        step.kl_gate = batch["kl_gate"][rows] if batch.get("kl_gate") is not None else None
+        loss, metrics = self._objective(model, step, first_pass)
+        metrics.update({"sde_window_start": float(branch_step),
+                        "tempflow/weight": float(args.tempflow_noise_weight * step.std.detach().mean())})
+        weight = len(rows) * len(batch["tempflow_parts"]) / batch["latents"].shape[0]
+        return LossPart(loss * weight, metrics)
+
     def _check_on_policy(self, ratio: torch.Tensor) -> float:
         """max |ratio - 1| of a first pass, with one warning when it exceeds ``on_policy_tolerance``."""
         drift = float((ratio - 1).abs().max())
@@ -273,7 +304,9 @@ class FlowGRPOTrainer(OnlineRLTrainer):
         args = self.args
         return [
             f"- algorithm: {self._name} ({args.sde_type}, noise level {args.noise_level}, "
-            f"{'window ' + str(args.sde_window_size) if args.sde_window_size else 'all steps'})",
+            f"{'window ' + str(args.sde_window_size) if args.sde_window_size else 'all steps'})"
+            + (f"; TempFlow-GRPO: {args.tempflow_children} children at branch steps {args.tempflow_branch_steps}, "
+               f"loss weight {args.tempflow_noise_weight:g} x std" if args.uses_tempflow else ""),
             f"- group size {args.num_generations}, {args.num_inference_steps} sampling steps, guidance "
             f"{args.guidance_scale}, {args.height}x{args.width}"
             + (f", {args.num_frames} frames" if args.num_frames > 1 else ""),

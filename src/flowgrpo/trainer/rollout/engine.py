@@ -445,7 +445,7 @@ class RolloutEngine:
         totals = as_tensor([v for r in results for v in r.total])
         per_reward = {name: as_tensor([v for r in results for v in r.per_reward[name]]) for name in names}
         g_totals = self.accelerator.gather(totals).cpu()
-        g_groups = self.accelerator.gather(generation.group_ids.to(device)).cpu()
+        g_groups = self.strategy.advantage_groups(self.accelerator.gather(generation.group_ids.to(device)).cpu())
         g_per_reward = {n: self.accelerator.gather(t).cpu() for n, t in per_reward.items()}
         n_local, rank = len(generation.prompts), self.accelerator.process_index
         if self.rewards.has_groupwise:  # every group is complete once gathered: combine, recompute the totals

@@ -44,6 +44,12 @@ class RolloutStrategy:
         the final latents (decoded and scored) and what the algorithm's loss needs of the rollout."""
         raise NotImplementedError
 
+    def advantage_groups(self, group_ids: torch.Tensor) -> torch.Tensor:
+        """The groups the advantages are normalised within, for every row of the generation over all processes in
+        order (``group_ids``: each row's prompt group, gathered). Default: the prompt groups; TempFlow-GRPO: the
+        children that branch from one state (a group's rows at one branch step)."""
+        return group_ids
+
     def assign_advantages(self, generation: Any, advantages: torch.Tensor, kl_gate: torch.Tensor | None,
                           gathered_rewards: torch.Tensor, gathered_groups: torch.Tensor) -> None:
         """Write what the loss reads of the scored rewards into each micro-batch's record (called by the engine's
