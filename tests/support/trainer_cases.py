@@ -18,6 +18,8 @@ from flowgrpo import (
     DGPOTrainer,
     DiffusionDPOConfig,
     DiffusionDPOTrainer,
+    DiffusionNFTConfig,
+    DiffusionNFTTrainer,
     DiffusionOPDConfig,
     DiffusionOPDTrainer,
     FlowGRPOConfig,
@@ -72,6 +74,9 @@ TRAINER_KINDS = {
                   ("ratio_mean", "policy_loss", "dppo/divergence_mean", "grad_norm")),
     "branch_grpo": (FlowGRPOConfig, FlowGRPOTrainer, dict(branch_steps=[0, 1], noise_level=1.0),
                     ("reward", "policy_loss", "ratio_mean", "branch/trained_edges", "grad_norm")),
+    # rollout_cache: DiffusionNFT's rollouts through diffusers' PAB hooks (two of the four steps skip attention)
+    "diffusion_nft_cached": (DiffusionNFTConfig, DiffusionNFTTrainer, dict(rollout_cache="pab", timestep_fraction=0.5),
+                             ("reward", "nft/policy_loss", "rollout/cache_skipped", "grad_norm")),
     # a third-party algorithm (support/plugin_package.py), found by its entry point; its classes load with it
     "scaled_grpo": (None, None, dict(sde_window_size=2, sde_window_range=[0, 2], advantage_scale=-1.0),
                     ("reward", "policy_loss", "ratio_mean", "grad_norm")),
