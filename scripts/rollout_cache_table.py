@@ -13,7 +13,7 @@ final latents from the same rollout without the cache, and the transformer calls
 runs the conditional and unconditional passes one after the other). The configurations make each cache act within
 ``--steps`` steps (TaylorSeer: a full step every 2 after 2; FirstBlock: threshold 0.2; MagCache: ratios of 1, which
 skip as much as its limits allow); the table they fill is ``flowgrpo.trainer.speed_settings.UNSUPPORTED`` and the one
-in docs/performance.md. Prints a markdown table; writes the records as JSON.
+in docs/benchmarks.md ("Cached rollouts"). Prints a markdown table; writes the records as JSON.
 """
 
 from __future__ import annotations

@@ -229,11 +229,11 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         default=False,
         metadata={"help": "Compile the transformer's repeated blocks with torch.compile (diffusers' "
                           "compile_repeated_blocks where the model declares _repeated_blocks, else each block of "
-                          "_no_split_modules), with dynamic shapes, once: rollouts, evaluation and training run the same "
-                          "compiled code (so the first pass's ratio stays 1), and Trainer does not compile the whole "
-                          "model again. torch_compile_backend / torch_compile_mode are passed on. Logged: "
-                          "timing/compile_s once, compile/graphs and compile/recompiles. Refused with FSDP and "
-                          "DeepSpeed ZeRO-3 (docs/performance.md)."},
+                          "_no_split_modules), with dynamic shapes, once: rollouts, evaluation and training run the "
+                          "same compiled code (so the first pass's ratio stays 1), and Trainer does not compile the "
+                          "whole model again. torch_compile_backend / torch_compile_mode are passed on. Logged: "
+                          "timing/compile_s once, compile/graphs and compile/recompiles. Refused with FSDP, DeepSpeed "
+                          "ZeRO-3 and rollout_cache (docs/benchmarks.md, 'Compiled blocks')."},
     )
     rollout_cache: str = field(
         default="none",
@@ -241,9 +241,10 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                           "diffusers' own hooks: 'none', 'first_block' (FirstBlockCacheConfig), 'taylorseer' "
                           "(TaylorSeerCacheConfig), 'mag' (MagCacheConfig; needs mag_ratios), 'faster' "
                           "(FasterCacheConfig) or 'pab' (PyramidAttentionBroadcastConfig). On during training rollouts "
-                          "only; training forwards and evaluation never use it. Only for algorithms whose loss does not "
-                          "read the rollout's transition log-probs (not the Flow-GRPO family), and on the families "
-                          "where the cache runs (docs/performance.md). Logged: rollout/cache_skipped."},
+                          "only; training forwards and evaluation never use it. Only for algorithms whose loss does "
+                          "not read the rollout's transition log-probs (not the Flow-GRPO family), and on the families "
+                          "where the cache runs (docs/benchmarks.md, 'Cached rollouts'). Logged: "
+                          "rollout/cache_skipped."},
     )
     rollout_cache_config: dict | str | None = field(
         default=None,

@@ -47,7 +47,7 @@ _TAYLORSEER_PATTERNS = ("diffusers' default TaylorSeer patterns (modules named '
 
 #: (rollout_cache, family) -> why diffusers' hook does not run on that family's transformer: measured through the
 #: rollout engine on the tiny pipeline of every family, with and without guidance (``scripts/rollout_cache_table.py``;
-#: the table with the skipped fractions is in docs/performance.md)
+#: the table with the skipped fractions is in docs/benchmarks.md ("Cached rollouts"))
 UNSUPPORTED: dict[tuple[str, str], CacheRefusal] = {
     ("first_block", "sd3"): CacheRefusal(_FBC_FAILS.format("its last block returns no encoder states")),
     ("first_block", "flux2"): CacheRefusal(_FBC_FAILS.format("its blocks return their encoder states as a list")),
@@ -169,4 +169,5 @@ def check_speed_settings(args: Any, facts: Any, family: str | None, uses_cfg: bo
     reason = rollout_cache_refusal(kind, family, uses_cfg, args.rollout_cache_config) if family else None
     if reason is not None:
         raise ValueError(f"rollout_cache={kind!r} does not run on the {family} family: {reason} Choose another cache "
-                         "(docs/performance.md lists which run on each family), or set rollout_cache: none.")
+                         "(docs/benchmarks.md, 'Cached rollouts', lists which run on each family), or set "
+                         "rollout_cache: none.")

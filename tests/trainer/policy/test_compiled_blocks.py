@@ -4,8 +4,8 @@ real tiny Flow-GRPO trainer; the refusals.
 The run compiles with torch's ``eager`` backend: Dynamo traces and guards the blocks exactly as with inductor, so
 whether rollouts, evaluation and training reach the same compiled blocks, whether batch sizes recompile and what is
 logged are all tested, in seconds; inductor's C++ code generation takes minutes for the same tiny model on two CPU
-cores (docs/performance.md gives its measured first-pass ratio, exactly 1). The tests share one worker process
-(``xdist_group``): the second trainer of the file reuses the graphs the first compiled."""
+cores (docs/benchmarks.md, "Compiled blocks", gives its measured first-pass ratio, exactly 1). The tests share one
+worker process (``xdist_group``): the later trainers of the file reuse the graphs the first compiled."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.xdist_group("torch_compile")
 def compiled_trainer(path, folder, **kwargs):
     args = make_args(folder, torch_compile=True, torch_compile_backend="eager", sde_window_size=1,
                      sde_window_range=[0, 2], max_steps=2, learning_rate=3e-3, save_strategy="steps", save_steps=1,
-                     eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=3, **kwargs)
+                     eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=3, use_ema=True, **kwargs)
     return FlowGRPOTrainer(model=str(path), reward_funcs=brightness_reward, args=args,
                            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                            eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:3]}), peft_config=lora_config())
@@ -31,9 +31,10 @@ def compiled_trainer(path, folder, **kwargs):
 
 def test_compiled_blocks_keep_the_first_pass_on_policy_without_recompiling_and_resume_exactly(tiny_sd3_path,
                                                                                               tmp_path):
-    """Rollouts (batch 4, no grad), evaluation (batch 3) and training (batch 4, grad) share the compiled blocks: the
-    first pass's ratio is 1, the second step compiles nothing new, Trainer wraps no compiled copy of the whole model,
-    and a run resumed from its step-1 checkpoint ends with the uninterrupted run's weights."""
+    """Rollouts (batch 4, no grad), evaluation (batch 3, the EMA's weights swapped in) and training (batch 4, grad)
+    share the compiled blocks, LoRA layers inside: the first pass's ratio is 1, the second step compiles nothing new,
+    Trainer wraps no compiled copy of the whole model, and a run resumed from its step-1 checkpoint ends with the
+    uninterrupted run's weights and EMA."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     straight = compiled_trainer(tiny_sd3_path, tmp_path / "a")
@@ -56,6 +57,8 @@ def test_compiled_blocks_keep_the_first_pass_on_policy_without_recompiling_and_r
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-1"))
     for p, q in zip(straight.model.parameters(), resumed.model.parameters()):
         torch.testing.assert_close(p, q)
+    for s, t in zip(straight.policy.ema.shadow, resumed.policy.ema.shadow):
+        torch.testing.assert_close(s, t)
 
 
 @pytest.mark.parametrize("environment, launch", [

@@ -4,20 +4,20 @@ A cache reuses (or extrapolates) the outputs of transformer blocks or attention 
 instead of computing them, so a rollout costs fewer block computations and its images move away from the policy's
 own, by a little. The hooks are diffusers' (``diffusers.hooks``); nothing here decides what to skip:
 
-==================  =======================================  ============================================================
-``rollout_cache``   diffusers' configuration                 what it skips
-==================  =======================================  ============================================================
-``first_block``     ``FirstBlockCacheConfig``                every block after the first, while the first block's
-                                                             residual changes by less than ``threshold``
-``taylorseer``      ``TaylorSeerCacheConfig``                blocks between full steps every ``cache_interval``,
-                                                             predicted by a Taylor expansion of their past outputs
-``mag``             ``MagCacheConfig``                       blocks while the accumulated magnitude-ratio error stays
-                                                             under ``threshold`` (needs the model's ``mag_ratios``)
-``faster``          ``FasterCacheConfig``                    attention every ``spatial_attention_block_skip_range``
-                                                             steps in a timestep range, and the unconditional branch
-``pab``             ``PyramidAttentionBroadcastConfig``      attention every ``spatial_attention_block_skip_range``
-                                                             steps in a timestep range (default 2, in (100, 800))
-==================  =======================================  ============================================================
+=================  ====================================  ==========================================================
+``rollout_cache``  diffusers' configuration              what it skips
+=================  ====================================  ==========================================================
+``first_block``    ``FirstBlockCacheConfig``             every block after the first, while the first block's
+                                                         residual changes by less than ``threshold``
+``taylorseer``     ``TaylorSeerCacheConfig``             the hooked layers between full steps every
+                                                         ``cache_interval``, predicted by a Taylor expansion
+``mag``            ``MagCacheConfig``                    blocks while the accumulated magnitude-ratio error
+                                                         stays under ``threshold`` (needs the ``mag_ratios``)
+``faster``         ``FasterCacheConfig``                 attention every ``spatial_attention_block_skip_range``
+                                                         steps in a timestep range, and the unconditional branch
+``pab``            ``PyramidAttentionBroadcastConfig``   attention every ``spatial_attention_block_skip_range``
+                                                         steps in a timestep range (default 2, in (100, 800))
+=================  ====================================  ==========================================================
 
 ``rollout_cache_config`` gives the configuration's fields (a dict; JSON on the command line). The callbacks are the
 rollout engine's: the current timestep (PAB, FasterCache; the scheduler's 0-1000 scale, as the stock pipelines'
@@ -36,8 +36,8 @@ the hook falls back to when it computes. ``skipped_fraction`` is 1 - computed / 
 (blocks, or attention layers for PAB and FasterCache), the figure logged as ``rollout/cache_skipped``.
 
 Which family runs which cache is measured on the tiny pipelines of every family (``scripts/rollout_cache_table.py``;
-the table: ``flowgrpo.trainer.speed_settings.UNSUPPORTED`` and docs/performance.md); a combination that fails is
-refused when the trainer is built.
+the table: ``flowgrpo.trainer.speed_settings.UNSUPPORTED`` and docs/benchmarks.md, "Cached rollouts"); a combination
+that fails is refused when the trainer is built.
 """
 
 from __future__ import annotations

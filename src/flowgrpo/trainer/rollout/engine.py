@@ -260,7 +260,8 @@ class RolloutEngine:
                     if step.stochastic and step_noise is not None:  # the caller's draws: x' = mean + std * z
                         moments = sde_transition(v, latents, step.sigma, step.sigma_next, sde, next_state=latents)
                         std = moments.std.reshape((batch,) + (1,) * (latents.ndim - 1))
-                        drawn = moments.prev_sample_mean + std * step_noise(index).to(device=device, dtype=torch.float32)
+                        noise = step_noise(index).to(device=device, dtype=torch.float32)
+                        drawn = moments.prev_sample_mean + std * noise
                     out = sde_transition(v, latents, step.sigma, step.sigma_next, sde, next_state=drawn,
                                          generator=generator if drawn is None else None)
                     if solver is not None:
