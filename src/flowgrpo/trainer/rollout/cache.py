@@ -68,6 +68,7 @@ CACHE_CONFIG_CLASSES = {
 ENGINE_FIELDS = ("current_timestep_callback", "attention_weight_callback", "low_frequency_weight_callback",
                  "high_frequency_weight_callback", "is_guidance_distilled")
 
+
 def _config_class(kind: str) -> type:
     import diffusers.hooks
 
