@@ -11,6 +11,8 @@
 # 15 s, bf16_onpolicy 30 s, sd35m_step 85 s, plan_vs_measured 20 s, nft_step 110 s, launch/fsdp8 60 s, 2 s of kill
 # grace each; the report 5 s. flowgrpo.gpu_check.quick holds the limits (QUICK_CHECKS) and checks that they fit
 # (tests/tooling/test_gpu_quick.py too); it also cuts a limit to the time left, counted from this script's start.
+# Not in the default run: sd35m_compile 150 s (torch_compile on the same step), for a second call:
+#   scripts/gpu_quick.sh OUT_DIR --only sd35m_step sd35m_compile      compile off against on (264 s of limits)
 #
 # Set-up: the wheels in .whl/ (`make gpu-wheels`; FLOWGRPO_WHEEL_DIR names another folder) are installed offline,
 # without dependencies, into a new temporary folder that goes first on PYTHONPATH, with this tree's src/ after it:

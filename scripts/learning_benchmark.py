@@ -36,7 +36,10 @@ clean commit is one command, from the repository root of a clean checkout::
 
 ``--finished-only`` writes the page from the runs already made whatever their code, and the page lists how many runs
 came from which commit and code digest.
-``--leaderboard --quick`` is a smoke test of the machinery (3 variants x 2 seeds x 3 steps, 4 eval prompts; it
+``--cache-comparison`` runs the held-out comparison of cached rollouts: ``diffusion-nft-fast`` against the same with
+its rollouts through diffusers' TaylorSeer cache (``flowgrpo.toy.leaderboard.cached_rollout_variants``), 300 steps,
+seeds 0, 1, 2, paired; its page is ``docs/cached_rollouts_leaderboard.md``. ``--leaderboard --quick`` is a smoke
+test of the machinery (3 variants x 2 seeds x 3 steps, 4 eval prompts; it
 writes only into ``--output``).
 
 Each setting trains the toy world's transformer with FlowGRPOTrainer on the recipe's rewards (the dense
@@ -77,9 +80,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 try:
     from flowgrpo.toy.leaderboard import (
+        CACHED_ROLLOUT_CACHE,
+        CACHED_ROLLOUT_SEEDS,
         EVAL_GUIDANCE_SCALE,
         OPD_EXPERTS,
         OPD_VARIANT,
+        cached_rollout_variants,
         leaderboard_variants,
         plot_leaderboard,
         render_leaderboard,
@@ -90,9 +96,12 @@ try:
 except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(REPO / "src"))
     from flowgrpo.toy.leaderboard import (
+        CACHED_ROLLOUT_CACHE,
+        CACHED_ROLLOUT_SEEDS,
         EVAL_GUIDANCE_SCALE,
         OPD_EXPERTS,
         OPD_VARIANT,
+        cached_rollout_variants,
         leaderboard_variants,
         plot_leaderboard,
         render_leaderboard,
@@ -193,7 +202,7 @@ def leaderboard_runs(steps: int, seeds: list[int], only: list[str] | None, rewar
     if reward:
         base = dataclasses.replace(base, reward=reward, reward_weights=None)
     variants = leaderboard_variants(steps, base)
-    known = {s.name: (s, what) for s, what in variants}
+    known = {s.name: (s, what) for s, what in (*variants, *cached_rollout_variants(steps, base))}
     names = only if only is not None else [s.name for s, _ in variants]
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -531,11 +540,27 @@ def main(argv: list[str] | None = None) -> int:
                              "under src, scripts or recipes (every run made at one clean commit)")
     parser.add_argument("--plan", action="store_true",
                         help="leaderboard: print which runs would be reused and which trained (and why); train nothing")
+    parser.add_argument("--cache-comparison", action="store_true",
+                        help="the held-out comparison of cached rollouts: --leaderboard with only diffusion-nft-fast "
+                             f"and diffusion-nft-fast-{CACHED_ROLLOUT_CACHE} (rollout_cache), seeds "
+                             f"{','.join(map(str, CACHED_ROLLOUT_SEEDS))}, written to "
+                             "docs/cached_rollouts_leaderboard.md and outputs/cache_comparison (the uncached row's "
+                             "finished runs are reused from --archive)")
     parser.add_argument("--note", default=None,
                         help="leaderboard: a sentence for the page on how the runs were made (e.g. which runs shared "
                              "the machine)")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.cache_comparison:  # a two-row leaderboard of its own, never the main page
+        args.leaderboard = True
+        args.only = args.only or f"diffusion-nft-fast,diffusion-nft-fast-{CACHED_ROLLOUT_CACHE}"
+        args.seeds = args.seeds or ",".join(map(str, CACHED_ROLLOUT_SEEDS))
+        if args.output == Path("outputs/learning_benchmark"):
+            args.output = Path("outputs/cache_comparison")
+        if args.leaderboard_md is None and not args.quick:
+            args.leaderboard_md = REPO / "docs" / "cached_rollouts_leaderboard.md"
+        args.note = args.note or (f"The comparison of cached rollouts: DiffusionNFT-fast with rollout_cache "
+                                  f"{CACHED_ROLLOUT_CACHE} against the same rows uncached, paired seed by seed.")
     if args.processes < 1 or (args.processes > 1 and not args.leaderboard):
         parser.error(f"--processes {args.processes}: use a positive count, and more than 1 only with --leaderboard")
 

@@ -155,6 +155,20 @@ def test_train_script_fails_fast_on_a_missing_dataset_before_any_model_loads(tmp
     assert not (tmp_path / "no-model").exists() and not out.exists()  # nothing was built or written
 
 
+def test_the_final_weights_are_evaluated_once(tiny_sd3_path, tmp_path, capsys):
+    """train() evaluates its last step under a step schedule; the script does not evaluate the same weights again
+    (it printed and logged the final evaluation twice). Without a schedule it evaluates once, after training."""
+    from flowgrpo.cli import main
+
+    common = [TINY, "--model_name_or_path", str(tiny_sd3_path),
+              "--max_steps", "1", "--max_eval_samples", "2", "--eval_on_start", "false", "--save_strategy", "no",
+              "--reward_funcs", "jpeg_compressibility", "--reward_weights", "1.0"]
+    for schedule in (["--eval_strategy", "steps", "--eval_steps", "1"], ["--eval_strategy", "no"]):
+        trainer = main([*common, *schedule, "--output_dir", str(tmp_path / schedule[1])])
+        assert [h["step"] for h in trainer.state.log_history if "eval_reward" in h] == [1]
+        assert capsys.readouterr().out.count("evaluation at step 1") == 1
+
+
 def test_train_script_help_and_unknown_flag(capsys):
     proc = _run_main(["--help"])  # the script itself, as a user runs it
     assert proc.returncode == 0 and "--num_generations" in proc.stdout and "--reward_funcs" in proc.stdout

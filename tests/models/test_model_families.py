@@ -299,8 +299,10 @@ def test_each_distinct_prompt_and_source_image_is_encoded_once(tiny_pipeline_pat
     assert len(conditional) == 1 and sorted(conditional[0][0]) == ["add a star", "make it red", "make it red"]
     keys = {(p, im.tobytes()) for p, im in zip(*conditional[0])}
     assert len(keys) == 3 and b.tobytes() in {im.tobytes() for im in conditional[0][1]}
-    # Qwen-Image-Edit's negative embedding depends on the image: encoded once per distinct pair as well.
-    assert len(negative) == 1 and len(negative[0][0]) == 3
+    # Qwen-Image-Edit's negative embedding depends on the image, and its text is the same negative prompt for every
+    # pair: encoded once per distinct source image (a and b), not once per pair.
+    assert len(negative) == 1 and len(negative[0][0]) == 2
+    assert {im.tobytes() for im in negative[0][1]} == {a.tobytes(), b.tobytes()}
 
 
 # --- resume and LoRA export -----------------------------------------------------------------------------------------

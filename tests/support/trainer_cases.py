@@ -19,6 +19,8 @@ from flowgrpo import (
     DGPOTrainer,
     DiffusionDPOConfig,
     DiffusionDPOTrainer,
+    DiffusionNFTConfig,
+    DiffusionNFTTrainer,
     DiffusionOPDConfig,
     DiffusionOPDTrainer,
     FlowGRPOConfig,
@@ -88,6 +90,9 @@ TRAINER_KINDS = {
     # DRaFT-K through the last 2 of 4 steps, checkpointed step by step, with the KL to the base
     "reward_backprop": (RewardBackpropConfig, RewardBackpropTrainer, dict(backprop_steps=2, kl_beta=0.01),
                         ("reward", "loss", "backprop/reward_loss", "kl", "grad_norm")),
+    # rollout_cache: DiffusionNFT's rollouts through diffusers' PAB hooks (two of the four steps skip attention)
+    "diffusion_nft_cached": (DiffusionNFTConfig, DiffusionNFTTrainer, dict(rollout_cache="pab", timestep_fraction=0.5),
+                             ("reward", "nft/policy_loss", "rollout/cache_skipped", "grad_norm")),
     # a third-party algorithm (support/plugin_package.py), found by its entry point; its classes load with it
     "scaled_grpo": (None, None, dict(sde_window_size=2, sde_window_range=[0, 2], advantage_scale=-1.0),
                     ("reward", "policy_loss", "ratio_mean", "grad_norm")),

@@ -43,20 +43,23 @@ TINY_GRPO = [*TINY, "--sde_window_range", "0", "2"]  # the recipe's window range
 def test_budget_fits_in_six_minutes_and_the_script_states_it():
     plan = quick.budget()
     assert plan["budget_s"] == quick.BUDGET_S == 360 and plan["fits"]
-    total = quick.SHELL_SETUP_S + sum(c.limit_s + quick.KILL_GRACE_S for c in quick.QUICK_CHECKS) + quick.REPORT_S
+    total = quick.SHELL_SETUP_S + sum(c.limit_s + quick.KILL_GRACE_S for c in quick.DEFAULT_CHECKS) + quick.REPORT_S
     assert plan["total_s"] == total <= 360
     assert [c.name for c in quick.QUICK_CHECKS] == ["setup/wheels", "bf16_onpolicy", "sd35m_step",
-                                                     "plan_vs_measured", "nft_step", "launch/fsdp8"]
+                                                     "plan_vs_measured", "nft_step", "launch/fsdp8", "sd35m_compile"]
+    assert [c.name for c in quick.QUICK_CHECKS if not c.in_default_run] == ["sd35m_compile"]
+    # compile off against on is a second call of its own, within the same budget
+    assert quick.budget(quick.selected_checks(["sd35m_step", "sd35m_compile"]))["fits"]
     # the script's header states the same budget and limits as the module that enforces them
     comments = [line.lstrip("#").strip() for line in SCRIPT.read_text().splitlines() if line.startswith("#")]
     header = " ".join(comments)
     assert "Budget: 360 s" in header and f"allowed {quick.SHELL_SETUP_S} s" in header
-    stated = dict(re.findall(r"(setup/wheels|bf16_onpolicy|sd35m_step|plan_vs_measured|nft_step|launch/fsdp8)\s+"
-                             r"(\d+) s", header))
+    stated = dict(re.findall(r"(setup/wheels|bf16_onpolicy|sd35m_step|plan_vs_measured|nft_step|launch/fsdp8|"
+                             r"sd35m_compile)\s+(\d+) s", header))
     assert {k: float(v) for k, v in stated.items()} == {c.name: c.limit_s for c in quick.QUICK_CHECKS}
     assert f"{quick.KILL_GRACE_S} s of kill grace" in header and f"the report {quick.REPORT_S} s" in header
     # one check more of the same size would not fit: the test guards the limits
-    over = quick.budget((*quick.QUICK_CHECKS, quick.QuickCheck("extra", 60, "x")))
+    over = quick.budget((*quick.DEFAULT_CHECKS, quick.QuickCheck("extra", 60, "x")))
     assert not over["fits"] and over["total_s"] > 360
 
 
@@ -78,8 +81,24 @@ def test_the_plan_runs_each_check_from_the_repository_with_its_limit(tmp_path):
     launch = by_name["launch/fsdp8"].command
     assert launch[launch.index("--config") + 1] == "fsdp8" and launch[launch.index("--num-processes") + 1] == "1"
     assert launch[launch.index("--recipe") + 1] == "recipes/ocr.yaml" and (REPO / "recipes/ocr.yaml").is_file()
+    compiled = by_name["sd35m_compile"].command
+    assert compiled[-4:] == ("--guidance_scale", "1.0", "--torch_compile", "true")  # the step's overrides, compiled
     assert "--import" in by_name["setup/wheels"].command
     assert "--import" not in quick.build_quick_plan(tmp_path, site="s", dry_run=True)[0].command
+
+
+def test_the_compiled_step_is_reported_against_the_uncompiled_one():
+    from flowgrpo.gpu_check.quick_report import _compile_section
+
+    def step(times, first=None):
+        return {"name": "x", "status": "passed", "metrics": {
+            "step_records": [{"step": i + 1, "step_time_s": t} for i, t in enumerate(times)],
+            "benchmark": {"step_time_s": times[-1], "step_times_s": times[1:]}, "first_step": first or {}}}
+
+    lines = _compile_section(step([70.0, 8.0], {"timing/compile_s": 61.5, "compile/graphs": 4}), step([12.0, 10.0]))
+    text = "\n".join(lines)
+    assert "Compiling the blocks took 61.5 s" in text
+    assert "| first step, s | 12 | 70 | 5.83 |" in text and "| steady step, s (median of the timed steps) | 10 | 8 | 0.8 |" in text
 
 
 # ---- the run loop: limits, kills, the time left -------------------------------------------------------------------

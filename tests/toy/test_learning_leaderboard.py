@@ -312,6 +312,27 @@ def test_leaderboard_command_line_fails_fast_on_unknown_variants(tmp_path, capsy
     assert all(r.max_steps == 50 for r in runs)
 
 
+def test_the_cached_rollout_comparison_changes_only_the_cache(tmp_path):
+    """--cache-comparison's two rows: the leaderboard's diffusion-nft-fast, and the same with rollout_cache, a
+    configuration the trainer's checks accept (its run is smoke-tested by hand: docs/benchmarks.md)."""
+    from flowgrpo.toy.leaderboard import CACHED_ROLLOUT_CACHE, cached_rollout_variants
+    from flowgrpo.trainer.registry import TRAINERS
+    from flowgrpo.trainer.speed_settings import check_speed_settings
+
+    (plain, _), (cached, what) = cached_rollout_variants(300)
+    assert plain == next(s for s, _ in leaderboard_variants(300) if s.name == "diffusion-nft-fast")
+    extra = dict(cached.extra_config)
+    assert extra.pop("rollout_cache") == CACHED_ROLLOUT_CACHE and extra.pop("rollout_cache_config") == {}
+    assert dataclasses.replace(cached, name=plain.name, extra_config=extra) == plain and CACHED_ROLLOUT_CACHE in what
+    args = DiffusionNFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **cached.config_kwargs())
+    check_speed_settings(args, TRAINERS["diffusion_nft"].facts(args), "sd3", uses_cfg=False)  # the toy world: SD3
+    sys.path.insert(0, str(REPO / "scripts"))
+    import learning_benchmark as bench
+
+    runs, _ = bench.leaderboard_runs(300, [0, 1, 2], [plain.name, cached.name], None)
+    assert [(r.name, r.seed) for r in runs] == [(n, s) for n in (plain.name, cached.name) for s in (0, 1, 2)]
+
+
 def test_leaderboard_splits_variants_over_processes():
     sys.path.insert(0, str(REPO / "scripts"))
     import learning_benchmark as bench

@@ -7,7 +7,8 @@ The recipe's ``trainer`` key picks the trainer, one of the trainer registry's (`
 
 Order of work, cheapest first, so that a mistake costs seconds: parse and check the recipe, read the prompt
 datasets, check the model path (or build the tiny pipeline a recipe asks for), then load the pipeline and train.
-At the end: evaluation when there is an evaluation set, ``trainer_state.json``, the diffusers LoRA
+At the end: evaluation when there is an evaluation set and ``train()`` did not just evaluate the final weights (it
+does at its last step under a step or epoch schedule: the same images are not scored twice), ``trainer_state.json``, the diffusers LoRA
 (``pytorch_lora_weights.safetensors``) and the model card in ``output_dir``, and a Hub upload when ``push_to_hub``.
 
 Debugging distributed runs: when the environment variable ``FLOWGRPO_RANK_LOG_DIR`` names a folder, every process
@@ -154,8 +155,8 @@ def run(script_args: ScriptArguments, model_args: ModelArguments, training_args:
         trainer.add_callback(RankLogCallback(trainer, rank_log_dir))
 
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    if eval_dataset is not None:
-        trainer.evaluate()
+    if eval_dataset is not None and not trainer.final_weights_evaluated():
+        trainer.evaluate()  # once: train() already evaluated its last step's weights under a step or epoch schedule
     trainer.save_state()
     dataset_name = _hub_dataset_name(script_args)
     if training_args.push_to_hub:

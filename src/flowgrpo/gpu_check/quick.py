@@ -34,6 +34,10 @@ check                   limit  what it runs and records
 ``launch/fsdp8``           60  ``accelerate launch --config_file accelerate_configs/fsdp8.yaml --num_processes 1
                                src/train.py recipes/ocr.yaml`` for two steps on the random-weight SD3.5-M
                                (transformer and VAE at full size) and its exported LoRA (:mod:`.launch`)
+``sd35m_compile``         150  not in the default run: ``sd35m_step``'s step with ``torch_compile``, one step with
+                               the blocks' compilation (``timing/compile_s``) and one steady step; with
+                               ``--only sd35m_step sd35m_compile`` (264 s of limits) a second call of a loan
+                               times compile off against on
 ======================  =====  ===============================================================================
 
 The OCR reward of the two recipes needs rapidocr, whose wheel (27 MB, it bundles its ONNX models) does not fit
@@ -70,8 +74,9 @@ from typing import Any
 from .cli import cuda_gpu_count
 from .plan import Check, PlanError, repo_root, select_checks
 
-__all__ = ["BUDGET_S", "KILL_GRACE_S", "MIN_CHECK_S", "QUICK_CHECKS", "QUICK_IMPORT_ROOTS", "REPORT_S",
-           "SHELL_SETUP_S", "QuickCheck", "budget", "build_quick_plan", "main", "validate_overrides"]
+__all__ = ["BUDGET_S", "DEFAULT_CHECKS", "KILL_GRACE_S", "MIN_CHECK_S", "QUICK_CHECKS", "QUICK_IMPORT_ROOTS",
+           "REPORT_S", "SHELL_SETUP_S", "QuickCheck", "budget", "build_quick_plan", "main", "selected_checks",
+           "validate_overrides"]
 
 #: the whole call on one H100, set-up included: 6 minutes, so that a second call fits in a 15-minute loan
 BUDGET_S = 360
@@ -91,11 +96,13 @@ LAUNCH_CONFIG = "fsdp8"
 
 @dataclass(frozen=True)
 class QuickCheck:
-    """A check of the quick run: its name, what it shows and its time limit in seconds."""
+    """A check of the quick run: its name, what it shows and its time limit in seconds; ``in_default_run``: run
+    without ``--only`` (a check outside the default run is a second call's, named with ``--only``)."""
 
     name: str
     limit_s: float
     description: str
+    in_default_run: bool = True
 
 
 QUICK_CHECKS: tuple[QuickCheck, ...] = (
@@ -113,7 +120,13 @@ QUICK_CHECKS: tuple[QuickCheck, ...] = (
     QuickCheck(f"launch/{LAUNCH_CONFIG}", 60, f"accelerate launch accelerate_configs/{LAUNCH_CONFIG}.yaml "
                                               f"--num_processes 1 src/train.py {STEP_RECIPE}: 2 steps on the "
                                               "random-weight SD3.5-M, its LoRA exported"),
+    QuickCheck("sd35m_compile", 150, f"{STEP_RECIPE}'s step as sd35m_step, with torch_compile: the first step with "
+                                     "the compilation of the blocks, then one steady step (against sd35m_step: "
+                                     "compile off against on; a second call, --only sd35m_step sd35m_compile)",
+               in_default_run=False),
 )
+#: the checks a call without ``--only`` runs
+DEFAULT_CHECKS: tuple[QuickCheck, ...] = tuple(c for c in QUICK_CHECKS if c.in_default_run)
 
 #: what the checks' processes import (module, or module:attribute for what loads lazily); the carried wheels are
 #: derived from it (:mod:`.wheels`). Keep it in step with the checks above.
@@ -129,13 +142,29 @@ QUICK_IMPORT_ROOTS: tuple[str, ...] = (
 )
 
 
-def budget(checks: Sequence[QuickCheck] = QUICK_CHECKS) -> dict[str, Any]:
-    """The time budget of a run of ``checks``: ``total_s`` = set-up + each limit and its kill grace + the report;
-    ``fits`` when it is within :data:`BUDGET_S`."""
+def budget(checks: Sequence[QuickCheck] = DEFAULT_CHECKS) -> dict[str, Any]:
+    """The time budget of a run of ``checks`` (default: the default run's): ``total_s`` = set-up + each limit and its
+    kill grace + the report; ``fits`` when it is within :data:`BUDGET_S`."""
     limits = {c.name: c.limit_s for c in checks}
     total = SHELL_SETUP_S + sum(limit + KILL_GRACE_S for limit in limits.values()) + REPORT_S
     return {"budget_s": BUDGET_S, "shell_setup_s": SHELL_SETUP_S, "kill_grace_s": KILL_GRACE_S, "report_s": REPORT_S,
             "min_check_s": MIN_CHECK_S, "limits_s": limits, "total_s": total, "fits": total <= BUDGET_S}
+
+
+def selected_checks(only: Sequence[str]) -> list[QuickCheck]:
+    """The quick checks ``only`` names (exact names or group prefixes, as ``--only`` takes them), in plan order;
+    raises `PlanError` for a name that selects none."""
+    chosen = {c.name for c in select_checks([Check(c.name, c.description, (), c.limit_s) for c in QUICK_CHECKS],
+                                            only)}
+    return [c for c in QUICK_CHECKS if c.name in chosen]
+
+
+def _selection(plan: Sequence[Check], only: Sequence[str] | None) -> list[Check]:
+    """The checks of ``plan`` a call runs: those ``only`` names, else the default run's."""
+    if only:
+        return select_checks(plan, only)
+    second_call = {c.name for c in QUICK_CHECKS if not c.in_default_run}
+    return [c for c in plan if c.name not in second_call]
 
 
 def _check_folder(work: Path, name: str) -> Path:
@@ -163,6 +192,10 @@ def build_quick_plan(work: str | os.PathLike, *, site: str | None, overrides: Se
         "plan_vs_measured": [py, "-m", "flowgrpo.gpu_check.step_plan", "--recipe", STEP_RECIPE,
                              "--measured", str(_check_folder(work, "sd35m_step")), "--gpu", gpu,
                              "--output", str(_check_folder(work, "plan_vs_measured")), *overrides],
+        "sd35m_compile": [py, "-m", "flowgrpo.gpu_check.recipe_step", "--recipe", STEP_RECIPE,
+                          "--output", str(_check_folder(work, "sd35m_compile")),
+                          "--work", str(work / "runs" / "sd35m_compile"), "--steps", "1", "--warmup-steps", "1",
+                          *overrides, "--torch_compile", "true"],
         "nft_step": [py, "-m", "flowgrpo.gpu_check.recipe_step", "--recipe", NFT_RECIPE,
                      "--output", str(_check_folder(work, "nft_step")), "--work", str(work / "runs" / "nft_step")],
         f"launch/{LAUNCH_CONFIG}": [py, "-m", "flowgrpo.gpu_check.launch", "--config", LAUNCH_CONFIG,
@@ -214,7 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = args.started_at if args.started_at is not None else time.time()
     out = Path(args.output).resolve()
     work = Path(args.work or Path(tempfile.gettempdir()) / "flowgrpo-quick").resolve()
-    plan_budget = budget()
+    try:
+        plan_budget = budget(selected_checks(args.only) if args.only else DEFAULT_CHECKS)
+    except PlanError as err:
+        print(f"gpu-quick: error: {err}", file=sys.stderr)
+        return 2
     if not plan_budget["fits"]:
         print(f"gpu-quick: error: the checks' limits add up to {plan_budget['total_s']:.0f} s with set-up and report, "
               f"over the {BUDGET_S} s budget; lower a limit in flowgrpo.gpu_check.quick.QUICK_CHECKS",
@@ -228,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .recipe_step import check_overrides
 
         check_overrides(overrides)
-        select_checks(build_quick_plan(work, site=args.site, overrides=overrides), args.only)
+        _selection(build_quick_plan(work, site=args.site, overrides=overrides), args.only)
         validate_overrides(overrides)
         recorded = _read_recorded(args.recorded) if args.recorded else {}
     except (ValueError, PlanError, OSError) as err:
@@ -247,8 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     machine = machine_section()
     gpu = args.gpu if args.gpu != "auto" else machine.get("gpu_kind") or "auto"
-    checks = select_checks(build_quick_plan(work, site=args.site, overrides=overrides, gpu=gpu,
-                                            dry_run=args.dry_run), args.only)
+    checks = _selection(build_quick_plan(work, site=args.site, overrides=overrides, gpu=gpu,
+                                         dry_run=args.dry_run), args.only)
     commit = git_commit(repo_root())
     command = os.environ.get("FLOWGRPO_QUICK_COMMAND") or " ".join(
         ["python -m flowgrpo.gpu_check.quick", *(sys.argv[1:] if argv is None else argv)])

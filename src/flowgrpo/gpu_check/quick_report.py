@@ -168,6 +168,35 @@ def _step_section(check: Mapping[str, Any], plan: Mapping[str, Any] | None) -> l
     return lines
 
 
+def _compile_section(check: Mapping[str, Any], uncompiled: Mapping[str, Any] | None) -> list[str]:
+    """The compiled step's rows, its compile time, and against ``sd35m_step`` (same recipe and overrides, in the
+    same call) the first and the steady step as ratios."""
+    lines = _step_section(check, None)
+    m = _metrics(check)
+    first = m.get("first_step") or {}
+    records = m.get("step_records") or []
+    if "timing/compile_s" in first:
+        lines += ["", f"Compiling the blocks took {_num(first['timing/compile_s'], 4)} s of step 1 "
+                      f"({_num(first.get('compile/graphs'))} graphs; "
+                      f"{_num(first.get('compile/recompiles', 0))} compiled after step 1)."]
+    base = _metrics(uncompiled or {})
+    base_records = base.get("step_records") or []
+    steady = (m.get("benchmark") or {}).get("step_time_s")
+    base_steady = (base.get("benchmark") or {}).get("step_time_s")
+    if records and base_records:
+        lines += ["", "| | compile off (`sd35m_step`) | compile on | on / off |", "|---|---|---|---|",
+                  f"| first step, s | {_num(base_records[0].get('step_time_s'), 4)} | "
+                  f"{_num(records[0].get('step_time_s'), 4)} | "
+                  f"{_num(_ratio(records[0].get('step_time_s'), base_records[0].get('step_time_s')))} |",
+                  f"| steady step, s (median of the timed steps) | {_num(base_steady, 4)} | {_num(steady, 4)} | "
+                  f"{_num(_ratio(steady, base_steady))} |"]
+    return lines
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def _plan_section(check: Mapping[str, Any]) -> list[str]:
     cmp = _metrics(check).get("comparison") or {}
     if not cmp:
@@ -279,6 +308,8 @@ def render_markdown(data: Mapping[str, Any]) -> str:
         ("plan_vs_measured", "Planned (flowgrpo plan) against measured, the same step", _plan_section),
         ("nft_step", "SD3.5-Medium, DiffusionNFT step of recipes/nft_ocr.yaml", lambda c: _step_section(c, None)),
         ("launch/fsdp8", "accelerate launch with accelerate_configs/fsdp8.yaml", _launch_section),
+        ("sd35m_compile", "SD3.5-Medium, the same step with torch_compile (compile off against on)",
+         lambda c: _compile_section(c, checks.get("sd35m_step"))),
     ]
     for name, heading, render in sections:
         check = checks.get(name)

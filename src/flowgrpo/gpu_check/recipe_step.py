@@ -135,13 +135,17 @@ def step_preset(recipe: str, model: str, script_args: Any, model_args: Any, trai
 
 
 def _first_step_figures(trainer: Any) -> dict[str, Any]:
-    """Flow-GRPO's first-pass figures at step 1 (absent for trainers that log no ratio)."""
-    logs = [h for h in trainer.state.log_history if "ratio_mean" in h]
+    """Flow-GRPO's first-pass figures at step 1 (absent for trainers that log no ratio), and with ``torch_compile``
+    the seconds spent compiling up to the end of step 1 and the graphs compiled by then and by the last step."""
+    logs = [h for h in trainer.state.log_history if "ratio_mean" in h or "compile/graphs" in h]
     if not logs:
         return {}
     first = logs[0]
-    return {k: first[k] for k in ("on_policy_ratio_max_dev", "ratio_mean", "kl", "approx_kl", "clip_frac")
-            if k in first}
+    out = {k: first[k] for k in ("on_policy_ratio_max_dev", "ratio_mean", "kl", "approx_kl", "clip_frac",
+                                 "timing/compile_s", "compile/graphs") if k in first}
+    if "compile/recompiles" in logs[-1]:
+        out["compile/recompiles"] = logs[-1]["compile/recompiles"]
+    return out
 
 
 def _cuda_peaks() -> dict[str, float]:

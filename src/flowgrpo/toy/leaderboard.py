@@ -44,11 +44,12 @@ from typing import Any
 
 from .learning import RLSettings
 
-__all__ = ["COLOUR_KEPT", "EVAL_GUIDANCE_SCALE", "GOAL_ROWS", "NFT_VARIANT", "OPD_EXPERTS", "OPD_VARIANT", "REFERENCE_VARIANT", "TOY_AWM_SETTINGS",
+__all__ = ["CACHED_ROLLOUT_CACHE", "CACHED_ROLLOUT_SEEDS", "COLOUR_KEPT", "EVAL_GUIDANCE_SCALE", "GOAL_ROWS", "NFT_VARIANT", "OPD_EXPERTS", "OPD_VARIANT", "REFERENCE_VARIANT", "TOY_AWM_SETTINGS",
            "TOY_BRANCHGRPO_SETTINGS", "TOY_CRD_SETTINGS", "TOY_DANCEGRPO_SETTINGS", "TOY_DGPO_SETTINGS",
            "TOY_DPO_SETTINGS", "TOY_DRAFT_SETTINGS", "TOY_FLOWDPPO_SETTINGS", "TOY_NFT_FAST_SETTINGS",
            "TOY_NFT_SETTINGS", "TOY_OPD_SETTINGS", "TOY_REFL_SETTINGS", "TOY_TEMPFLOW_SETTINGS",
-           "ROLLOUTS_AT_EVAL_GUIDANCE", "VariantSummary", "bootstrap_interval", "with_config",
+           "ROLLOUTS_AT_EVAL_GUIDANCE", "VariantSummary", "bootstrap_interval", "cached_rollout_variants",
+           "with_config",
            "leaderboard_variants", "paired_difference", "plot_leaderboard", "render_leaderboard", "summarize"]
 
 #: The row every other one is compared with: the recipe itself (Flow-GRPO-Fast with random windows).
@@ -253,6 +254,30 @@ GOAL_ROWS: dict[str, tuple[str, dict, str]] = {
 
 def _copy(settings: dict) -> dict:
     return {**settings, "extra_config": dict(settings.get("extra_config", {}))}
+
+
+#: The rollout cache of the held-out comparison of cached rollouts (`cached_rollout_variants`): the fastest cache that
+#: the toy world's transformer (SD3) runs on ``toy_nft_fast``'s rollouts (docs/benchmarks.md, "Cached rollouts").
+CACHED_ROLLOUT_CACHE = "taylorseer"
+#: The seeds of that comparison (paired: the same seed with and without the cache).
+CACHED_ROLLOUT_SEEDS = (0, 1, 2)
+
+
+def cached_rollout_variants(steps: int, base: RLSettings | None = None, cache: str = CACHED_ROLLOUT_CACHE,
+                            cache_config: dict | None = None) -> list[tuple[RLSettings, str]]:
+    """DiffusionNFT made cheap per step (``recipes/toy_nft_fast.yaml``, the ``diffusion-nft-fast`` row) without and
+    with its training rollouts cached (``rollout_cache``, diffusers' defaults unless ``cache_config``): what a cached
+    rollout costs in held-out accuracy, seed by seed. The uncached row is the leaderboard's own (its finished runs are
+    reused)."""
+    base = dataclasses.replace(base or RLSettings(), max_steps=steps)
+    cached = _copy(TOY_NFT_FAST_SETTINGS)
+    cached["extra_config"].update(rollout_cache=cache, rollout_cache_config=dict(cache_config or {}))
+    return [
+        (dataclasses.replace(base, name="diffusion-nft-fast", **_copy(TOY_NFT_FAST_SETTINGS)),
+         "DiffusionNFT made cheap per step (recipes/toy_nft_fast.yaml, ours), rollouts uncached"),
+        (dataclasses.replace(base, name=f"diffusion-nft-fast-{cache}", **cached),
+         f"the same with its training rollouts through diffusers' {cache} cache (rollout_cache: {cache})"),
+    ]
 
 
 def leaderboard_variants(steps: int, base: RLSettings | None = None) -> list[tuple[RLSettings, str]]:

@@ -13,7 +13,8 @@ fact               who reads it
                    rollout workers (the ones that sample)
 ``reads_reference``the trainer (full fine-tuning keeps a frozen reference copy when the loss reads it)
 ``record``         the health guards (which recorded steps their probe may read, the last trained step), the planner
-                   (the latents kept per recorded step), docs/architecture.md
+                   (the latents kept per recorded step), the trainer (whether a cached rollout may feed the loss),
+                   docs/architecture.md
 ``workers``        the Ray backend (whether the algorithm runs there, what a worker holds and samples with, what
                    staleness means for it, whether stale samples get importance weights)
 ``probe``          the health guards' KL probe (from which state, with which stochastic step)
@@ -82,13 +83,16 @@ class RolloutRecord:
     reward-gradient trainers do; it writes its final sample into the record when it has run); ``fields``: the record's tensors the loss reads; ``steps``: recorded steps per sample (``transitions``);
     ``means``: whether each recorded step keeps its transition mean; ``last_step``: the last sampling step a rollout
     may record and train (None when it trains no recorded step), which sampling with the base model's tail must not
-    reach."""
+    reach; ``loss_reads_log_probs``: whether the loss reads the rollout's recorded transition log-probs or means as
+    the policy's own (Flow-GRPO's ratio is 1 on-policy only if they are): a cached rollout (``rollout_cache``), whose
+    transitions come from skipped or extrapolated blocks, is then refused."""
 
     kind: str
     fields: tuple[str, ...] = ()
     steps: int = 0
     means: bool = False
     last_step: int | None = None
+    loss_reads_log_probs: bool = False
 
 
 @dataclass(frozen=True)

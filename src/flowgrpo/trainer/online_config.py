@@ -243,6 +243,35 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         "help": "Warm the EMA up as Flow-GRPO does: decay min((1 + step) / (10 + step), ema_decay) at optimizer step "
                 "`step`, so that early evaluations do not see mostly the initial weights."})
 
+    # ---- compiled blocks and cached rollouts ---------------------------------------------------------
+    torch_compile: bool = field(
+        default=False,
+        metadata={"help": "Compile the transformer's repeated blocks with torch.compile (diffusers' "
+                          "compile_repeated_blocks where the model declares _repeated_blocks, else each block of "
+                          "_no_split_modules), with dynamic shapes, once: rollouts, evaluation and training run the "
+                          "same compiled code (so the first pass's ratio stays 1), and Trainer does not compile the "
+                          "whole model again. torch_compile_backend / torch_compile_mode are passed on. Logged: "
+                          "timing/compile_s once, compile/graphs and compile/recompiles. Refused with FSDP, DeepSpeed "
+                          "ZeRO-3 and rollout_cache (docs/benchmarks.md, 'Compiled blocks')."},
+    )
+    rollout_cache: str = field(
+        default="none",
+        metadata={"help": "Cache of transformer computations across the denoising steps of training rollouts, with "
+                          "diffusers' own hooks: 'none', 'first_block' (FirstBlockCacheConfig), 'taylorseer' "
+                          "(TaylorSeerCacheConfig), 'mag' (MagCacheConfig; needs mag_ratios), 'faster' "
+                          "(FasterCacheConfig) or 'pab' (PyramidAttentionBroadcastConfig). On during training rollouts "
+                          "only; training forwards and evaluation never use it. Only for algorithms whose loss does "
+                          "not read the rollout's transition log-probs (not the Flow-GRPO family), and on the families "
+                          "where the cache runs (docs/benchmarks.md, 'Cached rollouts'). Logged: "
+                          "rollout/cache_skipped."},
+    )
+    rollout_cache_config: dict | str | None = field(
+        default=None,
+        metadata={"help": "Fields of the diffusers configuration of rollout_cache, e.g. {cache_interval: 4, "
+                          "taylor_factors_dtype: float32} for taylorseer (JSON on the command line). The timestep "
+                          "callbacks and MagCache's num_inference_steps are the rollout engine's."},
+    )
+
     # ---- crash safety --------------------------------------------------------------------------------
     max_consecutive_skipped_steps: int = field(
         default=5,
@@ -430,6 +459,7 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         self._check_sequence_parallel()
         self._derive_generation_batch()
         self._check_memory_options()
+        self._check_speed_options()
         self._check_rollout_backend()
         if self.remove_unused_columns:
             raise ValueError(f"remove_unused_columns=True would drop the prompt column; {self._trainer_name} needs "
@@ -625,6 +655,17 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
         if self.vae_decode_batch_size is not None and self.vae_decode_batch_size < 1:
             raise ValueError(f"vae_decode_batch_size={self.vae_decode_batch_size} must be >= 1 images per VAE decode, "
                              "or None to decode each micro-batch at once.")
+
+    def _check_speed_options(self) -> None:
+        """``rollout_cache`` and its configuration's form (the fields against diffusers' configuration, the algorithm
+        and the family are checked by the trainer before loading: `speed_settings.check_speed_settings`)."""
+        from .speed_settings import ROLLOUT_CACHES, parse_rollout_cache_config
+
+        check_choice("rollout_cache", self.rollout_cache, ROLLOUT_CACHES)
+        self.rollout_cache_config = parse_rollout_cache_config(self.rollout_cache_config)
+        if self.rollout_cache == "none" and self.rollout_cache_config:
+            raise ValueError(f"rollout_cache_config={self.rollout_cache_config} is given but rollout_cache is 'none'; "
+                             "set rollout_cache (e.g. taylorseer) or leave rollout_cache_config out.")
 
     def _check_rollout_backend(self) -> None:
         from .rollout_settings import check_rollout_backend_settings

@@ -63,11 +63,13 @@ from .health.guards import HealthGuards, check_health_setup, needs_reference_cop
 from .online_config import OnlineRLConfig
 from .outputs.lora_export import EXPERT_LORA_WEIGHTS_NAMES
 from .outputs.sample_logging import log_sample_images
+from .policy.compiled_blocks import CompileWatch
 from .policy.loading import check_family_settings, import_own_components, read_pipeline_index
 from .policy.policy import Policy
 from .registry import spec_of
 from .rollout.backend import RolloutWorkerError, model_source
 from .rollout.backend_choice import build_rollout_backend
+from .rollout.cache import check_rollout_cache_fields
 from .rollout.engine import RolloutEngine
 from .rollout.sound import audio_reward_names, check_audio_rewards
 from .rollout.strategies import RolloutStrategy
@@ -77,6 +79,7 @@ from .sequence_parallel import (
     sequence_parallel_loss_scale,
     sequence_parallel_mesh,
 )
+from .speed_settings import check_speed_settings, torch_compile_refusal
 from .step_metrics import StepMetrics
 
 logger = logging.get_logger(__name__)
@@ -226,6 +229,9 @@ class OnlineRLTrainer(FlowBaseTrainer):
         # impossible ones are refused, from the configs alone (models/defaults.py); when the index could not be read,
         # the policy does it right after loading, before anything moves to a device.
         settings = resolve_trainer_settings(model, args, index, pipeline_kwargs)
+        # torch_compile and rollout_cache against the launch, the algorithm and the family (speed_settings.py)
+        family = family_adapter_class(index["_class_name"]).family if index and "_class_name" in index else None
+        self._check_speed_settings(args, family)
         if audio_rewards and index and "_class_name" in index:
             check_audio_rewards(family_adapter_class(index["_class_name"]), audio_rewards)
         import_own_components(index)
@@ -237,6 +243,8 @@ class OnlineRLTrainer(FlowBaseTrainer):
                              or needs_reference_copy(args))
         #: the facts of this run's algorithm, with the generation settings resolved (`AlgorithmFacts`)
         self.algorithm = self.spec.facts(args, use_lora=self.policy.is_peft)
+        if family is None:  # a loaded pipeline (no model_index.json to read): its family is known now
+            self._check_speed_settings(args, self.policy.adapter.family)
         #: the resolved generation settings and where each came from (``flowgrpo.models.defaults``)
         self.generation_settings = self.policy.generation_settings
         adapter = self.policy.adapter
@@ -256,6 +264,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
         self.buffer: list[dict] | None = None
         self._micro_step = 0
         self._startup_logged = False
+        self._evaluated_step: int | None = None
         if args.ddp_find_unused_parameters is None:  # read by Trainer when it builds the accelerator, just below
             args.ddp_find_unused_parameters = adapter.may_leave_weights_unused
 
@@ -313,6 +322,16 @@ class OnlineRLTrainer(FlowBaseTrainer):
             self.policy.build_copy(name)
         if mesh is not None:  # every copy exists now; none has sampled yet
             self.policy.enable_sequence_parallel(mesh)
+        #: torch_compile: the compile times and graphs (None without it); the blocks are compiled once every copy
+        #: of the policy exists, and Trainer compiles nothing itself (`_build_accelerator_args`)
+        self.compile_watch: CompileWatch | None = None
+        if args.torch_compile:
+            if self.is_fsdp_enabled or zero3:  # a launch the environment did not show before loading
+                raise ValueError(torch_compile_refusal("FSDP" if self.is_fsdp_enabled else "DeepSpeed ZeRO-3"))
+            self.compile_watch = CompileWatch()
+            blocks = self.policy.compile_blocks(args.torch_compile_backend, args.torch_compile_mode)
+            logger.info("torch_compile: %d blocks compiled with backend %s (dynamic shapes)", blocks,
+                        args.torch_compile_backend)
         self.rollouts = RolloutEngine(args, self.policy, self._rollout_strategy(args), self.reward_set,
                                       self.data_parallel, self.metrics, prompt_cache=prompt_cache,
                                       console=self.console, on_scores=self.health.on_scores,
@@ -326,6 +345,25 @@ class OnlineRLTrainer(FlowBaseTrainer):
                                                      self.algorithm, rollout_source,
                                                      stale_replay=self._stale_generation_replay())
         self.rollout_backend.launch()  # Ray workers load the pipeline while the trainer goes on
+
+    def _check_speed_settings(self, args: OnlineRLConfig, family: str | None) -> None:
+        """Refuse torch_compile and rollout_cache where they cannot give this run's results (before loading)."""
+        check_speed_settings(args, self.spec.facts(args), family, self._rollouts_use_cfg(args), self.spec.title)
+        check_rollout_cache_fields(args.rollout_cache, args.rollout_cache_config)
+
+    @staticmethod
+    def _rollouts_use_cfg(args: OnlineRLConfig) -> bool:
+        return args.guidance_scale is not None and args.guidance_scale > 1.0
+
+    def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
+        """Trainer's accelerator arguments without its whole-model ``torch.compile``: with ``torch_compile`` the policy
+        compiles the transformer's blocks itself (`Policy.compile_blocks`), so that rollouts and training share them."""
+        out = super()._build_accelerator_args(**kwargs)
+        if self.args.torch_compile and "dynamo_plugin" in out:
+            from accelerate.utils import TorchDynamoPlugin
+
+            out["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
+        return out
 
     # ---- read-only views of the parts ------------------------------------------------------------------
     @property
@@ -540,6 +578,12 @@ class OnlineRLTrainer(FlowBaseTrainer):
             import psutil
 
             self.metrics.train["timing/startup"].append(time.time() - psutil.Process().create_time())
+            if self.compile_watch is not None:  # the compilations of the first step (and of an evaluation before it)
+                self.metrics.train["timing/compile_s"].append(self.compile_watch.seconds)
+                self.compile_watch.mark_warm()
+        if self.compile_watch is not None:
+            self.metrics.train["compile/graphs"].append(float(self.compile_watch.graphs))
+            self.metrics.train["compile/recompiles"].append(float(self.compile_watch.recompiles))
         ema = self.policy.ema
         if ema is not None and not self.last_step_skipped:  # a skipped (non-finite) step changed no weight
             ema.update(self.policy.trainable_parameters(), step)
@@ -562,6 +606,8 @@ class OnlineRLTrainer(FlowBaseTrainer):
             raise ValueError("evaluate() needs an eval_dataset (pass one to the trainer or to evaluate()).")
         state = self.state
         metrics = self.evaluator.evaluate(dataset, metric_key_prefix, state.global_step)
+        # the weights of this step were evaluated on the trainer's own set (see final_weights_evaluated)
+        self._evaluated_step = state.global_step if eval_dataset is None and metric_key_prefix == "eval" else None
         decision = self.health.on_evaluate(metrics, metric_key_prefix, state.global_step,
                                            state.best_model_checkpoint, state.best_metric)
         if decision.stop:
@@ -570,6 +616,14 @@ class OnlineRLTrainer(FlowBaseTrainer):
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def final_weights_evaluated(self) -> bool:
+        """Whether the weights the trainer holds now were already evaluated on its evaluation set: ``train()``
+        evaluates at its last step (eval_strategy ``steps`` always does, ``epoch`` at the last epoch), so a script
+        that evaluates after ``train()`` would score the same images again (minutes per run on a full benchmark).
+        False when the best checkpoint was loaded back since (``load_best_model_at_end``) or nothing was evaluated
+        at this step."""
+        return self._evaluated_step == self.state.global_step
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
@@ -606,6 +660,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
         """Trainer's restore of the best checkpoint's weights, and its EMA (the final save then exports them)."""
         super()._load_best_model()
         self.policy.load_ema(self.state.best_model_checkpoint)
+        self._evaluated_step = None  # the best checkpoint's weights, not the last evaluated ones
         if self.is_world_process_zero():
             logger.warning(f"Loaded the best model: {self.state.best_model_checkpoint} ({self.args.metric_for_best_model}"
                            f"={self.state.best_metric}); the final weights, exported LoRA and Hub push are its.")

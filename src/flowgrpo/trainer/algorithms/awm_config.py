@@ -271,7 +271,8 @@ def describe_awm(args: AWMConfig, use_lora: bool | None = None) -> AlgorithmFact
         copies=(PolicyCopy("old_policy", "EMA adapter" + (" (samples the rollouts)" if args.off_policy else ""),
                            samples_rollouts=bool(args.off_policy)),) if ema else (),
         reads_reference=args.beta > 0,
-        record=RolloutRecord("final_sample", fields=("x0", "t", "noise", "old_log_probs")),
+        record=RolloutRecord("final_sample", fields=("x0", "t", "noise", "old_log_probs"),
+                             loss_reads_log_probs=False),  # old_log_probs: a forward of its own, not the sampler's
         workers=WorkerNeeds(
             sampled_by="old_policy" if args.off_policy else "policy", synced=("old_policy",) if ema else (),
             staleness="a sample k steps old carries the sampling weights' surrogate log-probs, recorded at the "

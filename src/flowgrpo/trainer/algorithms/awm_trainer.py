@@ -68,7 +68,8 @@ def sa_solver_rollout(engine, model: torch.nn.Module, embeds: PromptEmbeds, gene
     at timestep sigma x ``num_train_timesteps`` (the official ``t * 1000``), N model calls in all; the initial noise
     and the noise of its steps come from ``generator``. The recorded ``sigmas`` are the scheduler's unmodified levels
     (the trained levels are drawn from them, as the official code draws them from the unmodified ``timesteps``). With
-    ``base_model_tail_steps`` the last model calls use the reference's velocity.
+    ``base_model_tail_steps`` the last model calls use the reference's velocity. With ``rollout_cache`` the model
+    calls of a training rollout go through the engine's cache (`RolloutEngine.cached_steps`).
     """
     height, width = args.image_size
     device = engine.accelerator.device
@@ -85,15 +86,18 @@ def sa_solver_rollout(engine, model: torch.nn.Module, embeds: PromptEmbeds, gene
         tail = args.base_model_tail_steps and calls[0] >= steps - args.base_model_tail_steps
         calls[0] += 1
         timestep = torch.full((batch,), sigma * scale, device=device, dtype=torch.float32)
+        if cache is not None:
+            cache.step(float(sigma) * scale, float(sigma))
         with engine.policy.reference_model(model) if tail else nullcontext(model) as sampler:
             v = engine.policy.velocity(sampler, x, timestep, embeds, args.guidance_scale, height, width)
         if progress is not None:
             progress.update(1)
         return v
 
-    out = sa_solver_sample(velocity, latents, levels, tau=args.sa_solver_tau, noise_range=args.sa_solver_noise_range,
-                           predictor_order=args.sa_solver_predictor_order,
-                           corrector_order=args.sa_solver_corrector_order, generator=generator)
+    with engine.cached_steps(steps, engine.adapter.uses_cfg(args.guidance_scale)) as cache:
+        out = sa_solver_sample(velocity, latents, levels, tau=args.sa_solver_tau,
+                               noise_range=args.sa_solver_noise_range, predictor_order=args.sa_solver_predictor_order,
+                               corrector_order=args.sa_solver_corrector_order, generator=generator)
     final = engine.adapter.final_latents(out.sample, embeds)
     sigmas = scheduler.sigmas[:-1].to(device=device, dtype=torch.float32)
     timesteps = scheduler.timesteps.to(device)

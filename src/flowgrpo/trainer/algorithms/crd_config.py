@@ -208,7 +208,8 @@ def describe_crd(args: CRDConfig, use_lora: bool | None = None) -> AlgorithmFact
     return AlgorithmFacts(
         copies=copies,
         reads_reference=args.beta > 0 or not args.crd_use_old_policy,
-        record=RolloutRecord("final_sample", fields=("x0", "sigmas", "timesteps", "group_ids")),
+        record=RolloutRecord("final_sample", fields=("x0", "sigmas", "timesteps", "group_ids"),
+                             loss_reads_log_probs=False),
         workers=WorkerNeeds(
             refusal=("its rollouts are sampled by a named sampling copy of the policy that rollout workers do not "
                      "hold yet."),

@@ -213,7 +213,8 @@ def describe_dgpo(args: DGPOConfig, use_lora: bool | None = None) -> AlgorithmFa
         copies=(PolicyCopy("old_policy", "EMA reference (samples the rollouts after dgpo_switch_ema_ref steps)",
                            samples_rollouts=True),) if ema else (),
         reads_reference=args.reads_base,
-        record=RolloutRecord("final_sample", fields=("x0", "sigmas", "timesteps", "group_ids")),
+        record=RolloutRecord("final_sample", fields=("x0", "sigmas", "timesteps", "group_ids"),
+                             loss_reads_log_probs=False),
         workers=WorkerNeeds(
             refusal=("its rollouts switch to the EMA reference after dgpo_switch_ema_ref steps, a switch the "
                      "rollout workers do not make yet."),

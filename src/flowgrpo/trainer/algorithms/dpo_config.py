@@ -155,7 +155,8 @@ def describe_dpo(args: DiffusionDPOConfig, use_lora: bool | None = None) -> Algo
     return AlgorithmFacts(
         copies=(),
         reads_reference=True,
-        record=RolloutRecord("pairs" if offline else "final_sample", fields=("x0", "group_ids")),
+        record=RolloutRecord("pairs" if offline else "final_sample", fields=("x0", "group_ids"),
+                             loss_reads_log_probs=False),
         workers=WorkerNeeds(
             refusal=(f"dpo_mode={args.dpo_mode!r}: offline Diffusion-DPO reads its pairs and samples nothing."
                      if offline else None),

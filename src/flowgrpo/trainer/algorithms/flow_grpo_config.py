@@ -514,7 +514,7 @@ def describe_flow_grpo(args: FlowGRPOConfig, use_lora: bool | None = None) -> Al
         copies=(),
         reads_reference=args.beta > 0,
         record=RolloutRecord("transitions", fields=fields, steps=recorded, means=means,
-                             last_step=last_recorded_step(args)),
+                             last_step=last_recorded_step(args), loss_reads_log_probs=True),
         workers=WorkerNeeds(
             refusal=refusal, sampled_by="policy",
             synced=("reference",) if args.base_model_tail_steps > 0 else (),

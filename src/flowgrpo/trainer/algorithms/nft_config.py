@@ -188,7 +188,7 @@ def describe_nft(args: DiffusionNFTConfig, use_lora: bool | None = None) -> Algo
         copies=(PolicyCopy("old_policy", "old policy (samples the rollouts, v_old in the loss)",
                            samples_rollouts=True),),
         reads_reference=args.beta > 0,
-        record=RolloutRecord("final_sample", fields=("x0", "sigmas", "timesteps")),
+        record=RolloutRecord("final_sample", fields=("x0", "sigmas", "timesteps"), loss_reads_log_probs=False),
         workers=WorkerNeeds(
             sampled_by="old_policy", synced=("old_policy",),
             staleness="the old policy samples; a sample k steps old was drawn by the old policy of k steps before, "

@@ -216,7 +216,8 @@ def describe_opd(args: DiffusionOPDConfig, use_lora: bool | None = None) -> Algo
                            kind=kind),),
         reads_reference=args.beta > 0,
         record=RolloutRecord("transitions", fields=("latents", "next_latents", "log_probs", "timesteps", "sigmas",
-                                                    "sigmas_next", "window", "teacher"), steps=recorded),
+                                                    "sigmas_next", "window", "teacher"), steps=recorded,
+                             loss_reads_log_probs=False),  # the student's and teachers' means are recomputed
         workers=WorkerNeeds(
             refusal="its teachers replay the student's states, which have not been run against rollout workers yet.",
             staleness="a state k steps old was visited by the student of k steps before; the teachers replay it as "

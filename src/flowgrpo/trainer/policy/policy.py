@@ -215,6 +215,20 @@ class Policy:
             self.adapter.prepare_sequence_parallel(module)
             enable_sequence_parallel(module, self.adapter.context_parallel_plan(module), mesh, device)
 
+    def compile_blocks(self, backend: str | None = "inductor", mode: str | None = None) -> int:
+        """``torch_compile``: compile the repeated blocks of the trained transformer(s) and of every frozen copy that
+        samples or is replayed (the reference copy, the old policy's and named copies' of full fine-tuning), once,
+        after the copies are built (`compiled_blocks.py`); returns the number of blocks compiled. A LoRA adapter
+        (the old policy's, a named copy's, the reference's switched-off adapter) runs inside the same compiled
+        blocks."""
+        from .compiled_blocks import compile_blocks
+
+        modules = list(self.adapter.transformers())
+        frozen = [self.reference_copy, *(kept.module for kept in (self.old_policy, *self.copies.values())
+                                         if kept is not None and hasattr(kept, "module"))]
+        modules += [m for m in frozen if m is not None]
+        return sum(compile_blocks(module, backend=backend, mode=mode) for module in modules)
+
     def build_teachers(self, specs: list[Any], pipeline_kwargs: dict | None = None) -> None:
         """The frozen teachers of ``specs`` (``TeacherSpec``: ``lora`` or ``model_name_or_path``), in order: a LoRA
         as a further adapter of the trained LoRA model (a merged frozen copy for full fine-tuning), another checkpoint

@@ -25,8 +25,9 @@ import math
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,8 +42,10 @@ from ..console import rollout_progress
 from ..data.condition_images import IMAGE_COLUMN, image_key
 from ..data.datasets import INDEX_COLUMN
 from ..seeds import seed_for
+from ..speed_settings import parse_rollout_cache_config
 from ..step_metrics import StepMetrics
 from .advantages import ConstraintTerms, compute_constrained_advantages, compute_reward_advantages
+from .cache import CacheSteps, RolloutCache
 from .generation import Generation, done_future
 from .images import load_images, to_pil
 from .sliced_decode import decode_in_slices
@@ -114,6 +117,12 @@ class RolloutEngine:
         #: sequence parallelism: only an SP group's leader scores its samples (`_settle_scores` shares the scores);
         #: the accelerator of a launch without SP always scores
         self.scores_rewards = bool(getattr(accelerator, "scores_rewards", True))
+        #: diffusers' cache hooks of ``rollout_cache`` (None: ``"none"``), on during training rollouts only
+        kind = getattr(args, "rollout_cache", "none")
+        self.cache: RolloutCache | None = None if kind == "none" else RolloutCache(
+            kind, parse_rollout_cache_config(getattr(args, "rollout_cache_config", None)), self.adapter.transformers(),
+            video=self.adapter.is_video)
+        self._cache_on = False
 
     def sde_settings(self, noise_level: float | None = None, sde_type: str | None = None) -> SDESettings:
         """The stochastic step of this engine's rollouts (the strategy's noise level and step type unless given) with
@@ -169,10 +178,17 @@ class RolloutEngine:
         height, width = args.image_size
         embeds = self.adapter.encode_prompts(unique_prompts, args.max_sequence_length, device, images=unique_images,
                                              height=height, width=width)
-        if per_image_negative:
-            embeds.negative = self.adapter.encode_prompts([args.negative_prompt] * len(unique_prompts),
-                                                          args.max_sequence_length, device, images=unique_images,
-                                                          height=height, width=width)
+        if per_image_negative:  # once per distinct source image, however many prompts share it
+            image_rows: dict[str, int] = {}
+            distinct, negative_rows = [], []
+            for (_, key), image in zip(unique, unique_images):
+                if key not in image_rows:
+                    image_rows[key] = len(distinct)
+                    distinct.append(image)
+                negative_rows.append(image_rows[key])
+            negative = self.adapter.encode_prompts([args.negative_prompt] * len(distinct), args.max_sequence_length,
+                                                   device, images=distinct, height=height, width=width)
+            embeds.negative = negative.index_select(torch.tensor(negative_rows, dtype=torch.long))
         return embeds, torch.tensor(rows, dtype=torch.long)
 
     # ------------------------------------------------------------------------------------------------
@@ -231,51 +247,67 @@ class RolloutEngine:
         solver = FlowODESolver(ode_solver) if ode_solver != "euler" else None
         plan = rollout_steps(sigmas, timesteps, window, ode_compression_ratio, self.scheduler.config.num_train_timesteps)
         tail = self._reference_tail
-        for index, step in enumerate(plan):
-            if not start <= index < end:
-                continue
-            t = step.timestep.expand(batch)
-            if tail and index >= len(plan) - tail:  # base_model_tail_steps: the reference's velocity
-                if record and step.stochastic:
-                    raise ValueError(f"base_model_tail_steps={tail} reaches a trained (recorded SDE) step of the "
-                                     "rollout; the reference's steps must come after the trained window: lower "
-                                     "base_model_tail_steps or move the SDE window earlier (sde_window_range / "
-                                     "sde_window_size).")
-                with self.policy.reference_model(model) as ref:
-                    v = self.policy.velocity(ref, latents, t, embeds, guidance_scale, height, width)
-            else:
-                v = self.policy.velocity(model, latents, t, embeds, guidance_scale, height, width)
-            if step.stochastic or solver is None:
-                sde = SDESettings(noise_level if step.stochastic else 0.0, sde_type, float(sigmas[1]))
-                drawn = None
-                if step.stochastic and step_noise is not None:  # the caller's draws: x' = mean + std * z
-                    moments = sde_transition(v, latents, step.sigma, step.sigma_next, sde, next_state=latents)
-                    std = moments.std.reshape((batch,) + (1,) * (latents.ndim - 1))
-                    drawn = moments.prev_sample_mean + std * step_noise(index).to(device=device, dtype=torch.float32)
-                out = sde_transition(v, latents, step.sigma, step.sigma_next, sde, next_state=drawn,
-                                     generator=generator if drawn is None else None)
-                if solver is not None:
-                    solver.reset()  # a deterministic stretch after the window starts a new history
-                if record and step.stochastic:
-                    traj["latents"].append(latents)
-                    traj["next_latents"].append(out.prev_sample)
-                    traj["log_probs"].append(out.log_prob)
-                    traj["timesteps"].append(t)
-                    traj["sigmas"].append(step.sigma.expand(batch))
-                    traj["sigmas_next"].append(step.sigma_next.expand(batch))
-                    if record_means:
-                        traj["means"].append(out.prev_sample_mean)
-                latents = out.prev_sample
-            else:
-                latents = solver.step(latents, v, step.sigma, step.sigma_next, final=step.final)
-            if progress is not None:
-                progress.update(1)
+        with self.cached_steps(len(plan), self.adapter.uses_cfg(guidance_scale)) as cache:
+            for index, step in enumerate(plan):
+                if not start <= index < end:
+                    continue
+                if cache is not None:
+                    cache.step(float(step.timestep), float(step.sigma))
+                t = step.timestep.expand(batch)
+                if tail and index >= len(plan) - tail:  # base_model_tail_steps: the reference's velocity
+                    if record and step.stochastic:
+                        raise ValueError(f"base_model_tail_steps={tail} reaches a trained (recorded SDE) step of the "
+                                         "rollout; the reference's steps must come after the trained window: lower "
+                                         "base_model_tail_steps or move the SDE window earlier (sde_window_range / "
+                                         "sde_window_size).")
+                    with self.policy.reference_model(model) as ref:
+                        v = self.policy.velocity(ref, latents, t, embeds, guidance_scale, height, width)
+                else:
+                    v = self.policy.velocity(model, latents, t, embeds, guidance_scale, height, width)
+                if step.stochastic or solver is None:
+                    sde = SDESettings(noise_level if step.stochastic else 0.0, sde_type, float(sigmas[1]))
+                    drawn = None
+                    if step.stochastic and step_noise is not None:  # the caller's draws: x' = mean + std * z
+                        moments = sde_transition(v, latents, step.sigma, step.sigma_next, sde, next_state=latents)
+                        std = moments.std.reshape((batch,) + (1,) * (latents.ndim - 1))
+                        noise = step_noise(index).to(device=device, dtype=torch.float32)
+                        drawn = moments.prev_sample_mean + std * noise
+                    out = sde_transition(v, latents, step.sigma, step.sigma_next, sde, next_state=drawn,
+                                         generator=generator if drawn is None else None)
+                    if solver is not None:
+                        solver.reset()  # a deterministic stretch after the window starts a new history
+                    if record and step.stochastic:
+                        traj["latents"].append(latents)
+                        traj["next_latents"].append(out.prev_sample)
+                        traj["log_probs"].append(out.log_prob)
+                        traj["timesteps"].append(t)
+                        traj["sigmas"].append(step.sigma.expand(batch))
+                        traj["sigmas_next"].append(step.sigma_next.expand(batch))
+                        if record_means:
+                            traj["means"].append(out.prev_sample_mean)
+                    latents = out.prev_sample
+                else:
+                    latents = solver.step(latents, v, step.sigma, step.sigma_next, final=step.final)
+                if progress is not None:
+                    progress.update(1)
         if progress is not None and steps is None and len(plan) < num_steps:
             progress.update(num_steps - len(plan))
         stacked = None
         if record:
             stacked = {k: torch.stack(v, dim=1) if v else torch.empty(batch, 0) for k, v in traj.items()}
         return (self.adapter.final_latents(latents, embeds) if end == num_steps else latents), stacked
+
+    @contextmanager
+    def cached_steps(self, num_steps: int, uses_cfg: bool = False) -> Iterator[CacheSteps | None]:
+        """The rollout cache's hooks for one denoising loop of ``num_steps`` transformer steps (``uses_cfg``: with
+        classifier-free guidance) during a training rollout (`generate`), else None: evaluation, the health guards'
+        probes and every training forward run the policy's own blocks. A sampler of its own (AWM's SA-Solver) calls
+        ``cache.step(timestep, sigma)`` before each step, as `sample` does."""
+        if self.cache is None or not self._cache_on:
+            yield None
+            return
+        with self.cache.trajectory(num_steps, uses_cfg) as steps:
+            yield steps
 
     def final_sample(self, model, embeds: PromptEmbeds, generator, progress, solver: str) -> tuple[torch.Tensor, dict]:
         """A deterministic rollout with ``solver`` (``"euler"`` or ``"dpmpp_2m"``) at ``num_inference_steps`` and
@@ -315,6 +347,7 @@ class RolloutEngine:
         jobs, records = [], []
         progress = rollout_progress(self.console, len(chunks) * args.num_inference_steps)
         self._reference_tail = args.base_model_tail_steps
+        self._cache_on = True
         try:
             with self.policy.generation_context() as model:
                 tic = self.clock()
@@ -341,10 +374,15 @@ class RolloutEngine:
                         on_micro_batch(len(records) - 1, record, jobs[-1])
         finally:
             self._reference_tail = 0
+            self._cache_on = False
         progress.close()
         timing["sampling_total"] = self.clock() - t0
         sequence_parallel = getattr(self.accelerator, "layout", None)
         settle = self._settle_scores if sequence_parallel is not None and sequence_parallel.enabled else None
+        if self.cache is not None:  # counts, summed like the timings; score() logs their ratio
+            calls, computed = self.cache.take_counts()
+            timing["cache_calls"] += calls
+            timing["cache_computed"] += computed
         return Generation(records=records, jobs=jobs, chunks=chunks, prompts=prompts, group_ids=group_ids,
                           timing=timing, step=step, settle_scores=settle)
 
@@ -500,6 +538,8 @@ class RolloutEngine:
         m["timing/reward"].append(timing["reward_wait"])
         for key in ("text_encoding", "rollout", "vae_decode"):
             m[f"timing/{key}"].append(timing[key])
+        if timing.get("cache_calls"):  # rollout_cache: the hooked block (or attention) computations skipped
+            m["rollout/cache_skipped"].append(1.0 - timing["cache_computed"] / timing["cache_calls"])
         self.last_timing = dict(timing)
 
         shown = args.num_log_images

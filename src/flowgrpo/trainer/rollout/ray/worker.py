@@ -84,7 +84,8 @@ def rollout_fingerprint(engine: Any) -> dict[str, Any]:
     names = ("num_inference_steps", "guidance_scale", "noise_level", "sde_type", "sde_window_size",
              "sde_window_range", "sde_window_strategy", "ode_solver", "ode_compression_ratio", "sampler",
              "height", "width", "num_frames", "max_sequence_length", "negative_prompt", "seed",
-             "per_device_train_batch_size", "same_noise_per_group", "base_model_tail_steps")
+             "per_device_train_batch_size", "same_noise_per_group", "base_model_tail_steps", "torch_compile",
+             "rollout_cache", "rollout_cache_config")
     settings = {name: getattr(args, name, None) for name in names}
     settings["sde_window_range"] = list(settings["sde_window_range"] or []) or None
     settings["sigmas"] = [round(float(s), 7) for s in scheduler.sigmas.tolist()]
@@ -194,6 +195,8 @@ class RolloutWorker:
                                           self.accelerator.autocast)
         if spec.uses_old_policy:
             self.policy.build_old_policy()
+        if args.torch_compile:  # compiled as the trainer compiles them: the same blocks' code samples and trains
+            self.policy.compile_blocks(args.torch_compile_backend, args.torch_compile_mode)
         self.engine = RolloutEngine(args, self.policy, spec.strategy, _ForwardedRewards(spec.audio_rewards),
                                     self.accelerator, StepMetrics(), prompt_cache=prompt_cache)
         self.version: int | None = None
