@@ -164,6 +164,10 @@ def check_speed_settings(args: Any, facts: Any, family: str | None, uses_cfg: bo
                          "blocks for every rollout and decide in Python at each step whether a block runs, so the "
                          "blocks are compiled again at every rollout (measured on the tiny SD3 with pab: 12 new "
                          "graphs per step) until torch's recompile limit stops the run. Use one of the two.")
+    if facts.record.kind == "prompts":
+        raise ValueError(f"rollout_cache={kind!r} with {algorithm}: its rollout runs inside its loss, with gradient "
+                         "through the sampler, so a cache would differentiate skipped or extrapolated block outputs "
+                         "instead of the policy's. Set rollout_cache: none.")
     if facts.record.loss_reads_log_probs:
         raise ValueError(f"rollout_cache={kind!r} with {algorithm}: its loss reads the rollout's recorded transition "
                          "log-probs (the clipped ratio's denominator). A cached rollout's log-probs are those of the "
