@@ -122,3 +122,30 @@ def test_sharded_launches_are_read_from_the_configuration_and_the_environment(mo
     assert sharded_launch(Args()) == "DeepSpeed ZeRO-3"
     config.write_text('{"zero_optimization": {"stage": 2}}')
     assert sharded_launch(Args()) is None
+
+
+def test_speed_settings_follow_the_algorithms_spec():
+    """The refusals read the algorithm's facts, not its name: a rollout inside the loss (the reward-gradient trainer),
+    recorded log-probs (Flow-GRPO), and sequence parallelism with either switch."""
+    from flowgrpo.trainer.registry import TRAINERS
+    from flowgrpo.trainer.speed_settings import check_speed_settings
+
+    def facts(name, **kwargs):
+        args = TRAINERS[name].config_class()(output_dir="/tmp/unused", report_to=[], num_inference_steps=4, **kwargs)
+        return args, TRAINERS[name].facts(args)
+
+    args, backprop = facts("reward_backprop")
+    args.rollout_cache = "pab"
+    with pytest.raises(ValueError, match="its rollout runs inside its loss"):
+        check_speed_settings(args, backprop, "sd3", uses_cfg=False)
+    args, grpo = facts("flow_grpo")
+    args.rollout_cache = "pab"
+    with pytest.raises(ValueError, match="reads the rollout's recorded transition log-probs"):
+        check_speed_settings(args, grpo, "sd3", uses_cfg=False)
+    args, nft = facts("diffusion_nft")
+    args.sequence_parallel_size, args.torch_compile = 2, True
+    with pytest.raises(ValueError, match="torch_compile=True with sequence_parallel_size=2"):
+        check_speed_settings(args, nft, "wan", uses_cfg=False)
+    args.torch_compile, args.rollout_cache = False, "pab"
+    with pytest.raises(ValueError, match="rollout_cache='pab' with sequence_parallel_size=2"):
+        check_speed_settings(args, nft, "wan", uses_cfg=False)
