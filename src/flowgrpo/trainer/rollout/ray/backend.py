@@ -110,6 +110,8 @@ class RayRolloutBackend(RolloutBackend):
         self._read_ahead: ReadAhead | None = None
         self._failed = False
         self._ready = False
+        #: process 0: per worker, the answer `start` waits for (a kept worker's reconfiguration), None for a new one
+        self._ready_refs: list = []
 
     # ---- views -------------------------------------------------------------------------------------------
     @property
@@ -147,6 +149,7 @@ class RayRolloutBackend(RolloutBackend):
 
         args, session = self.args, self.session
         self._failed = self._ready = False
+        self._ready_refs = []
         session.open()
         if self.rewards is not None:
             self.rewards.launch()
@@ -173,8 +176,9 @@ class RayRolloutBackend(RolloutBackend):
                         name=name, namespace=NAMESPACE, max_restarts=args.max_worker_restarts, max_task_retries=0,
                         runtime_env={"env_vars": env}, **resource_options(resources)).remote(name, coordinator_name)
                     self.pool.created(name, handle)
+                    self._ready_refs.append(None)  # `start` asks it to describe itself once built
                 else:
-                    handle.configure.remote()  # rebuilt for this run; `start` waits for it
+                    self._ready_refs.append(handle.configure.remote())  # rebuilt for this run; `start` waits for it
                 handles.append(handle)
             names = [name for name, _ in taken]
             self.coordinator = coordinator
@@ -233,9 +237,10 @@ class RayRolloutBackend(RolloutBackend):
         failed = None
         if session.is_main:
             try:
-                described = session.wait([w.describe.remote() for w in self.workers.handles],
-                                         args.rollout_startup_timeout_s, "at start (building the pipeline and policy)",
-                                         self.workers.names)
+                refs = [ref if ref is not None else w.describe.remote()
+                        for ref, w in zip(self._ready_refs, self.workers.handles)]
+                described = session.wait(refs, args.rollout_startup_timeout_s,
+                                         "at start (building the pipeline and policy)", self.workers.names)
                 self.workers.started(described)
                 for info in described:
                     logger.info("Rollout worker %s: pid %s on %s, %s, %s torch threads, ready in %.1f s", info["name"],
