@@ -51,7 +51,9 @@ def ray_cluster():
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
     connection = start_local_cluster(num_cpus=2, num_gpus=0, object_store_memory=96 << 20,
                                      timeout_s=CLUSTER_START_TIMEOUT_S,
-                                     extra_nodes=[{"num_cpus": 1, "resources": {ROLLOUT_NODE: 1},
+                                     # 2 CPUs: room for the worker placed there even when Ray put the
+                                     # pool's shared worker there too
+                                     extra_nodes=[{"num_cpus": 2, "resources": {ROLLOUT_NODE: 1},
                                                    "object_store_memory": 96 << 20}])
     with RolloutWorkerPool():  # the trainers of the module share their workers
         yield connection
@@ -82,6 +84,7 @@ def build(kind: str, path, out: Path, **overrides):
         num_generations=4, resolution=64, num_inference_steps=4, eval_num_inference_steps=4, guidance_scale=1.0,
         max_steps=2, learning_rate=1e-2, beta=0.0, max_sequence_length=16, logging_steps=1, save_strategy="no",
         disable_tqdm=True, seed=0, log_images_steps=0, dtype="float32", cpu_threads="1", rollout_timeout_s=120.0,
+        rollout_startup_timeout_s=300.0,
     )
     settings.update(dict(TRAINER_KINDS.get(kind, (None, None, {}))[2]))  # what exercises the algorithm's own state
     if "sde_window_range" in fields and not settings.get("branch_steps"):
@@ -153,6 +156,23 @@ def test_the_local_cluster_is_private_and_refuses_clients_without_its_token(ray_
     assert listening, "ss found no Ray socket"
     assert not [s for s in listening if s[0].endswith(":8265") or "dashboard" in s[1]]
     assert {"gcs_server", "raylet"} <= {name for _, name, _ in listening}
+
+
+def test_a_cluster_that_does_not_start_in_time_fails_naming_what_it_waited_for(tmp_path):
+    """A head node that does not come up within ``ray_start_timeout_s`` (here 0.5 s: ``ray start`` alone takes longer)
+    stops the start with `RayStartError` saying which node and what was waited for, and nothing is left running (a
+    fresh process: the start sets this process's token authentication)."""
+    code = ("import sys\nfrom flowgrpo.trainer.rollout.ray.cluster import RayStartError, start_local_cluster\n"
+            "try:\n    start_local_cluster(num_cpus=1, timeout_s=0.5, temp_root=sys.argv[1])\n"
+            "except RayStartError as err:\n    print(err)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert "The Ray head node (GCS and raylet) did not start within ray_start_timeout_s=0.5 s" in out.stdout, out.stderr
+    assert "Ray runtime started." in out.stdout  # what it waited for
+    assert list(tmp_path.iterdir()) == []  # the run's folder is removed
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
+    assert not left.strip()
 
 
 def test_joining_a_cluster_without_token_authentication_warns(caplog):
