@@ -2,6 +2,8 @@
 """The Ray rollout backend against the local one on the toy world: learning at equal steps, and throughput.
 
     python scripts/ray_rollouts_check.py learning --steps 150 --seeds 0 1 2 --output outputs/ray_learning
+    python scripts/ray_rollouts_check.py learning --recipes recipes/toy_dgpo.yaml recipes/toy_crd.yaml \
+        --steps 150 --seeds 0 1 2 --output outputs/ray_learning_dgpo_crd
     python scripts/ray_rollouts_check.py throughput --steps 40 --repeats 3 --output outputs/ray_throughput
 
 ``learning``: for each recipe (``recipes/toy_nft_fast.yaml``, ``recipes/toy.yaml``) and seed, the local backend and
@@ -10,7 +12,10 @@ launch script (``src/train.py``, one torch thread per process; the Ray run start
 cluster), the pair of one seed running side by side (two runs at a time), then evaluate once at the last step on the
 world's held-out prompts (43 prompts x 4 images, the recipe's evaluation settings). Reported per recipe and backend:
 held-out shape accuracy (``eval_rewards/toy_shape/mean``) and colour accuracy, mean and standard deviation over the
-seeds, and the paired differences.
+seeds; and per recipe the paired differences Ray - local (mean and standard deviation over the seeds) with the noise
+of one evaluation, the binomial standard error sqrt(p (1 - p) / n) of an accuracy p over the n images evaluated.
+``--recipes`` picks the recipes (default: ``recipes/toy_nft_fast.yaml`` and ``recipes/toy.yaml``; DGPO and CRD:
+``recipes/toy_dgpo.yaml recipes/toy_crd.yaml``). Runs already finished in ``--output`` are read back, not run again.
 
 ``throughput``: toy_nft_fast and toy (``--recipes``) for ``--steps`` steps without evaluation, alternating the local
 backend with two torch threads, the Ray backend with a trainer of one thread and one worker of one thread
@@ -89,7 +94,7 @@ def _read(out: Path) -> dict:
 def learning(args: argparse.Namespace) -> dict:
     world = _world()
     results = []
-    for recipe in RECIPES:
+    for recipe in args.recipes or RECIPES:
         for seed in args.seeds:
             runs = {}
             for backend, extra in (("local", []), ("ray", RAY)):
@@ -106,6 +111,7 @@ def learning(args: argparse.Namespace) -> dict:
                 staleness = [h["rollout/staleness_mean"] for h in history if "rollout/staleness_mean" in h]
                 results.append({"recipe": recipe, "backend": backend, "seed": seed, "step": final["step"],
                                 "shape": final["eval_rewards/toy_shape/mean"],
+                                "images": final.get("eval_rewards/toy_shape/count"),
                                 "color": final.get("eval_rewards/toy_color/mean"),
                                 "shape_cfg3": final.get("eval_cfg3_rewards/toy_shape/mean"),
                                 "staleness_mean": statistics.fmean(staleness) if staleness else 0.0})
@@ -133,9 +139,28 @@ def throughput(args: argparse.Namespace) -> dict:
     return {"steps": args.steps, "repeats": args.repeats, "runs": rows}
 
 
+def _paired(result: dict) -> str:
+    """Per recipe: Ray - local held-out shape accuracy, paired by seed, and the noise of one evaluation."""
+    lines = ["| recipe | Ray - local: mean +- sd of the paired differences | seeds | one evaluation's binomial SE |",
+             "|---|---|---|---|"]
+    for recipe in dict.fromkeys(r["recipe"] for r in result["runs"]):
+        runs = {(r["backend"], r["seed"]): r for r in result["runs"] if r["recipe"] == recipe}
+        seeds = sorted({seed for backend, seed in runs if ("local", seed) in runs and ("ray", seed) in runs})
+        if not seeds:
+            continue
+        diffs = [runs[("ray", s)]["shape"] - runs[("local", s)]["shape"] for s in seeds]
+        spread = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+        p = statistics.fmean(runs[("local", s)]["shape"] for s in seeds)
+        n = runs[("local", seeds[0])].get("images") or 172  # 43 held-out prompts x 4 images
+        se = (p * (1 - p) / n) ** 0.5
+        lines.append(f"| {recipe} | {100 * statistics.fmean(diffs):+.1f} +- {100 * spread:.1f} pts | {len(seeds)} | "
+                     f"{100 * se:.1f} pts (p = {100 * p:.1f}%, n = {int(n)}) |")
+    return "\n".join(lines)
+
+
 def _table(result: dict, key: str) -> str:
     lines = []
-    for recipe in RECIPES:
+    for recipe in dict.fromkeys(r["recipe"] for r in result["runs"]):
         for backend in ("local", "ray", "local-1-thread"):
             values = [r[key] for r in result["runs"] if r["recipe"] == recipe and r["backend"] == backend]
             if values:
@@ -150,13 +175,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--recipes", nargs="+", default=None, help="throughput: the recipes (default both)")
+    parser.add_argument("--recipes", nargs="+", default=None,
+                        help="the recipes (default recipes/toy_nft_fast.yaml and recipes/toy.yaml)")
     parser.add_argument("--output", default="outputs/ray_rollouts_check")
     args = parser.parse_args()
     Path(args.output).mkdir(parents=True, exist_ok=True)
     result = learning(args) if args.mode == "learning" else throughput(args)
     (Path(args.output) / "results.json").write_text(json.dumps(result, indent=1))
     print(_table(result, "shape" if args.mode == "learning" else "s_per_step"))
+    if args.mode == "learning":
+        print(_paired(result))
 
 
 if __name__ == "__main__":

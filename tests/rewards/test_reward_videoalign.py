@@ -14,6 +14,7 @@ the scores are pinned here.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import numpy as np
@@ -135,7 +136,10 @@ def test_through_mp4_encodes_as_the_official_inputs_were_made_and_scores_them(ti
     frames = _video(*VIDEOS["b"])
     data = encode_mp4(frames, 8.0)
     assert data == encode_mp4(frames, 8.0)
-    assert data == (DATA / "videoalign_b_8fps.mp4").read_bytes(), "this PyAV's x264 encodes differently"
+    # the container names the muxer's version ("Lavf62.12.102"), which changes with every PyAV wheel; the frames'
+    # bytes (x264's settings and output) must not
+    assert _muxer_named_alike(data) == _muxer_named_alike((DATA / "videoalign_b_8fps.mp4").read_bytes()), \
+        "this PyAV's x264 encodes differently"
     reward = _reward(tiny_videoreward, fps=8)
     result = RewardSet([reward], ["videoalign"])(PROMPTS, [_video(*VIDEOS["a"]), frames])
     vq_mq_ta = np.array([result.metrics[f"videoalign/{d}"] for d in ("VQ", "MQ", "TA")]).T
@@ -143,6 +147,11 @@ def test_through_mp4_encodes_as_the_official_inputs_were_made_and_scores_them(ti
     assert result.per_reward["videoalign"] == pytest.approx(vq_mq_ta.sum(1), rel=1e-6)  # Overall
     single = _reward(tiny_videoreward, fps=8, dimensions=["VQ", "TA"])(PROMPTS[1:], [frames])
     assert single[0] == pytest.approx(OFFICIAL_MP4_8FPS[1][0] + OFFICIAL_MP4_8FPS[1][2], rel=1e-4)
+
+
+def _muxer_named_alike(data: bytes) -> bytes:
+    """``data`` with the libavformat version in its encoder tag written as zeros of the same length."""
+    return re.sub(rb"Lavf[0-9.]+", lambda m: b"Lavf" + b"0" * (len(m.group()) - 4), data)
 
 
 def test_bad_options_are_named_before_loading(monkeypatch):

@@ -47,7 +47,8 @@ def test_each_algorithm_states_its_copies_record_workers_probe_and_step():
     assert grpo.record.last_step == 4 + 3 - 2 and grpo.workers.importance_weights
     assert (grpo.step.trained_input, grpo.step.trained_timesteps, grpo.step.loss) == ("recorded_transition", 3, "ratio")
     dppo = TRAINERS["flow_grpo"].facts(_config("flow_grpo", policy_loss="dppo", num_iterations=2))
-    assert dppo.record.means and dppo.step.stored_per_step == 3 and dppo.workers.refusal
+    assert dppo.record.means and dppo.step.stored_per_step == 3 and not dppo.workers.refusal
+    assert "anchor" in dppo.workers.trainer_replay and "anchor" in dppo.workers.staleness
     dance = TRAINERS["flow_grpo"].facts(_config("flow_grpo", sde_type="dance", timestep_fraction=0.5))
     assert dance.step.trained_timesteps == 4  # int(9 recorded steps x 0.5): DanceGRPO's subset
 
@@ -59,8 +60,12 @@ def test_each_algorithm_states_its_copies_record_workers_probe_and_step():
 
     crd = TRAINERS["crd"].facts(_config("crd"))
     assert crd.named_copies == ("sampling",) and crd.workers.sampled_by == "sampling"
-    dgpo = TRAINERS["dgpo"].facts(_config("dgpo"))
+    assert crd.workers.synced == ("sampling",)  # the old copy only the loss reads stays on the trainer
+    dgpo = TRAINERS["dgpo"].facts(_config("dgpo", dgpo_switch_ema_ref=7, max_steps=20))
     assert dgpo.keeps_old_policy and dgpo.copies[0].samples_rollouts and dgpo.step.trained_timesteps == 4
+    assert (dgpo.workers.sampled_by, dgpo.workers.synced, dgpo.workers.switch_step) == ("old_policy", ("old_policy",), 7)
+    tree = TRAINERS["flow_grpo"].facts(_config("flow_grpo", **BRANCH))
+    assert tree.workers.whole_groups and not grpo.workers.whole_groups
     awm = TRAINERS["awm"].facts(_config("awm", off_policy=True))
     assert awm.workers.sampled_by == "old_policy" and awm.step.trained_batch == awm.step.trained_batch > 0
     dpo = TRAINERS["diffusion_dpo"].facts(_config("diffusion_dpo", dpo_mode="offline"))
@@ -69,6 +74,38 @@ def test_each_algorithm_states_its_copies_record_workers_probe_and_step():
     teacher = opd.copy("teacher")
     assert (teacher.count, teacher.kind) == (1, "adapter") and opd.step.frozen_forwards == ("teacher",)
     assert TRAINERS["diffusion_opd"].facts(_config("diffusion_opd"), use_lora=False).copy("teacher").kind == "model"
+    assert opd.workers.synced == () and "teachers" in opd.workers.trainer_replay
+    # the seven trainers of the Ray issue run on rollout workers; offline Diffusion-DPO (it samples nothing) and the
+    # reward-gradient trainer (its rollout is its loss) are refused
+    assert [name for name in TRAINERS if name in BUILTIN_TRAINERS
+            and TRAINERS[name].facts(_config(name)).workers.refusal] == ["reward_backprop"]
+
+
+#: a BranchGRPO tree of 4 leaves over 10 steps
+BRANCH = {"branch_steps": [0, 3], "branch_factor": 2, "num_generations": 4, "sde_window_size": 0}
+#: the rows of docs/distributed.md's table of what rollout workers need: (name, trainer, settings)
+WORKER_TABLE_ROWS = [
+    ("Flow-GRPO family", "flow_grpo", {}),
+    ("Flow-GRPO, truncated_importance_cap", "flow_grpo", {"rollout_backend": "ray", "truncated_importance_cap": 2.0}),
+    ("Flow-DPPO (policy_loss: dppo)", "flow_grpo", {"policy_loss": "dppo", "num_iterations": 2}),
+    ("BranchGRPO (branch_steps)", "flow_grpo", BRANCH),
+    ("DiffusionNFT", "diffusion_nft", {}),
+    ("AWM, off_policy", "awm", {"off_policy": True}),
+    ("online Diffusion-DPO", "diffusion_dpo", {"dpo_mode": "online"}),
+    ("DGPO", "dgpo", {"dgpo_switch_ema_ref": 200, "max_steps": 1000}),
+    ("CRD", "crd", {}),
+    ("on-policy distillation", "diffusion_opd", {}),
+]
+
+
+def test_the_distributed_page_states_what_each_algorithms_spec_says_of_workers():
+    """docs/distributed.md's table of staleness per algorithm is the one the specs give (`worker_needs_table`)."""
+    from flowgrpo.trainer.algorithm_spec import worker_needs_table
+
+    table = worker_needs_table([(title, TRAINERS[name].facts(_config(name, **settings)))
+                                for title, name, settings in WORKER_TABLE_ROWS])
+    page = (PACKAGE.parents[1] / "docs" / "distributed.md").read_text(encoding="utf-8")
+    assert table in page, "docs/distributed.md must hold this table (regenerate it from the specs):\n" + table
 
 
 def test_a_users_subclass_of_a_configuration_is_that_algorithm():

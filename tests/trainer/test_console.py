@@ -26,6 +26,8 @@ def test_figures_and_evaluation_table():
             "loss": 1.2e-05, "timing/rollout": 3.0, "ratio_mean": 1.0}
     assert train_figures(logs, ["ocr", "jpeg"]) == "reward 0.412±0.120 | ocr 0.400 | jpeg -0.125 | loss 1.2e-05"
     assert train_figures({"train_runtime": 3.0}, ["ocr"]) == ""  # nothing to show: no line
+    # rollouts on Ray workers: the staleness of the trained samples ends the line
+    assert train_figures({"reward": 0.5, "rollout/staleness_max": 1.0}, ["ocr"]) == "reward 0.500±n/a | stale 1"
     table = evaluation_table({"eval_reward": 0.5, "eval_reward_std": 0.1, "eval_rewards/ocr/mean": 0.5,
                               "eval_rewards/ocr/std": 0.1, "eval_rewards/ocr/count": 16.0,
                               "eval_rewards/ocr/change": 0.03, "eval_rewards/ocr/change_se": 0.01}, ["ocr"], 20)

@@ -16,7 +16,8 @@ fact               who reads it
                    (the latents kept per recorded step), the trainer (whether a cached rollout may feed the loss),
                    docs/architecture.md
 ``workers``        the Ray backend (whether the algorithm runs there, what a worker holds and samples with, what
-                   staleness means for it, whether stale samples get importance weights)
+                   staleness means for it, whether stale samples get importance weights, what the trainer replays),
+                   docs/distributed.md (its table of staleness per algorithm is generated from these facts)
 ``probe``          the health guards' KL probe (from which state, with which stochastic step)
 ``step``           the planner: the trained forward's input, how many trained timesteps a micro-batch has, the
                    forwards without gradient each one adds, the loss's form, the rollout's passes
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["AlgorithmFacts", "AlgorithmSpec", "PlannedStep", "PolicyCopy", "RolloutRecord", "TransitionProbe",
-           "WorkerNeeds", "load_path"]
+           "WorkerNeeds", "load_path", "worker_needs_table"]
 
 #: where a recorded step comes from for the planner and the probe
 TRAINED_INPUTS = ("recorded_transition", "noised_sample", "sampled_state")
@@ -97,20 +98,29 @@ class RolloutRecord:
 
 @dataclass(frozen=True)
 class WorkerNeeds:
-    """What a Ray rollout worker needs for this algorithm.
+    """What a Ray rollout worker needs for this algorithm, and what stays on the trainer.
 
     ``refusal``: why ``rollout_backend: ray`` cannot run it (None: it can); ``sampled_by``: the copy whose weights
-    sample the rollouts (``"policy"`` or a `PolicyCopy` name), ``synced``: every copy a worker holds and receives at
+    sample the rollouts (``"policy"`` or a `PolicyCopy` name); ``synced``: every copy a worker holds and receives at
     each weight sync besides the trained weights (``"old_policy"``, named copies; the reference when a rollout reads
-    it); ``staleness``: what a sample ``k`` optimizer steps old means for the loss, in words (docs/distributed.md);
+    it), and nothing else (a copy only the loss reads stays on the trainer); ``staleness``: what a sample ``k``
+    optimizer steps old means for the loss, in words (docs/distributed.md's table is made of these sentences);
     ``importance_weights``: whether ``truncated_importance_cap`` applies (the rollout records behaviour log-probs of
-    SDE transitions)."""
+    SDE transitions); ``switch_step``: the optimizer step after which ``sampled_by`` samples instead of the policy
+    (DGPO's switch to its EMA reference; None: ``sampled_by`` samples from the start), decided per generation by the
+    strategy's ``plan`` from the step the generation trains at, on a worker as on the trainer; ``whole_groups``: a
+    worker samples all the rows of a group that a request holds in one strategy call (BranchGRPO: a tree's shared
+    prefixes once per request, not once per micro-batch); ``trainer_replay``: what the trainer recomputes of a
+    generation sampled on a worker, in words ("" when nothing: the record is trained as it arrives)."""
 
     refusal: str | None = None
     sampled_by: str = "policy"
     synced: tuple[str, ...] = ()
     staleness: str = ""
     importance_weights: bool = False
+    switch_step: int | None = None
+    whole_groups: bool = False
+    trainer_replay: str = ""
 
 
 @dataclass(frozen=True)
@@ -241,3 +251,24 @@ class AlgorithmSpec:
         """A spec for a variant: this one with ``changes`` (e.g. a plugin's name, title, config and trainer over
         Flow-GRPO's facts)."""
         return dataclasses.replace(self, **changes)
+
+
+def worker_needs_table(rows: list[tuple[str, AlgorithmFacts]]) -> str:
+    """A markdown table of what rollout workers need for each ``(name, facts)``: who samples, what the workers hold
+    besides the trained weights, what staleness means, what the trainer replays (docs/distributed.md holds the one of
+    the built-ins, checked against their specs by a test)."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").strip() or "nothing"
+
+    lines = ["| algorithm | sampled by | workers also hold | a sample k steps old | the trainer replays |",
+             "|---|---|---|---|---|"]
+    for name, facts in rows:
+        needs = facts.workers
+        sampler = needs.sampled_by if needs.switch_step is None else \
+            f"policy, then {needs.sampled_by} after step {needs.switch_step}"
+        if needs.whole_groups:
+            sampler += " (a request's trees whole)"
+        held = ", ".join(needs.synced) or "nothing"
+        lines.append(f"| {name} | {sampler} | {held} | {cell(needs.staleness)} | {cell(needs.trainer_replay)} |")
+    return "\n".join(lines)

@@ -5,7 +5,8 @@ and the rollout had a bar of its own; a run of 60 steps filled the terminal with
 replaces it (and ``PrinterCallback``, its ``disable_tqdm`` twin) on the main process:
 
 * a bar over the optimizer steps whose postfix holds ``reward`` (the mean of the weighted total) ``± reward_std``,
-  the mean of each reward (the first `MAX_REWARDS_SHOWN`), and the loss; the bar's rate is the time per step
+  the mean of each reward (the first `MAX_REWARDS_SHOWN`), the loss, and with rollouts on Ray workers the staleness
+  (``rollout/staleness_max``: how many optimizer steps old the weights that sampled the step's samples were); the bar's rate is the time per step
   (``s/step``). While a step samples, the bar's description shows how far its rollout is (``rollout 40%``);
 * at each evaluation, a table: per reward its mean, std, images scored, and the change since the first evaluation
   with its standard error when there is one;
@@ -40,7 +41,8 @@ def _number(value: Any, digits: int = 3) -> str:
 
 
 def train_figures(logs: Mapping[str, Any], reward_names: Sequence[str]) -> str:
-    """The key figures of a training log: ``reward 0.412±0.120 | ocr 0.400 | jpeg -0.120 | loss 0.0012``."""
+    """The key figures of a training log: ``reward 0.412±0.120 | ocr 0.400 | jpeg -0.120 | loss 0.0012``, and with
+    rollouts on Ray workers the staleness of the trained samples (``| stale 1``)."""
     parts = []
     if "reward" in logs:
         parts.append(f"reward {_number(logs['reward'])}±{_number(logs.get('reward_std'))}")
@@ -50,6 +52,8 @@ def train_figures(logs: Mapping[str, Any], reward_names: Sequence[str]) -> str:
             parts.append(f"{name} {_number(logs[key])}")
     if "loss" in logs:
         parts.append(f"loss {float(logs['loss']):.4g}")
+    if "rollout/staleness_max" in logs:  # rollouts on Ray workers: how many steps old the trained samples were
+        parts.append(f"stale {_number(logs['rollout/staleness_max'], 0)}")
     return " | ".join(parts)
 
 

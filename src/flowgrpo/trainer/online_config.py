@@ -366,6 +366,20 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                           "whole transformer for full fine-tuning, plus the old-policy copy when the algorithm keeps "
                           "one). Must be <= max_staleness + 1."},
     )
+    weight_sync: str = field(
+        default="object_store",
+        metadata={"help": "How the weights reach the rollout workers (rollout_backend: ray). 'object_store': process 0 "
+                          "puts them in Ray's object store once and every worker reads them (works anywhere Ray does; "
+                          "a host round trip per sync). 'collective': a torch.distributed group of process 0 and the "
+                          "workers (gloo on CPUs, NCCL when all are on CUDA GPUs, one GPU each), the state broadcast in "
+                          "buckets of weight_sync_bucket_mb; formed again when Ray restarts a worker. Both check the "
+                          "version and the digest of what each worker holds (docs/distributed.md)."},
+    )
+    weight_sync_bucket_mb: float = field(
+        default=256.0,
+        metadata={"help": "weight_sync: collective: the largest bucket of one broadcast, in MiB (a larger tensor "
+                          "travels alone)."},
+    )
     reward_backend: str = field(
         default="local",
         metadata={"help": "Where rewards are scored: 'local' (the training processes' reward threads, each "
@@ -384,6 +398,12 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                           "variable, else a local cluster started by the trainer with token authentication (a fresh "
                           "token per run, in a file only its owner can read), no dashboard and no Jobs API. Joining a "
                           "cluster without token authentication warns."},
+    )
+    ray_start_timeout_s: float = field(
+        default=120.0,
+        metadata={"help": "The longest wait for the local Ray cluster the trainer starts (each node's `ray start` and "
+                          "the connection); past it the run stops with an error naming the node and the end of its "
+                          "log, and nothing is left running."},
     )
     rollout_timeout_s: float = field(
         default=1800.0,

@@ -447,9 +447,10 @@ class OnlineRLTrainer(FlowBaseTrainer):
     def _on_optimizer_step_end(self, step: int) -> None:
         """Called after each optimizer step ``step`` (1-based), before logging and checkpointing."""
 
-    def _stale_generation_replay(self) -> Callable[[list[dict]], torch.Tensor] | None:
-        """What the Ray backend calls on every generation sampled by older weights (``records -> weights``, e.g.
-        Flow-GRPO's truncated importance weights); None: stale samples are trained as they are."""
+    def _stale_generation_replay(self) -> Callable[[list[dict]], dict[str, float]] | None:
+        """What the Ray backend calls on every generation sampled by older weights (``records -> metrics to log``; it
+        may rewrite the records, e.g. Flow-GRPO's truncated importance weights or Flow-DPPO's anchor); None: stale
+        samples are trained as they are."""
         return None
 
     def _card_setup_lines(self) -> list[str]:
@@ -483,6 +484,9 @@ class OnlineRLTrainer(FlowBaseTrainer):
         """`transformers.Trainer.train` with the rollout backend started before and closed after; a rollout worker
         lost for good stops the run with a checkpoint of the last completed step (`RolloutWorkerError`)."""
         self.rollout_backend.start()
+        summary = self.rollout_backend.summary()
+        if summary and self.is_world_process_zero():
+            self.console.write(summary) if self.console is not None else logger.warning(summary)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         except RolloutWorkerError as err:

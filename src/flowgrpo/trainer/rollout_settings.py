@@ -8,11 +8,13 @@ import json
 import math
 from typing import Any
 
-__all__ = ["REWARD_BACKENDS", "ROLLOUT_BACKENDS", "WORKER_RESOURCE_KEYS", "check_rollout_backend_settings",
+__all__ = ["REWARD_BACKENDS", "ROLLOUT_BACKENDS", "WEIGHT_SYNCS", "WORKER_RESOURCE_KEYS", "check_rollout_backend_settings",
            "parse_worker_resources"]
 
 ROLLOUT_BACKENDS = ("local", "ray")
 REWARD_BACKENDS = ("local", "ray")
+#: the transports of ``weight_sync`` (`rollout.ray.weight_sync`)
+WEIGHT_SYNCS = ("object_store", "collective")
 #: the keys of ``rollout_worker_resources`` / ``reward_worker_resources`` (``ray.remote(...).options`` arguments)
 WORKER_RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type")
 
@@ -58,13 +60,14 @@ def check_rollout_backend_settings(args: Any) -> None:
     """Validate (and normalise) the rollout-backend fields of ``args`` in place."""
     _check_choice("rollout_backend", args.rollout_backend, ROLLOUT_BACKENDS)
     _check_choice("reward_backend", args.reward_backend, REWARD_BACKENDS)
+    _check_choice("weight_sync", args.weight_sync, WEIGHT_SYNCS)
     for name, minimum in (("rollout_workers", 1), ("reward_workers", 1), ("max_staleness", 0),
                           ("weight_sync_steps", 1), ("max_worker_restarts", 0)):
         _positive_int(args, name, minimum)
-    for name in ("rollout_timeout_s", "rollout_startup_timeout_s"):
+    for name in ("rollout_timeout_s", "rollout_startup_timeout_s", "ray_start_timeout_s", "weight_sync_bucket_mb"):
         value = getattr(args, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-            raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0.")
+            raise ValueError(f"{name}={value!r} must be a finite number > 0.")
     args.rollout_worker_resources = parse_worker_resources(args.rollout_worker_resources, "rollout_worker_resources")
     args.reward_worker_resources = parse_worker_resources(args.reward_worker_resources, "reward_worker_resources")
     cap = args.truncated_importance_cap
@@ -75,7 +78,7 @@ def check_rollout_backend_settings(args: Any) -> None:
     if args.rollout_backend == "local":
         # The fields that only mean something on workers: refused rather than silently ignored.
         asked = [name for name, default in (("max_staleness", 0), ("weight_sync_steps", 1), ("rollout_workers", 1),
-                                            ("truncated_importance_cap", None))
+                                            ("truncated_importance_cap", None), ("weight_sync", "object_store"))
                  if getattr(args, name) != default]
         if args.rollout_worker_resources is not None:
             asked.append("rollout_worker_resources")

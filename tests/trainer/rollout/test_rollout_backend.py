@@ -13,13 +13,17 @@ from support.trainer_cases import make_trainer
 
 from flowgrpo import DiffusionNFTConfig, DiffusionNFTTrainer, FlowGRPOConfig
 from flowgrpo.rewards import RewardResult, resolve_reward_funcs
-from flowgrpo.trainer.algorithms.flow_grpo_importance import apply_truncated_importance_weights
+from flowgrpo.trainer.algorithms.flow_grpo_importance import (
+    apply_proximal_anchor,
+    apply_truncated_importance_weights,
+)
 from flowgrpo.trainer.data.datasets import INDEX_COLUMN
 from flowgrpo.trainer.rollout.backend import LocalRolloutBackend, RolloutWorkerError
 from flowgrpo.trainer.rollout.ray.backend import check_record_precision
 from flowgrpo.trainer.rollout.ray.read_ahead import ReadAhead
 from flowgrpo.trainer.rollout.ray.rewards import validate_reward_result
 from flowgrpo.trainer.rollout.ray.weights import (
+    bucket_layout,
     collect_policy_state,
     load_policy_state,
     policy_state_digest,
@@ -43,6 +47,10 @@ def config(**kwargs):
     ({"rollout_backend": "ray", "max_staleness": -1}, "max_staleness=-1 must be an integer >= 0"),
     ({"rollout_backend": "ray", "rollout_timeout_s": 0}, "rollout_timeout_s=0"),
     ({"rollout_backend": "ray", "truncated_importance_cap": 0.5}, "truncated_importance_cap=0.5"),
+    ({"rollout_backend": "ray", "weight_sync": "nccl"}, "weight_sync='nccl' is not valid; choose one of 'object_store'"),
+    ({"weight_sync": "collective"}, "weight_sync set, but rollout_backend='local'"),
+    ({"rollout_backend": "ray", "ray_start_timeout_s": 0}, "ray_start_timeout_s=0 must be a finite number > 0"),
+    ({"rollout_backend": "ray", "weight_sync_bucket_mb": -1}, "weight_sync_bucket_mb=-1"),
     ({"reward_backend": "remote"}, "reward_backend='remote'"),
 ])
 def test_bad_backend_settings_are_refused_with_the_value_and_the_fix(kwargs, message):
@@ -51,22 +59,24 @@ def test_bad_backend_settings_are_refused_with_the_value_and_the_fix(kwargs, mes
     assert message in str(raised.value)
 
 
-@pytest.mark.parametrize("config_name, kwargs, message", [
-    ("DGPOConfig", {"per_device_train_batch_size": 16}, "its rollouts switch to the EMA reference"),
-    ("CRDConfig", {"per_device_train_batch_size": 24}, "its rollouts are sampled by a named sampling copy"),
-    ("DiffusionOPDConfig", {"teacher_lora": "teacher"}, "its teachers replay the student's states"),
-    ("FlowGRPOConfig", {"branch_steps": [0, 1], "num_generations": 4}, "branch_steps=[0, 1] samples each group as a tree"),
-    ("FlowGRPOConfig", {"policy_loss": "dppo", "num_iterations": 2}, "policy_loss='dppo' anchors each transition"),
+@pytest.mark.parametrize("config_name, kwargs", [
+    ("DGPOConfig", {"per_device_train_batch_size": 16}),
+    ("CRDConfig", {"per_device_train_batch_size": 24}),
+    ("DiffusionOPDConfig", {"teacher_lora": "teacher"}),
+    ("FlowGRPOConfig", {"branch_steps": [0, 1], "num_generations": 4}),
+    ("FlowGRPOConfig", {"policy_loss": "dppo", "num_iterations": 2}),
 ])
-def test_trainers_whose_rollouts_workers_cannot_reproduce_refuse_ray(config_name, kwargs, message):
+def test_every_online_trainer_runs_on_rollout_workers(config_name, kwargs):
     import flowgrpo
 
     config_class = getattr(flowgrpo, config_name)
-    config_class(output_dir="/tmp/unused", report_to=[], **kwargs)  # local: accepted
-    with pytest.raises(ValueError) as raised:
-        config_class(output_dir="/tmp/unused", report_to=[], rollout_backend="ray", **kwargs)
-    assert f"rollout_backend='ray' with {config_name}: {message}" in str(raised.value)
-    assert "Use rollout_backend: local." in str(raised.value)
+    args = config_class(output_dir="/tmp/unused", report_to=[], rollout_backend="ray", weight_sync="collective",
+                        max_staleness=1, **kwargs)
+    assert args.rollout_backend == "ray"
+    # offline Diffusion-DPO samples nothing: refused, with its reason and the fix
+    with pytest.raises(ValueError, match=r"rollout_backend='ray' with DiffusionDPOConfig: dpo_mode='offline'.*"
+                                         r"Use rollout_backend: local\."):
+        flowgrpo.DiffusionDPOConfig(output_dir="/tmp/unused", report_to=[], rollout_backend="ray", dpo_mode="offline")
 
 
 def test_backend_settings_parse_json_resources():
@@ -178,6 +188,13 @@ def test_truncated_importance_weights_replay_the_window_with_the_current_weights
     # the loss sees the weighted advantages
     stale["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])
     assert torch.allclose(trainer._advantages(stale), stale["advantages"] * weights)
+    # Flow-DPPO's anchor of the same stale record: the trainer's weights' log-probs and means (the trust region's
+    # centre), the worker's kept as the behaviour's
+    anchored = dict(record)
+    shift = apply_proximal_anchor(trainer.policy, trainer.rollouts, [anchored], args)
+    assert torch.equal(anchored["log_probs"], stale["log_probs"]) and anchored["means"].shape == record["latents"].shape
+    assert torch.equal(anchored["behaviour_log_probs"], behaviour)
+    assert shift == pytest.approx(float((stale["log_probs"] - behaviour).sum(dim=1).mean()))
     assert isinstance(trainer.rollout_backend, LocalRolloutBackend)
     generation.local_results()
 
@@ -203,3 +220,75 @@ def test_the_single_process_stand_in_follows_the_trainers_mixed_precision():
     with SingleProcessAccelerator("cpu", "no").autocast():
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
     assert cpu.gather(torch.ones(3)).shape == (3,) and cpu.num_processes == 1 and not math.isnan(0.0)
+
+
+def test_a_collective_group_broadcasts_the_state_in_buckets_and_refuses_another_layout():
+    """The trainer (rank 0) and two workers (threads here, processes on Ray) form a gloo group through the trainer's
+    store; a state of two dtypes goes out in buckets of at most 64 bytes and lands in each worker's own tensors; a
+    worker holding another layout takes part in every broadcast, then refuses (nobody is left waiting)."""
+    import threading
+
+    from flowgrpo.trainer.rollout.ray.collective import GroupHost, broadcast_state, join_group, receive_state
+    from flowgrpo.trainer.rollout.ray.weights import check_layout
+
+    state = {"policy/a": torch.arange(10, dtype=torch.float32), "policy/b": torch.ones(3, 4, dtype=torch.float64),
+             "policy/c": torch.full((20,), 2.0)}
+    buckets = bucket_layout(state, 64)
+    assert len(buckets) == 3 and {s.dtype for b in buckets for s in b} == {"float32", "float64"}
+    assert [s.key for s in buckets[2]] == ["policy/b"] and len({len(b) for b in buckets}) >= 1
+    host = GroupHost("127.0.0.1", timeout_s=60)
+    rendezvous = host.next_rendezvous(3, "gloo")
+    received = [{k: torch.zeros_like(v) for k, v in state.items()},
+                {"policy/a": torch.zeros(10), "policy/b": torch.zeros(4, 3, dtype=torch.float64),
+                 "policy/c": torch.zeros(20)}]
+    errors: dict[int, Exception] = {}
+
+    def worker(rank: int) -> None:
+        group = join_group(rendezvous, rank, "127.0.0.1", torch.device("cpu"))
+        live = received[rank - 1]
+        try:
+            check_layout(live, {s.key: (s.torch_dtype, s.shape) for b in buckets for s in b})
+        except ValueError as err:
+            errors[rank] = err
+        receive_state(group, buckets, None if rank in errors else live)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in (1, 2)]
+    for thread in threads:
+        thread.start()
+    host.form(rendezvous, torch.device("cpu"))
+    broadcast_state(host.group, state, buckets)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert state_digest(received[0]) == state_digest(state)
+    assert list(errors) == [2] and "policy/b" in str(errors[2]) and not received[1]["policy/a"].any()
+    assert host.next_rendezvous(2, "gloo").prefix != rendezvous.prefix  # a new formation, a new key prefix
+    host.close()
+
+
+def test_a_worker_samples_a_requests_trees_whole_with_the_same_leaves(tiny_sd3_path, tmp_path):
+    """BranchGRPO with trees of 4 leaves and micro-batches of 2: the trainer's strategy samples each micro-batch's
+    half of a tree (the shared prefix twice), the worker's (`for_workers`) the whole tree with the first micro-batch
+    and keeps the other half for the second: half the transformer calls, the same leaves and records."""
+    trainer = make_trainer(tiny_sd3_path, tmp_path, kind="branch_grpo", per_device_train_batch_size=2,
+                           gradient_accumulation_steps=2,
+                           num_generations=4, branch_steps=[0, 1], noise_level=1.0)
+    engine = trainer.rollouts
+    rows = [{"prompt": "a red circle", INDEX_COLUMN: 0} for _ in range(4)]
+    calls = []
+    hook = trainer.policy.adapter.transformers()[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    on_trainer = engine.generate(rows, 0, 0)
+    trainer_calls = len(calls)
+    engine.strategy = engine.strategy.for_workers(trainer.args, 0)
+    calls.clear()
+    on_worker = engine.generate(rows, 0, 0)
+    hook.remove()
+    assert engine.strategy.whole_trees and len(calls) * 2 == trainer_calls
+    for mine, theirs in zip(on_trainer.records, on_worker.records):
+        assert mine.keys() == theirs.keys()
+        for key, value in mine.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.allclose(value, theirs[key], atol=1e-6), key
+            elif key != "embeds":
+                assert value == theirs[key], key
+    on_trainer.local_results()
+    on_worker.local_results()

@@ -276,7 +276,8 @@ def describe_awm(args: AWMConfig, use_lora: bool | None = None) -> AlgorithmFact
         workers=WorkerNeeds(
             sampled_by="old_policy" if args.off_policy else "policy", synced=("old_policy",) if ema else (),
             staleness="a sample k steps old carries the sampling weights' surrogate log-probs, recorded at the "
-                      "rollout: the clipped ratio is taken against them (off-policy by design with off_policy)."),
+                      "rollout: the clipped ratio is taken against them (off-policy by design with off_policy).",
+            switch_step=None, whole_groups=False, trainer_replay=""),
         probe=TransitionProbe("noised_sample", noise_level=0.7),
         step=PlannedStep("noised_sample", trained_timesteps=1, trained_batch=int(args.train_timesteps),
                          frozen_forwards=frozen, loss="velocity_mse"),

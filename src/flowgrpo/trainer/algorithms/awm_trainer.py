@@ -115,6 +115,13 @@ class AWMRollout(FinalSampleRollout):
         super().__init__(args, args.rollout_solver, by_old_policy=args.off_policy)
         self.old_log_probs_at_rollout = old_log_probs_at_rollout
 
+    def for_workers(self, worker_args, max_staleness: int) -> AWMRollout:
+        """On a rollout worker with ``max_staleness >= 1`` the sampling weights may not be the ones trained at the
+        micro-batch's first forward: record their surrogate log-probs at the rollout."""
+        strategy = super().for_workers(worker_args, max_staleness)
+        strategy.old_log_probs_at_rollout = self.old_log_probs_at_rollout or max_staleness > 0
+        return strategy
+
     def rollout(self, engine, model, embeds, plan, generator, progress, group_ids, gen_index):
         args = self.args
         with self.sampling_model(engine, model) as policy:

@@ -11,7 +11,9 @@ child, and each child draws its own noise ``branch_noise_scale * std * z`` with 
 alone, so a tree split over micro-batches or processes is sampled the same everywhere (shared prefixes are then
 sampled once per micro-batch that needs them), and the order in which anything runs changes nothing. Every step but
 the last is an SDE step (the tree's edges); the last one is the deterministic step to sigma = 0, i.e. the
-x0-prediction that the official code decodes, so its edges are not trained.
+x0-prediction that the official code decodes, so its edges are not trained. On a rollout worker (`for_workers`,
+the spec's ``WorkerNeeds.whole_groups``) a micro-batch samples its trees with all of their leaves in the request and
+keeps the leaves of later micro-batches for them: a tree's shared prefixes are sampled once per request.
 
 **The record** has Flow-GRPO's layout, one row per leaf and one column per SDE step (each leaf's path), plus which
 row *owns* each edge: the edge into node c is trained once, by the row of the first leaf below c. Its log-probs are
@@ -75,6 +77,19 @@ class BranchTreeRollout(SDEWindowRollout):
     def __init__(self, args: Any):
         super().__init__(args, records_means=True)  # the split-aware log-probs are computed from the recorded means
         self._shape_plan: TreePlan | None = None
+        #: sample every tree of a micro-batch with all of its leaves in the share (a rollout worker's request), keeping
+        #: the leaves of later micro-batches for them: a tree's shared prefixes are then sampled once per request
+        self.whole_trees = False
+        self._kept: dict[int, tuple[torch.Tensor, dict]] = {}
+        self._kept_shared: dict[str, Any] = {}
+        self._kept_generation: int | None = None
+
+    def for_workers(self, worker_args: Any, max_staleness: int) -> BranchTreeRollout:
+        """On a rollout worker a request's trees are sampled whole (`WorkerNeeds.whole_groups`)."""
+        strategy = super().for_workers(worker_args, max_staleness)
+        strategy.whole_trees = True
+        strategy._kept, strategy._kept_shared, strategy._kept_generation = {}, {}, None
+        return strategy
 
     def plan(self, gen_index: int, step: int) -> tuple[int, int]:
         return 0, self.args.num_inference_steps - 1  # every step but the last is an SDE step (an edge)
@@ -92,15 +107,49 @@ class BranchTreeRollout(SDEWindowRollout):
         return self._shape_plan
 
     # ---- sampling ------------------------------------------------------------------------------------------------
+    #: the record's values that are not one per row (kept whole when a record is cut into micro-batches)
+    SHARED_KEYS = ("window", "tree_split")
+
     def rollout(self, engine, model, embeds, plan, generator, progress, group_ids, gen_index):
-        args = self.args
-        steps = args.num_inference_steps
-        shape = self.shape_plan()
-        leaves_per_tree = shape.num_leaves
         positions = engine.rollout_rows
         if positions is None or len(positions) != len(embeds):
             raise RuntimeError("BranchGRPO's rollout needs the rows' positions in the generation batch "
                                "(RolloutEngine.rollout_rows).")
+        share = engine.share_rows
+        if not self.whole_trees or share is None:
+            return self._sample_trees(engine, model, embeds, progress, group_ids, gen_index, positions)
+        if self._kept_generation != gen_index:
+            self._kept, self._kept_shared, self._kept_generation = {}, {}, gen_index
+        wanted = positions.tolist()
+        if not all(p in self._kept for p in wanted):
+            # every leaf of this micro-batch's trees that the share holds, sampled together; a leaf of a later
+            # micro-batch is kept for it (each draw is a function of its node: the same values as sampled there)
+            leaves = self.shape_plan().num_leaves
+            trees = {p // leaves for p in wanted}
+            together = [p for p in share.tolist() if p // leaves in trees]
+            first: dict[int, int] = {}
+            for row, p in enumerate(wanted):
+                first.setdefault(p // leaves, row)
+            index = torch.tensor([first[p // leaves] for p in together])  # a row of the same group: its prompt
+            final, record = self._sample_trees(engine, model, embeds.index_select(index), progress,
+                                               group_ids[index], gen_index, torch.tensor(together))
+            if together == wanted:
+                return final, record
+            for i, p in enumerate(together):
+                self._kept[p] = (final[i], {k: v[i] for k, v in record.items() if k not in self.SHARED_KEYS})
+            self._kept_shared = {k: record[k] for k in self.SHARED_KEYS}
+        rows = [self._kept.pop(p) for p in wanted]
+        record = {k: torch.stack([row[1][k] for row in rows]) for k in rows[0][1]}
+        record.update(self._kept_shared)
+        return torch.stack([row[0] for row in rows]), record
+
+    def _sample_trees(self, engine, model, embeds, progress, group_ids: torch.Tensor, gen_index: int,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The trees of the rows at ``positions`` (their positions in the generation batch), each row its leaf."""
+        args = self.args
+        steps = args.num_inference_steps
+        shape = self.shape_plan()
+        leaves_per_tree = shape.num_leaves
         leaf = (positions % leaves_per_tree).tolist()
         keys = group_ids.tolist()
         # the trees of this micro-batch, in row order, and the leaves each one samples here

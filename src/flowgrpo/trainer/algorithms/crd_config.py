@@ -211,11 +211,11 @@ def describe_crd(args: CRDConfig, use_lora: bool | None = None) -> AlgorithmFact
         record=RolloutRecord("final_sample", fields=("x0", "sigmas", "timesteps", "group_ids"),
                              loss_reads_log_probs=False),
         workers=WorkerNeeds(
-            refusal=("its rollouts are sampled by a named sampling copy of the policy that rollout workers do not "
-                     "hold yet."),
-            sampled_by=SAMPLING_COPY, synced=((("old_policy",) if args.crd_use_old_policy else ()) + (SAMPLING_COPY,)),
+            sampled_by=SAMPLING_COPY, synced=(SAMPLING_COPY,),
             staleness="the sampling copy samples; a sample k steps old was drawn by the sampling copy of k steps "
-                      "before (it lags the policy by design)."),
+                      "before (it lags the policy by design, moving once per generation); the old copy, which only "
+                      "the loss reads, stays on the trainer.",
+            whole_groups=False, trainer_replay=""),
         probe=TransitionProbe("noised_sample", noise_level=0.7),
         step=PlannedStep("noised_sample", trained_timesteps=int(args.crd_num_timesteps), frozen_forwards=frozen,
                          loss="velocity_mse"),

@@ -216,12 +216,12 @@ def describe_dgpo(args: DGPOConfig, use_lora: bool | None = None) -> AlgorithmFa
         record=RolloutRecord("final_sample", fields=("x0", "sigmas", "timesteps", "group_ids"),
                              loss_reads_log_probs=False),
         workers=WorkerNeeds(
-            refusal=("its rollouts switch to the EMA reference after dgpo_switch_ema_ref steps, a switch the "
-                     "rollout workers do not make yet."),
             sampled_by="old_policy" if ema else "policy", synced=("old_policy",) if ema else (),
+            switch_step=int(args.dgpo_switch_ema_ref) if ema else None,
             staleness="a sample k steps old was drawn by the policy (or the EMA reference) of k steps before; the "
                       "loss reads only its clean latent, so staleness shifts which images are compared, not the "
-                      "loss's form."),
+                      "loss's form.",
+            whole_groups=False, trainer_replay=""),
         probe=TransitionProbe("noised_sample", noise_level=0.7),
         step=PlannedStep("noised_sample", trained_timesteps=int(args.dgpo_num_timesteps), frozen_forwards=frozen,
                          loss="velocity_mse"),

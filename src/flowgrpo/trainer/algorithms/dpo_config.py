@@ -162,7 +162,8 @@ def describe_dpo(args: DiffusionDPOConfig, use_lora: bool | None = None) -> Algo
                      if offline else None),
             sampled_by="reference" if args.dpo_rollout_policy == "reference" else "policy",
             staleness="a pair k steps old was sampled by the weights of k steps before; the loss compares the "
-                      "policy's and the reference's errors on it, whoever sampled it."),
+                      "policy's and the reference's errors on it, whoever sampled it.",
+            switch_step=None, whole_groups=False, trainer_replay=""),
         probe=TransitionProbe("noised_sample", noise_level=0.7),
         step=PlannedStep("noised_sample", trained_timesteps=int(args.dpo_num_noise_draws),
                          frozen_forwards=("reference",), loss="velocity_mse"),

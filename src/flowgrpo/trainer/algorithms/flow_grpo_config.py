@@ -499,15 +499,25 @@ def describe_flow_grpo(args: FlowGRPOConfig, use_lora: bool | None = None) -> Al
         trained = max(1, round(parts))  # backward passes per micro-batch: one per branch step it holds
         trained_per_sample = 1.0  # each child trains its one transition
     refusal = None
-    if args.branch_steps:
-        refusal = (f"branch_steps={args.branch_steps} samples each group as a tree (BranchGRPO), which the rollout "
-                   "workers do not sample yet.")
-    elif args.tempflow_children:
+    if args.tempflow_children:
         refusal = (f"tempflow_children={args.tempflow_children} samples each group as a trajectory's branches "
                    "(TempFlow-GRPO), which the rollout workers do not sample yet.")
-    elif args.policy_loss == "dppo":
-        refusal = ("policy_loss='dppo' anchors each transition to the sampling weights' means, which has not been "
-                   "run against rollout workers yet.")
+    if args.policy_loss == "dppo":
+        staleness = ("a sample k steps old is replayed by the trainer's weights at the start of its step (Flow-DPPO's "
+                     "anchor): the trust region and the ratio are taken around the weights being updated, as with "
+                     "fresh samples; the stale sampler only chose which states are visited.")
+        replay = ("stale generations: every recorded transition's mean and log-prob under the trainer's weights at the "
+                  "start of the step (the anchor), one forward without gradient per recorded step")
+    else:
+        staleness = ("a sample k steps old is trained with its behaviour log-probs: the clipped ratio is taken "
+                     "against the weights that sampled it (PPO with stale samples; truncated_importance_cap "
+                     "reweights it by the replayed proximal policy instead).")
+        replay = ""
+    if args.truncated_importance_cap is not None:
+        replay = ("stale generations: every recorded transition's log-prob under the trainer's weights at the start of "
+                  "the step (the proximal policy), for the truncated importance weights")
+    if args.branch_steps:
+        staleness += " A tree's edges carry the log-probs they were drawn with (split-aware)."
     fields = ("latents", "next_latents", "log_probs", "timesteps", "sigmas", "sigmas_next", "window") + (
         ("means",) if means else ()) + (("tempflow_step",) if args.tempflow_children else ())
     return AlgorithmFacts(
@@ -516,12 +526,9 @@ def describe_flow_grpo(args: FlowGRPOConfig, use_lora: bool | None = None) -> Al
         record=RolloutRecord("transitions", fields=fields, steps=recorded, means=means,
                              last_step=last_recorded_step(args), loss_reads_log_probs=True),
         workers=WorkerNeeds(
-            refusal=refusal, sampled_by="policy",
-            synced=("reference",) if args.base_model_tail_steps > 0 else (),
-            staleness="a sample k steps old is trained with its behaviour log-probs: the clipped ratio is taken "
-                      "against the weights that sampled it (PPO with stale samples; truncated_importance_cap "
-                      "reweights it by the replayed proximal policy instead).",
-            importance_weights=True),
+            refusal=refusal, sampled_by="policy", synced=("reference",) if args.base_model_tail_steps > 0 else (),
+            staleness=staleness, importance_weights=True, switch_step=None, whole_groups=bool(args.branch_steps),
+            trainer_replay=replay),
         probe=TransitionProbe("recorded_transition", noise_level=float(args.noise_level or 0.7), sde_type="sde"),
         step=PlannedStep("recorded_transition", trained_timesteps=trained, trained_per_sample=trained_per_sample,
                          rollout_passes=rollout_passes, frozen_forwards=("reference",) if args.beta > 0 else (),

@@ -53,7 +53,7 @@ from .branch_grpo import edge_log_prob
 from .branch_grpo_rollout import BranchTreeRollout, is_tree_record, tree_parts, tree_step_std
 from .flow_dppo_loss import flow_dppo_loss
 from .flow_grpo_config import FlowGRPOConfig
-from .flow_grpo_importance import apply_truncated_importance_weights
+from .flow_grpo_importance import stale_generation_replay
 from .flow_grpo_loss import flow_grpo_loss, gated_mean, grpo_guard_log_ratio, kl_estimate
 from .flow_grpo_rollout import SDEWindowRollout
 from .tempflow import weighted_advantages
@@ -186,15 +186,10 @@ class FlowGRPOTrainer(OnlineRLTrainer):
         return advantages if weights is None else advantages * weights
 
     def _stale_generation_replay(self):
-        """``truncated_importance_cap`` on the Ray backend: every stale generation is replayed by the proximal policy
-        when it arrives (`flow_grpo_importance.apply_truncated_importance_weights`)."""
-        if self.args.truncated_importance_cap is None:
-            return None
-
-        def replay(records: list[dict]) -> torch.Tensor:
-            return apply_truncated_importance_weights(self.policy, self.rollouts, records, self.args)
-
-        return replay
+        """On the Ray backend, every stale generation is replayed by the proximal policy when it arrives: for the
+        truncated importance weights (``truncated_importance_cap``) or Flow-DPPO's anchor (``policy_loss: dppo``);
+        `flow_grpo_importance.stale_generation_replay`."""
+        return stale_generation_replay(self.policy, self.rollouts, self.args)
 
     def _objective(self, model, step: TrainedTransition, first_pass: bool) -> tuple[torch.Tensor, dict[str, float]]:
         """The mean over ``step``'s transitions of the policy objective (``policy_loss``: the clipped ratio, or

@@ -193,7 +193,8 @@ def describe_nft(args: DiffusionNFTConfig, use_lora: bool | None = None) -> Algo
             sampled_by="old_policy", synced=("old_policy",),
             staleness="the old policy samples; a sample k steps old was drawn by the old policy of k steps before, "
                       "and the loss's v_old is the trainer's current old policy (the implicit negative policy is "
-                      "unchanged in form)."),
+                      "unchanged in form).",
+            switch_step=None, whole_groups=False, trainer_replay=""),
         probe=TransitionProbe("noised_sample", noise_level=0.7),
         step=PlannedStep("noised_sample", trained_timesteps=trained,
                          frozen_forwards=("old_policy",) + (("reference",) if args.beta > 0 else ()),

@@ -219,7 +219,8 @@ def describe_opd(args: DiffusionOPDConfig, use_lora: bool | None = None) -> Algo
                                                     "sigmas_next", "window", "teacher"), steps=recorded,
                              loss_reads_log_probs=False),  # the student's and teachers' means are recomputed
         workers=WorkerNeeds(
-            refusal="its teachers replay the student's states, which have not been run against rollout workers yet.",
+            switch_step=None, whole_groups=False, trainer_replay=("the teachers' velocities at every recorded state of the student, in the loss (the "
+                            "teachers never reach the workers)"),
             staleness="a state k steps old was visited by the student of k steps before; the teachers replay it as "
                       "it is, so staleness only moves the visited states away from the current student's."),
         probe=TransitionProbe("recorded_transition", noise_level=float(args.noise_level or 0.7), sde_type="sde"),

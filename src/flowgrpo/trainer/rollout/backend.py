@@ -3,7 +3,7 @@ local backend (today's path: the trainer's own `RolloutEngine`, in the training 
 `rollout.ray.backend.RayRolloutBackend` (``rollout_backend: ray``); `rollout.backend_choice` picks one.
 
 The trainer calls, in this order: `launch` at the end of its construction (workers start loading), `start` when
-training starts (waits for them), `read_ahead` on the dataloader's iterator (the Ray
+training starts (waits for them; `summary` is then printed once), `read_ahead` on the dataloader's iterator (the Ray
 backend reads the coming generations' prompts ahead so that it can sample them early; the local backend returns the
 iterator unchanged), `generate` once per generation, `save` / `load` with each checkpoint, and `close` when training
 ends. Scoring (gathers, advantages, the health hook) always runs in the training processes, through the trainer's
@@ -44,6 +44,11 @@ class RolloutBackend:
 
     def start(self) -> None:
         """When ``train()`` starts: wait until the backend is ready."""
+
+    def summary(self) -> str | None:
+        """One line the console prints once at start-up (where the rollouts run, the layout, the staleness bound), or
+        None (the local backend: nothing to say)."""
+        return None
 
     def read_ahead(self, iterator: Iterator, position: int) -> Iterator:
         """The dataloader iterator the trainer reads its batches from; ``position``: the micro-step of its next

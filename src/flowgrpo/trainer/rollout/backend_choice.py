@@ -12,7 +12,7 @@ __all__ = ["build_rollout_backend"]
 
 
 def build_rollout_backend(args: Any, policy: Any, engine: Any, accelerator: Any, metrics: Any, algorithm: Any,
-                          source: Any, *, stale_replay: Callable[[list[dict]], Any] | None = None) -> RolloutBackend:
+                          source: Any, *, stale_replay: Callable[[list[dict]], dict] | None = None) -> RolloutBackend:
     """``rollout_backend: ray``: `RayRolloutBackend` from the trainer's parts (``source``: what its workers load,
     `backend.model_source`; ``algorithm``: the run's `AlgorithmFacts`; ``stale_replay``: the algorithm's correction
     of stale generations); otherwise the local backend, with reward workers when ``reward_backend: ray``."""

@@ -108,6 +108,9 @@ class RolloutEngine:
         #: the positions, in the whole generation batch over every process, of the rows that the strategy's current
         #: ``rollout`` call samples (group g's G rows are the consecutive positions g G .. g G + G - 1)
         self.rollout_rows: torch.Tensor | None = None
+        #: the positions of every row of the share `generate` samples now (this process's, or a rollout worker's
+        #: request), in the same numbering
+        self.share_rows: torch.Tensor | None = None
         #: seconds spent waiting for deferred scoring since the trainer last read it (not forward time)
         self.scoring_wait_s = 0.0
         #: the last scored rollout's first images, prompts and rewards, its rewards' notes, and its phase timings
@@ -348,6 +351,7 @@ class RolloutEngine:
         progress = rollout_progress(self.console, len(chunks) * args.num_inference_steps)
         self._reference_tail = args.base_model_tail_steps
         self._cache_on = True
+        self.share_rows = torch.arange(len(prompts)) + self.accelerator.process_index * len(prompts)
         try:
             with self.policy.generation_context() as model:
                 tic = self.clock()

@@ -12,6 +12,7 @@ A strategy of one algorithm lives with it (Flow-GRPO's `SDEWindowRollout` in
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 from typing import Any
 
@@ -49,6 +50,15 @@ class RolloutStrategy:
         order (``group_ids``: each row's prompt group, gathered). Default: the prompt groups; TempFlow-GRPO: the
         children that branch from one state (a group's rows at one branch step)."""
         return group_ids
+
+    def for_workers(self, worker_args: Any, max_staleness: int) -> RolloutStrategy:
+        """The strategy a rollout worker runs (``rollout_backend: ray``): by default a copy on the worker's copy of the
+        configuration. An algorithm whose worker samples or records differently returns its own variant (AWM records
+        the sampling policy's surrogate log-probs whenever samples may be stale; BranchGRPO samples a request's trees
+        whole)."""
+        strategy = copy.copy(self)
+        strategy.args = worker_args
+        return strategy
 
     def assign_advantages(self, generation: Any, advantages: torch.Tensor, kl_gate: torch.Tensor | None,
                           gathered_rewards: torch.Tensor, gathered_groups: torch.Tensor) -> None:

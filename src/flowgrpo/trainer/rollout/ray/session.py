@@ -81,7 +81,8 @@ class RaySession:
         was_connected = ray_is_connected()
         info = None
         if self.is_main:
-            self.connection = connect_ray(self.args.ray_address, namespace=NAMESPACE)
+            self.connection = connect_ray(self.args.ray_address, namespace=NAMESPACE,
+                                          start_timeout_s=self.args.ray_start_timeout_s)
             info = (self.connection.address, self.connection.token_path, f"flowgrpo-{uuid.uuid4().hex[:8]}")
         address, token_path, self.run = self.broadcast(info)
         if not self.is_main:

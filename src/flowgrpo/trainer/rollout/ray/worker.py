@@ -1,23 +1,32 @@
 """The Ray actors of the rollout backend: `RolloutWorker` (samples), `RewardWorker` (scores) and `RolloutCoordinator`
-(the latest weights and how often each worker was born).
+(what each worker is built from, the latest weights, how often each worker was born).
 
-`RolloutWorker` holds its own pipeline (loaded from the trainer's model path, or a pipeline the trainer put in the
-object store), a `Policy` with the trainer's LoRA configuration, and a `RolloutEngine` running the algorithm's own
-`RolloutStrategy` with a single-process stand-in for the accelerator (`SingleProcessAccelerator`: the device, the
-trainer's mixed precision, identity gathers). One request is one training process's share of one generation: the
-worker sets the stand-in's process index to the requesting rank and calls `RolloutEngine.generate` unchanged, so the
-noise comes from the same (seed, generation, process) generator, drawn micro-batch after micro-batch, as on that rank,
-the SDE window from (seed, generation), the same-noise groups from (seed, generation, group). Where a share is sampled
-does not change what is sampled.
+`RolloutWorker` holds its own pipeline (loaded from the trainer's model path, or a pipeline the trainer shipped), a
+`Policy` with the trainer's LoRA configuration and the copies its algorithm samples with (`WorkerNeeds.synced`), and a
+`RolloutEngine` running the algorithm's own `RolloutStrategy` (its worker variant, `RolloutStrategy.for_workers`) with
+a single-process stand-in for the accelerator (`SingleProcessAccelerator`: the device, the trainer's mixed precision,
+identity gathers). One request is one training process's share of one generation: the worker sets the stand-in's
+process index to the requesting rank and calls `RolloutEngine.generate` unchanged, so the noise comes from the same
+(seed, generation, process) generator, drawn micro-batch after micro-batch, as on that rank, the SDE window from
+(seed, generation), the same-noise groups from (seed, generation, group). Where a share is sampled does not change
+what is sampled.
 
 Each micro-batch is streamed back as soon as it is decoded (a Ray streaming generator): the record the algorithm keeps
 (float32 latents, log-probs, timesteps, the prompt embeddings), the decoded images or frames, the columns the engine
 adds for the rewards (the sound), and the weights version that sampled it. Ray runs one call of an actor at a time, so
 a weight load never lands in the middle of a request: every sample of a request has one version.
 
-A worker killed mid-request is restarted by Ray (``max_restarts``); its constructor runs again, registers a new
-incarnation with the coordinator and loads the latest weights the coordinator holds, and the trainer samples the lost
-request again with its own seeds.
+**What a worker is built from.** Its constructor takes only its name and the coordinator's handle (small, held in
+the actor's creation task itself); it reads its `WorkerSpec` from the coordinator, which keeps it (a shipped pipeline
+included) for as long as the run, or the pool of workers, lasts. A worker restarted by Ray (``max_restarts``) thus
+rebuilds exactly what it was, whatever became of the objects the trainer once put in the object store; and a worker
+kept between runs (`pool.RolloutWorkerPool`) is rebuilt for the next run by `configure` from the spec that run gave
+the coordinator.
+
+**After a restart** the worker registers a new incarnation with the coordinator. With ``weight_sync: object_store`` it
+loads the latest weights the coordinator holds; with ``weight_sync: collective`` it holds none until the trainer forms
+the group again with it and sends them (a request reaching it before is refused with `WorkerNeedsWeights`, which the
+trainer answers by doing so), and the trainer samples the lost request again with its own seeds.
 """
 
 from __future__ import annotations
@@ -33,7 +42,20 @@ from typing import Any
 import torch
 
 __all__ = ["RewardWorker", "RolloutCoordinator", "RolloutRequest", "RolloutWorker", "SingleProcessAccelerator",
-           "WorkerSpec", "move_to", "rollout_fingerprint"]
+           "WorkerNeedsWeights", "WorkerSpec", "move_to", "needs_weights", "rollout_fingerprint"]
+
+#: the longest wait of a worker's constructor for the coordinator (its spec, its registration, the latest weights)
+COORDINATOR_TIMEOUT_S = 600.0
+
+
+class WorkerNeedsWeights(RuntimeError):
+    """A request reached a worker that holds no weights yet (restarted with ``weight_sync: collective``): the trainer
+    sends them and samples the request again."""
+
+
+def needs_weights(error: BaseException) -> bool:
+    """Whether ``error`` (as Ray hands it back) is a `WorkerNeedsWeights`."""
+    return isinstance(error, WorkerNeedsWeights) or isinstance(getattr(error, "cause", None), WorkerNeedsWeights)
 
 
 def move_to(value: Any, device: torch.device | str) -> Any:
@@ -97,11 +119,14 @@ def rollout_fingerprint(engine: Any) -> dict[str, Any]:
 
 @dataclass
 class WorkerSpec:
-    """What a `RolloutWorker` is built from (pickled once by the trainer; Ray keeps it to rebuild a restarted worker).
+    """What a `RolloutWorker` is built from (kept by the coordinator, read by the worker's constructor and by
+    `RolloutWorker.configure`).
 
-    ``model``: the trainer's model path, or an ``ObjectRef`` of a pipeline it put in the object store. ``args``: the
+    ``model``: the trainer's model path or hub id, or the pickled bytes of a pipeline it was given. ``args``: the
     trainer's configuration (its generation settings resolved; ``dtype`` set to the trainer's resolved one).
-    ``strategy``: the algorithm's `RolloutStrategy` (settings only).
+    ``strategy``: the algorithm's `RolloutStrategy` for workers (settings only). ``synced``: the copies the worker
+    holds and receives at every sync (`WorkerNeeds.synced`). ``weight_sync``: ``"object_store"`` or
+    ``"collective"``.
     """
 
     name: str
@@ -112,12 +137,16 @@ class WorkerSpec:
     strategy: Any
     device: str = "cpu"
     mixed_precision: str = "no"
-    uses_old_policy: bool = False
+    synced: tuple[str, ...] = ()
     reference_own_adapter: bool = False
     keep_reference_copy: bool = False
-    include_reference: bool = False
     audio_rewards: list[str] = field(default_factory=list)
     torch_threads: int | None = None
+    weight_sync: str = "object_store"
+
+    @property
+    def include_reference(self) -> bool:
+        return "reference" in self.synced
 
 
 @dataclass
@@ -150,13 +179,33 @@ class _ForwardedRewards:
 class RolloutWorker:
     """A Ray actor that samples training rollouts (see the module docstring); built by ``ray.remote(RolloutWorker)``.
 
-    Methods (each a Ray call): ``describe()``, ``load_weights(version, digest, state)``, ``reload_latest()``,
+    Methods (each a Ray call): ``describe()``, ``configure()``, ``load_weights(version, digest, state)``,
+    ``reload_latest()``, ``join_group(rendezvous, rank)``, ``receive_weights(version, digest, buckets, epoch)``,
     ``sample(request)`` (a streaming generator: one payload per micro-batch, then a final one), ``fingerprint()``.
     """
 
-    def __init__(self, spec: WorkerSpec, coordinator: list):
-        """``coordinator``: ``[the run's RolloutCoordinator handle]`` (in a list: Ray then passes the handle itself,
-        which a restarted worker uses again)."""
+    def __init__(self, name: str, coordinator: str):
+        """``name``: the worker's name (its spec's key at the coordinator); ``coordinator``: the coordinator's actor
+        name (strings only: nothing of the creation task lives in the object store, so a restart cannot lose it)."""
+        import ray
+
+        from .session import NAMESPACE
+
+        self.niceness = _normal_priority()
+        self.name = name
+        self.coordinator = ray.get_actor(coordinator, namespace=NAMESPACE)
+        self.policy = self.engine = None
+        self.group = None
+        self._build()
+        self.incarnation = ray.get(self.coordinator.register.remote(self.name), timeout=COORDINATOR_TIMEOUT_S)
+        if self.spec.weight_sync == "object_store":
+            latest = ray.get(self.coordinator.latest_weights.remote(), timeout=COORDINATOR_TIMEOUT_S)
+            if latest is not None:  # a restarted worker: the current weights, before any request reaches it
+                version, digest, holder = latest
+                self.load_weights(version, digest, ray.get(holder[0], timeout=COORDINATOR_TIMEOUT_S))
+
+    def _build(self) -> None:
+        """(Re)build everything from the spec the coordinator holds for this worker."""
         tic = time.perf_counter()
         import ray
 
@@ -166,15 +215,21 @@ class RolloutWorker:
         from ...step_metrics import StepMetrics
         from ..engine import RolloutEngine
 
+        blob = ray.get(self.coordinator.spec_of.remote(self.name), timeout=COORDINATOR_TIMEOUT_S)
+        if blob is None:
+            raise RuntimeError(f"The coordinator holds no spec for rollout worker {self.name}.")
+        import pickle
+
+        spec = pickle.loads(blob)
+        if self.engine is not None:
+            self.engine.close()
+        self.policy = self.engine = self.group = None
         self.spec = spec
-        self.niceness = _normal_priority()
-        self.coordinator = coordinator[0]
-        self.name = spec.name
         device = torch.device(spec.device)
         if spec.torch_threads:
             os.environ["FLOWGRPO_CPU_THREADS"] = str(spec.torch_threads)
         args = spec.args
-        model = ray.get(spec.model) if isinstance(spec.model, ray.ObjectRef) else spec.model
+        model = spec.model
         if isinstance(model, bytes):  # a pipeline the trainer shipped
             import pickle
 
@@ -193,8 +248,11 @@ class RolloutWorker:
         self.policy.encode_negative_prompt()
         prompt_cache = setup_prompt_cache(args, self.policy.adapter, self.policy.pipeline, device, (),
                                           self.accelerator.autocast)
-        if spec.uses_old_policy:
-            self.policy.build_old_policy()
+        for copy_name in spec.synced:
+            if copy_name == "old_policy":
+                self.policy.build_old_policy()
+            elif copy_name != "reference":
+                self.policy.build_copy(copy_name)
         if args.torch_compile:  # compiled as the trainer compiles them: the same blocks' code samples and trains
             self.policy.compile_blocks(args.torch_compile_backend, args.torch_compile_mode)
         self.engine = RolloutEngine(args, self.policy, spec.strategy, _ForwardedRewards(spec.audio_rewards),
@@ -202,11 +260,6 @@ class RolloutWorker:
         self.version: int | None = None
         self.digest: str | None = None
         self.loads = 0
-        self.incarnation = ray.get(self.coordinator.register.remote(self.name))
-        latest = ray.get(self.coordinator.latest_weights.remote())
-        if latest is not None:  # a restarted worker: the current weights, before any request reaches it
-            version, digest, holder = latest
-            self.load_weights(version, digest, ray.get(holder[0]))
         self.startup_s = time.perf_counter() - tic
 
     # ---- what the trainer asks -------------------------------------------------------------------------
@@ -214,39 +267,85 @@ class RolloutWorker:
         return {"name": self.name, "pid": os.getpid(), "incarnation": self.incarnation, "version": self.version,
                 "digest": self.digest, "loads": self.loads, "device": str(self.accelerator.device),
                 "torch_threads": torch.get_num_threads(), "startup_s": self.startup_s, "node": _node_address(),
-                "niceness": self.niceness}
+                "node_id": _node_id(), "niceness": self.niceness, "weight_sync": self.spec.weight_sync}
+
+    def configure(self) -> dict[str, Any]:
+        """Rebuild for the spec the coordinator now holds for this worker (a worker kept for another run); answers
+        as `describe`."""
+        self._build()
+        return self.describe()
 
     def fingerprint(self) -> dict[str, Any]:
         return rollout_fingerprint(self.engine)
 
-    def load_weights(self, version: int, digest: str, state: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Load ``state`` and answer with the version and the digest of what the policy now holds (read back from its
-        own tensors); the trainer compares both with what it sent."""
-        from .weights import load_policy_state, policy_state_digest
+    def _answer(self, version: int, digest: str) -> dict[str, Any]:
+        """Read back the digest of what the policy now holds; the trainer compares it with what it sent."""
+        from .weights import policy_state_digest
 
-        load_policy_state(self.policy, state, include_reference=self.spec.include_reference)
         self.version = int(version)
-        self.digest = policy_state_digest(self.policy, include_reference=self.spec.include_reference)
+        self.digest = policy_state_digest(self.policy, synced=self.spec.synced)
         if self.digest != digest:
             raise ValueError(f"{self.name} holds weights with digest {self.digest} after loading version {version}, "
                              f"whose digest is {digest}.")
         self.loads += 1
         return {"name": self.name, "version": self.version, "digest": self.digest, "sent_digest": digest,
-                "loads": self.loads}
+                "loads": self.loads, "incarnation": self.incarnation}
+
+    def load_weights(self, version: int, digest: str, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Load ``state`` (``weight_sync: object_store``) and answer with the version and the digest of what the
+        policy now holds."""
+        from .weights import load_policy_state
+
+        load_policy_state(self.policy, state, synced=self.spec.synced)
+        return self._answer(version, digest)
 
     def reload_latest(self) -> dict[str, Any]:
         """Load the coordinator's latest weights (a worker that came back with none, or an older version)."""
         import ray
 
-        latest = ray.get(self.coordinator.latest_weights.remote())
+        latest = ray.get(self.coordinator.latest_weights.remote(), timeout=COORDINATOR_TIMEOUT_S)
         if latest is None:
             raise RuntimeError("The coordinator holds no weights yet.")
         version, digest, holder = latest
-        return self.load_weights(version, digest, ray.get(holder[0]))
+        return self.load_weights(version, digest, ray.get(holder[0], timeout=COORDINATOR_TIMEOUT_S))
+
+    def join_group(self, rendezvous: Any, rank: int) -> dict[str, Any]:
+        """Join the trainer's process group as ``rank`` (``weight_sync: collective``; blocks until every member
+        joined, at most the rendezvous's timeout)."""
+        from .collective import join_group
+
+        self.group = None
+        self.group = (rendezvous.epoch, join_group(rendezvous, rank, _node_address() or "", self.accelerator.device))
+        return {"name": self.name, "epoch": rendezvous.epoch, "incarnation": self.incarnation}
+
+    def receive_weights(self, version: int, digest: str, buckets: list, epoch: int) -> dict[str, Any]:
+        """Receive the state broadcast over the group of formation ``epoch`` (``weight_sync: collective``), bucket
+        after bucket into the policy's own tensors, and answer as `load_weights`. A layout that does not match this
+        policy is refused after every bucket was received (the group is never left waiting)."""
+        from .collective import receive_state
+        from .weights import check_layout, live_tensors
+
+        if self.group is None or self.group[0] != epoch:
+            raise RuntimeError(f"{self.name} is not in the group of formation {epoch} "
+                               f"(it holds {None if self.group is None else self.group[0]}).")
+        live = live_tensors(self.policy, self.spec.synced)
+        try:
+            check_layout(live, {s.key: (s.torch_dtype, s.shape) for bucket in buckets for s in bucket})
+            refused = None
+        except ValueError as err:
+            refused = err
+        with torch.no_grad():
+            receive_state(self.group[1], buckets, None if refused else live, self.accelerator.device)
+        if refused is not None:
+            raise refused
+        return self._answer(version, digest)
 
     def sample(self, request: RolloutRequest):
         """Sample ``request``; yields ``{"kind": "micro_batch", ...}`` per micro-batch as soon as it is decoded, then
         ``{"kind": "done", ...}`` with the phase timings."""
+        if self.version is None and self.spec.weight_sync == "collective":
+            raise WorkerNeedsWeights(f"{self.name} (incarnation {self.incarnation}) holds no weights yet; the request "
+                                     f"for generation {request.gen_index} needs version {request.version}.")
         if self.version != request.version:
             raise RuntimeError(f"{self.name} holds weights version {self.version} but the request for generation "
                                f"{request.gen_index} (process {request.process_index}) was sent for version "
@@ -280,7 +379,7 @@ class RolloutWorker:
             images += len(pil)
             yield {"kind": "micro_batch", "index": first, "record": move_to(record, "cpu"), "images": pil,
                    "columns": columns_future.result(), "decode_seconds": decode_seconds, "version": self.version,
-                   "worker": self.name, "incarnation": self.incarnation, "pid": os.getpid()}
+                   "worker": self.name, "incarnation": self.incarnation, "pid": os.getpid(), "node_id": _node_id()}
 
 
 def _normal_priority() -> int:
@@ -297,6 +396,15 @@ def _normal_priority() -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # outside Ray
+        return None
+
+
 def _node_address() -> str | None:
     try:
         import ray
@@ -307,17 +415,31 @@ def _node_address() -> str | None:
 
 
 class RolloutCoordinator:
-    """A small Ray actor (no CPU reserved) of the run: the latest weights (the object-store reference the trainer put
-    once per sync, with its version and digest), so that a restarted worker reloads them by itself; and how many times
-    each worker was built (its restarts are that minus one)."""
+    """A small Ray actor (no CPU reserved) of a run or of a pool of workers: the spec each worker is built from (so that
+    a restarted worker rebuilds exactly what it was, and a kept worker what the next run asks), the latest weights
+    with ``weight_sync: object_store`` (the object-store reference the trainer put once per sync, with its version and
+    digest), and how many times each worker was built."""
 
     def __init__(self):
+        self._specs: dict[str, bytes] = {}
         self._latest: tuple[int, str, list] | None = None
         self._incarnations: dict[str, int] = {}
+
+    def assign(self, name: str, spec: bytes) -> None:
+        """The spec worker ``name`` is built (or rebuilt) from, pickled (the coordinator never unpickles it: it needs
+        none of the algorithm's modules); a new run's weights start afresh."""
+        self._specs[name] = spec
+        self._latest = None
+
+    def spec_of(self, name: str) -> bytes | None:
+        return self._specs.get(name)
 
     def register(self, name: str) -> int:
         self._incarnations[name] = self._incarnations.get(name, 0) + 1
         return self._incarnations[name]
+
+    def incarnations(self) -> dict[str, int]:
+        return dict(self._incarnations)
 
     def publish(self, version: int, digest: str, holder: list) -> None:
         """``holder``: ``[ObjectRef]`` (a list, so that Ray passes the reference and not its value)."""
