@@ -18,6 +18,8 @@ from flowgrpo import (
     DGPOTrainer,
     DiffusionDPOConfig,
     DiffusionDPOTrainer,
+    DiffusionNFTConfig,
+    DiffusionNFTTrainer,
     DiffusionOPDConfig,
     DiffusionOPDTrainer,
     FlowGRPOConfig,
@@ -78,9 +80,13 @@ TRAINER_KINDS = {
 }
 
 
+#: trainers `make_trainer` builds besides the shared cases (tests of their own resume them)
+OTHER_KINDS = {"diffusion_nft": (DiffusionNFTConfig, DiffusionNFTTrainer)}
+
+
 def kind_classes(kind: str) -> tuple[type, type]:
     """The configuration and trainer classes of ``kind`` (a plugin's from the registry, once installed)."""
-    config_class, trainer_class = TRAINER_KINDS[kind][:2]
+    config_class, trainer_class = OTHER_KINDS[kind] if kind in OTHER_KINDS else TRAINER_KINDS[kind][:2]
     if config_class is None:
         from flowgrpo.trainer.registry import TRAINERS
 
