@@ -49,10 +49,12 @@ def lora_config(init="gaussian"):
 
 
 #: the trainers on the shared base that the resume and export tests run: configuration and trainer classes, the
-#: settings that make a short run exercise their own state (SDE window; AWM's EMA adapter sampling off-policy;
-#: online DPO pairs), and the logged keys a resumed run must reproduce
+#: settings that make a short run exercise their own state (SDE window, replayed in one pass; AWM's EMA adapter
+#: sampling off-policy; online DPO pairs), and the logged keys a resumed run must reproduce
 TRAINER_KINDS = {
-    "flow_grpo": (FlowGRPOConfig, FlowGRPOTrainer, dict(sde_window_size=2, sde_window_range=[0, 2]),
+    # Flow-GRPO's two recorded steps replayed in one pass (train_timesteps_per_pass): resume and export with it
+    "flow_grpo": (FlowGRPOConfig, FlowGRPOTrainer, dict(sde_window_size=2, sde_window_range=[0, 2],
+                                                        train_timesteps_per_pass="all"),
                   ("reward", "policy_loss", "ratio_mean", "grad_norm")),
     "awm": (AWMConfig, AWMTrainer, dict(train_timesteps=2, beta=0.01, off_policy=True),
             ("reward", "policy_loss", "ratio_mean", "kl", "grad_norm")),
