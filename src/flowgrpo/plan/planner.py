@@ -16,8 +16,9 @@ gradients              trained parameters x their bytes; DDP keeps a second copy
                        16-bit gradients before reduction.
 optimizer_states       AdamW: 2 states in the parameter's dtype (torch keeps them so), 8-bit AdamW (``adamw_bnb_8bit``):
                        2 bytes + block scales; ZeRO: float32 master + 2 float32 states (12 bytes) /N.
-activations            measured: the transient peak of one trained step's forward + backward on fake tensors (torch's
-                       gradient checkpointing run as the trainer runs it), the parameters' gradients set aside as they
+activations            measured: the transient peak of one trained pass's forward + backward on fake tensors (K =
+                       ``train_timesteps_per_pass`` trained timesteps stacked into one batch; torch's gradient
+                       checkpointing run as the trainer runs it), the parameters' gradients set aside as they
                        appear (they are the gradients term, sharded as the configuration shards them).
                        Rollout: one sampling step's peak; decode: one slice's.
 copies                 EMA (float32 copy of the trained parameters), DiffusionNFT's old policy, DGPO's EMA reference,
@@ -37,7 +38,10 @@ are freed by ``zero_grad``); ``training`` = persistent terms + gradients + activ
 
 FLOPs: the rollout's transformer passes per sample (BranchGRPO: a tree's rows summed over the steps, divided by its
 leaves, since the samples of a tree share their prefixes) and the trained transitions per sample (a tree's edges per
-leaf), each with the forwards without gradient the algorithm's spec names (the reference, a teacher, the old policy).
+leaf), each with the forwards without gradient the algorithm's spec names (the reference, a teacher, the old policy);
+whatever K, as many rows are trained. Under FSDP2 / ZeRO-3 each trained pass gathers the weights for its forward and
+again for its backward: ceil(T / K) passes per micro-batch. `largest_timesteps_per_pass` finds the largest K whose
+plan fits the GPU.
 What the step is comes from the algorithm's spec (`AlgorithmFacts.step` and ``copies``), never from its name.
 """
 
@@ -125,6 +129,9 @@ def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> Ste
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
         str(args.dtype), torch.bfloat16)
     micro = int(args.per_device_train_batch_size)
+    from ..trainer.timestep_passes import resolved_timesteps_per_pass
+
+    per_pass = resolved_timesteps_per_pass(args.train_timesteps_per_pass, planned.trained_timesteps)
     return StepSettings(
         height=int(height), width=int(width), num_frames=int(getattr(args, "num_frames", 1) or 1), micro_batch=micro,
         num_inference_steps=steps, trained_steps=planned.trained_timesteps, guidance_scale=float(args.guidance_scale),
@@ -139,7 +146,7 @@ def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> Ste
         decode_batch=min(micro, int(getattr(args, "vae_decode_batch_size", None) or micro)),
         rollout_passes=planned.rollout_passes, trained_passes=planned.trained_per_sample,
         trained_batch=planned.trained_batch, stored_per_step=planned.stored_per_step, teachers=teachers,
-        teacher_kind=teacher_kind)
+        teacher_kind=teacher_kind, timesteps_per_pass=per_pass)
 
 
 def _opt_bytes_per_param(optimizer: str, param_bytes: int) -> float:
@@ -305,8 +312,8 @@ def _collective_bytes(par: Parallelism, params: dict[str, float], trainable: flo
     if par.kind == "ddp" or par.kind == "zero2":
         return 2 * ring * trainable * train_bytes
     # FSDP2 / ZeRO-3: every forward gathers the parameters; every backward gathers them again and reduce-scatters
-    # the gradients
-    trained = s.trained_passes or s.trained_steps
+    # the gradients. A trained pass holds K timesteps (train_timesteps_per_pass): ceil(T / K) passes
+    trained = s.trained_pass_count
     extra = len(s.frozen_forwards)  # the reference, a teacher, the old policy: forwards without gradient
     forwards = ga * ((s.rollout_passes or s.num_inference_steps) + trained * (2 + extra))
     backwards = ga * trained
@@ -370,6 +377,63 @@ def make_plan(inputs: PlanInputs) -> Plan:
     return plan
 
 
+def plan_with_timesteps_per_pass(plan: Plan, per_pass: int) -> Plan:
+    """``plan``'s recipe re-planned with K = ``per_pass`` trained timesteps per pass (a new fake-tensor measurement of
+    the trained pass; measured steps are kept per settings for the process)."""
+    inputs = plan.inputs
+    if per_pass == inputs.settings.timesteps_per_pass:
+        return plan
+    return make_plan(dataclasses.replace(inputs, settings=dataclasses.replace(inputs.settings,
+                                                                               timesteps_per_pass=per_pass)))
+
+
+def largest_timesteps_per_pass(plan: Plan) -> Plan | None:
+    """The plan of the largest K (``train_timesteps_per_pass``, 1 .. the trained timesteps T) whose peak fits the GPU,
+    or None when even K = 1 does not fit. A pass's activations grow with its rows, so the peak does not fall as K
+    grows: K = T is planned first; otherwise a search between the largest K known to fit and the smallest known not
+    to, each guess read off the straight line through their peaks (a pass's activations are close to linear in
+    its rows), so that a recipe takes about four plans."""
+    s = plan.inputs.settings
+    parts = max(1, s.trained_steps)
+    memory = plan.inputs.gpu.memory_gb
+    plans = {s.timesteps_per_pass: plan}
+
+    def at(per_pass: int) -> Plan:
+        if per_pass not in plans:
+            plans[per_pass] = plan_with_timesteps_per_pass(plan, per_pass)
+        return plans[per_pass]
+
+    if at(parts).peak_gb <= memory:
+        return at(parts)
+    if at(1).peak_gb > memory:
+        return None
+    low, high = 1, parts  # at(low) fits, at(high) does not
+    while high - low > 1:
+        low_peak, high_peak = at(low).peak_gb, at(high).peak_gb
+        guess = low + int((memory - low_peak) / (high_peak - low_peak) * (high - low)) if high_peak > low_peak \
+            else low
+        guess = min(max(guess, low + 1), high - 1)
+        if at(guess).peak_gb <= memory:
+            low = guess
+        else:
+            high = guess
+    return at(low)
+
+
+def timesteps_per_pass_suggestion(plan: Plan) -> dict[str, Any] | None:
+    """The suggestion of the largest ``train_timesteps_per_pass`` that fits (`largest_timesteps_per_pass`), with its
+    peak and step time, or None when it is the plan's own K or none fits."""
+    s = plan.inputs.settings
+    largest = largest_timesteps_per_pass(plan)
+    if largest is None or largest.inputs.settings.timesteps_per_pass == s.timesteps_per_pass:
+        return None
+    k = largest.inputs.settings.timesteps_per_pass
+    words = "all" if k == s.trained_steps else str(k)
+    return {"change": f"train_timesteps_per_pass: {words} (the largest that fits: {k} of {s.trained_steps} trained "
+                      "timesteps per pass)",
+            "peak_memory_gb": round(largest.peak_gb, 2), "est_step_time_s": round(largest.step_time_s, 2)}
+
+
 def suggestions(plan: Plan) -> list[dict[str, Any]]:
     """Concrete changes, each re-planned (a new fake-tensor measurement where the step's shapes change)."""
     inputs = plan.inputs
@@ -401,6 +465,13 @@ def suggestions(plan: Plan) -> list[dict[str, Any]]:
                                                                                                    half))))
     if s.decode_batch > 1:
         add("vae_decode_batch_size: 1", dataclasses.replace(inputs, settings=dataclasses.replace(s, decode_batch=1)))
+    if s.trained_steps > 1:  # the largest K that fits, whichever way it moves from the recipe's
+        try:
+            suggestion = timesteps_per_pass_suggestion(plan)
+        except Exception as err:  # a change this model cannot take is reported, not fatal
+            suggestion = {"change": "train_timesteps_per_pass", "peak_memory_gb": None, "error": str(err)[:200]}
+        if suggestion is not None:
+            out.append(suggestion)
     if not inputs.offload_text_encoders and inputs.spec.text_encoder_total:
         add("cache_prompt_embeddings: true, offload_text_encoders: true",
             dataclasses.replace(inputs, offload_text_encoders=True))
@@ -419,5 +490,6 @@ def suggestions(plan: Plan) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["Plan", "PlanInputs", "REWARD_MODEL_PARAMS", "check_wrap_classes", "compose", "make_plan", "plan_inputs",
-           "settings_from_args", "suggestions"]
+__all__ = ["Plan", "PlanInputs", "REWARD_MODEL_PARAMS", "check_wrap_classes", "compose", "largest_timesteps_per_pass",
+           "make_plan", "plan_inputs", "plan_with_timesteps_per_pass", "settings_from_args", "suggestions",
+           "timesteps_per_pass_suggestion"]
