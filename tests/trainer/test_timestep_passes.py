@@ -21,7 +21,13 @@ import torch
 from support.trainer_cases import TRAINER_KINDS, make_trainer, redness_reward
 
 from flowgrpo import FlowGRPOConfig
-from flowgrpo.trainer.timestep_passes import parse_timesteps_per_pass, passes_of, split_rows, stack_rows
+from flowgrpo.trainer.timestep_passes import (
+    even_timesteps_per_pass,
+    parse_timesteps_per_pass,
+    passes_of,
+    split_rows,
+    stack_rows,
+)
 
 #: settings that give each kind several parts per micro-batch (besides its shared case's): Diffusion-DPO's draws,
 #: DiffusionNFT's noise levels, and Flow-GRPO's variants that change which steps are trained and how
@@ -104,6 +110,7 @@ def test_passes_group_the_parts():
     assert passes_of(5, 2) == [[0, 1], [2, 3], [4]]
     assert passes_of(5, "all") == [[0, 1, 2, 3, 4]]
     assert passes_of(3, 8) == [[0, 1, 2]]
+    assert [even_timesteps_per_pass(9, k) for k in (1, 2, 4, 5, 6, 8, 9, 12)] == [1, 2, 3, 5, 5, 5, 9, 9]
     rows = [torch.full((2, 3), float(i)) for i in range(3)]
     stacked = stack_rows(rows)
     assert stacked.shape == (6, 3)

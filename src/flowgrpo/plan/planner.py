@@ -421,17 +421,26 @@ def largest_timesteps_per_pass(plan: Plan) -> Plan | None:
 
 
 def timesteps_per_pass_suggestion(plan: Plan) -> dict[str, Any] | None:
-    """The suggestion of the largest ``train_timesteps_per_pass`` that fits (`largest_timesteps_per_pass`), with its
-    peak and step time, or None when it is the plan's own K or none fits."""
+    """The ``train_timesteps_per_pass`` to suggest, with its peak and step time, or None when it is the plan's own K
+    or no K fits: the largest K that fits (`largest_timesteps_per_pass`), evened out to the smallest K that needs as
+    few passes (`even_timesteps_per_pass`: 9 timesteps fit at K = 6 take 2 passes, as at K = 5, with a smaller
+    peak)."""
+    from ..trainer.timestep_passes import even_timesteps_per_pass
+
     s = plan.inputs.settings
     largest = largest_timesteps_per_pass(plan)
-    if largest is None or largest.inputs.settings.timesteps_per_pass == s.timesteps_per_pass:
+    if largest is None:
         return None
-    k = largest.inputs.settings.timesteps_per_pass
+    k_max = largest.inputs.settings.timesteps_per_pass
+    k = even_timesteps_per_pass(s.trained_steps, k_max)
+    if k == s.timesteps_per_pass:
+        return None
+    chosen = plan_with_timesteps_per_pass(plan, k)
+    passes = int(chosen.inputs.settings.trained_pass_count)
     words = "all" if k == s.trained_steps else str(k)
-    return {"change": f"train_timesteps_per_pass: {words} (the largest that fits: {k} of {s.trained_steps} trained "
-                      "timesteps per pass)",
-            "peak_memory_gb": round(largest.peak_gb, 2), "est_step_time_s": round(largest.step_time_s, 2)}
+    return {"change": f"train_timesteps_per_pass: {words} ({passes} pass{'es' if passes > 1 else ''} of the "
+                      f"{s.trained_steps} trained timesteps; the largest K that fits: {k_max})",
+            "peak_memory_gb": round(chosen.peak_gb, 2), "est_step_time_s": round(chosen.step_time_s, 2)}
 
 
 def suggestions(plan: Plan) -> list[dict[str, Any]]:

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
     from ..models import PromptEmbeds
 
-__all__ = ["ALL_TIMESTEPS", "parse_timesteps_per_pass", "passes_of", "resolved_timesteps_per_pass", "split_rows",
-           "stack_embeds", "stack_rows"]
+__all__ = ["ALL_TIMESTEPS", "even_timesteps_per_pass", "parse_timesteps_per_pass", "passes_of",
+           "resolved_timesteps_per_pass", "split_rows", "stack_embeds", "stack_rows"]
 
 #: ``train_timesteps_per_pass: all``: every part of a micro-batch in one pass
 ALL_TIMESTEPS = "all"
@@ -69,6 +69,14 @@ def resolved_timesteps_per_pass(setting: int | str, parts: int) -> int:
     """K for a micro-batch of ``parts`` parts: ``min(setting, parts)``, ``parts`` for ``"all"`` (at least 1)."""
     parts = max(1, int(parts))
     return parts if setting == ALL_TIMESTEPS else max(1, min(int(setting), parts))
+
+
+def even_timesteps_per_pass(parts: int, per_pass: int) -> int:
+    """The smallest K that trains ``parts`` parts in as few passes as K = ``per_pass`` does: ceil(parts / passes)
+    with passes = ceil(parts / per_pass) (9 parts at K = 6 take 2 passes, as at K = 5, whose larger pass is smaller)."""
+    parts, per_pass = max(1, int(parts)), max(1, int(per_pass))
+    passes = -(-parts // per_pass)
+    return -(-parts // passes)
 
 
 def passes_of(parts: int, setting: int | str) -> list[list[int]]:
