@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
                              "and off on alternate steps and report the overhead ratio of each arm; "
                              "timesteps_per_pass: train_timesteps_per_pass all (on) against 1 (off), with each arm's "
                              "training phase (forward + backward per optimizer step)")
+    parser.add_argument("--passes-rounds", type=int, default=0,
+                        help="after the steps, time one more generation's training phase (forward + backward of its "
+                             "micro-batches, nothing in the background) at train_timesteps_per_pass 1 and all, this "
+                             "many rounds each, alternating")
     parser.add_argument("--thread-speedup", action="store_true",
                         help="CPU: after the steps, time the floor with the main thread at 1 thread and at its own "
                              "count (floor_thread_speedup) and report overhead_bound, the least overhead ratio the "
@@ -56,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_benchmark(args.preset, args.steps, warmup_steps=args.warmup_steps, threads=args.threads,
                                torch_threads=args.torch_threads, measure_floor=not args.no_floor, seed=args.seed, ab=args.ab,
-                               thread_speedup=args.thread_speedup, log=lambda m: print(m, file=sys.stderr, flush=True))
+                               thread_speedup=args.thread_speedup, passes_rounds=args.passes_rounds,
+                               log=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

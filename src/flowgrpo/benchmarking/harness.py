@@ -47,7 +47,7 @@ from .flops import step_flops, transformer_forward_flops
 from .presets import OCR_PROMPTS, BenchmarkPreset, build_preset_pipeline, check_device, get_preset
 
 __all__ = ["run_benchmark", "format_report", "measure_thread_speedup", "overhead_bound", "AB_CHOICES", "BREAKDOWN_KEYS",
-           "RESULT_KEYS"]
+           "PASS_SETTINGS", "RESULT_KEYS", "compare_timesteps_per_pass"]
 
 BREAKDOWN_KEYS = ("text_encoding", "rollout", "vae_decode", "reward", "training_forward", "training_backward",
                   "optimizer", "other")
@@ -221,6 +221,64 @@ class FloorRunner:
             p.grad = g
         model.train(was_training)
         return {"rollout": t1 - t0, "training": t2 - t1, "total": t2 - t0}
+
+
+#: the settings of ``train_timesteps_per_pass`` the training phase is compared at (``--compare-timesteps-per-pass``)
+PASS_SETTINGS = (1, "all")
+
+
+def compare_timesteps_per_pass(trainer: Any, rounds: int = 1) -> dict[str, Any]:
+    """The training phase of one optimizer step (forward + backward of every micro-batch of a generation: the
+    trainer's own ``_train_on_batch``) at each ``train_timesteps_per_pass`` of :data:`PASS_SETTINGS`, on one fresh
+    generation sampled by the trainer's current weights, the settings alternating for ``rounds`` rounds. Each arm
+    records its seconds, its peak allocated memory and, for Flow-GRPO, its first-pass max |ratio - 1|: on-policy,
+    since nothing changes the weights after that generation is sampled (no optimizer step; the gradients are
+    dropped after each arm), so at K = all it is what stacking K timesteps into one batch does to the ratio on
+    this device's kernels. Nothing else runs meanwhile (the rewards of that generation are scored before the first
+    arm is timed), so the arms differ only in how the trained timesteps are grouped."""
+    from ..trainer.timestep_passes import passes_of
+
+    device = trainer.accelerator.device
+    cuda = device.type == "cuda"
+
+    model = trainer.model_wrapped
+    setting_before = trainer.args.train_timesteps_per_pass
+    inputs = next(iter(trainer.get_train_dataloader()))  # one generation's rows of this process
+    records = trainer._generate(inputs)
+    trainer.rollouts.resolve_scoring()  # the rewards, scored in the background, before anything is timed
+    arms: dict[str, dict[str, Any]] = {str(k): {"training_s": [], "peak_allocated_mib": None,
+                                                "on_policy_ratio_max_dev": None} for k in PASS_SETTINGS}
+    parts = trainer._loss_parts(trainer._prepare_batch(records[0]))
+    try:
+        for round_index in range(rounds):
+            order = PASS_SETTINGS if round_index % 2 == 0 else tuple(reversed(PASS_SETTINGS))
+            for setting in order:
+                arm = arms[str(setting)]
+                trainer.args.train_timesteps_per_pass = setting
+                trainer.metrics.train.clear()
+                model.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
+                _sync(device)
+                tic = time.perf_counter()
+                for record in records:
+                    trainer._train_on_batch(model, record, True)
+                _sync(device)
+                arm["training_s"].append(time.perf_counter() - tic)
+                arm["passes_per_micro_batch"] = len(passes_of(parts, setting))
+                if cuda:
+                    arm["peak_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+                drift = trainer.metrics.train.get("on_policy_ratio_max_dev")
+                if drift:
+                    arm["on_policy_ratio_max_dev"] = max(drift)
+    finally:
+        trainer.args.train_timesteps_per_pass = setting_before
+        model.zero_grad(set_to_none=True)
+        trainer.metrics.train.clear()
+    medians = {k: _median(a["training_s"]) for k, a in arms.items()}
+    first, last = (str(k) for k in PASS_SETTINGS)
+    return {"micro_batches": len(records), "trained_timesteps": parts, "rounds": rounds, "arms": arms,
+            "training_s": medians, "speedup": medians[first] / medians[last] if medians[last] else None}
 
 
 class _BenchmarkClock(TrainerCallback):
@@ -402,7 +460,7 @@ def build_trainer(preset: BenchmarkPreset, max_steps: int, output_dir: str, seed
 def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, warmup_steps: int | None = None,
                   threads: str | int | None = None, torch_threads: int | None = None, measure_floor: bool = True,
                   seed: int = 0, ab: str | None = None, output_dir: str | None = None,
-                  thread_speedup: bool = False, log: Callable[[str], None] | None = print,
+                  thread_speedup: bool = False, passes_rounds: int = 0, log: Callable[[str], None] | None = print,
                   trainer_builder: Callable[..., Any] | None = None,
                   on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the benchmark and return its results as a JSON-ready dict (see the module docstring).
@@ -411,7 +469,9 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
     thread's count; default: the preset's). ``torch_threads`` sets torch's process-wide intra-op threads before
     anything is built: with ``threads="keep"`` it reproduces a fixed setting such as ``OMP_NUM_THREADS=N``.
     ``thread_speedup`` also times the floor at one thread and at the main thread's count (``floor_thread_speedup``,
-    ``overhead_bound``; see the module docstring).
+    ``overhead_bound``; see the module docstring). ``passes_rounds`` > 0 then times one more generation's training
+    phase at ``train_timesteps_per_pass`` 1 and ``all``, that many rounds each, alternating
+    (:func:`compare_timesteps_per_pass`; ``timesteps_per_pass`` in the result).
 
     ``trainer_builder(preset, max_steps, output_dir, seed=seed)`` replaces :func:`build_trainer` (a trainer made
     from a recipe, say; ``preset`` then only describes the run for the report and the FLOP count), and
@@ -470,6 +530,10 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
             speedup = measure_thread_speedup(clock.floor, main_threads)
             result["floor_thread_speedup"] = speedup
             result["overhead_bound"] = overhead_bound(result["overlapped"], result["floor_time_s"], speedup)
+        if passes_rounds > 0:
+            say(f"[benchmark] timing the training phase at train_timesteps_per_pass {PASS_SETTINGS[0]} and "
+                f"{PASS_SETTINGS[1]}, {passes_rounds} rounds")
+            result["timesteps_per_pass"] = compare_timesteps_per_pass(trainer, passes_rounds)
         reward_set.close()
         return result
     finally:
@@ -596,6 +660,13 @@ def format_report(result: dict[str, Any]) -> str:
     if "thread_timeline_s" in result:
         states = ", ".join(f"{k} {v:.3f} s" for k, v in result["thread_timeline_s"].items())
         lines.append(f"  main thread's torch threads against busy background tasks (mean s per step): {states}")
+    if "timesteps_per_pass" in result:
+        passes = result["timesteps_per_pass"]
+        t = passes["training_s"]
+        lines.append(f"  training phase of one generation ({passes['micro_batches']} micro-batches, "
+                     f"{passes['trained_timesteps']} trained timesteps each), median of {passes['rounds']} alternating "
+                     f"rounds: train_timesteps_per_pass 1 {t['1']:.3f} s, all {t['all']:.3f} s "
+                     f"({passes['speedup']:.3f}x)")
     if "ab" in result:
         ab = result["ab"]
         lines.append(f"  A/B of {', '.join(ab['switches'])} (alternate steps):")

@@ -29,7 +29,8 @@ After every step the figures so far are written to ``result.json`` (``partial: t
 time limit still reports the steps it finished.
 
 With ``--compare-timesteps-per-pass`` (the quick check's ``sd35m_step``) the timed steps are followed by
-:func:`compare_timesteps_per_pass`: one more generation, trained (without an optimizer step) at
+:func:`flowgrpo.benchmarking.harness.compare_timesteps_per_pass`: one more generation, trained (without an
+optimizer step) at
 ``train_timesteps_per_pass`` 1 and ``all``, the training phase of each timed, with its peak memory and first-pass
 ratio.
 """
@@ -47,8 +48,8 @@ from typing import Any
 
 from .probe import install_memory_recorder, write_result
 
-__all__ = ["CONTROLLED_KEYS", "DEFAULT_DATASET", "DEFAULT_REWARD", "MODELS", "PASS_SETTINGS", "check_overrides",
-           "compare_timesteps_per_pass", "main", "parse_step_recipe", "step_preset", "step_settings"]
+__all__ = ["CONTROLLED_KEYS", "DEFAULT_DATASET", "DEFAULT_REWARD", "MODELS", "check_overrides", "main",
+           "parse_step_recipe", "step_preset", "step_settings"]
 
 MODELS = {"sd35m-random": "sd35m-random", "tiny": "tiny"}  # --model -> the benchmark preset whose pipeline is built
 DEFAULT_DATASET = "data/ocr_synthetic"
@@ -149,68 +150,6 @@ def _first_step_figures(trainer: Any) -> dict[str, Any]:
             if k in first}
 
 
-#: the settings of ``train_timesteps_per_pass`` the training phase is compared at (``--compare-timesteps-per-pass``)
-PASS_SETTINGS = (1, "all")
-
-
-def compare_timesteps_per_pass(trainer: Any, rounds: int = 1) -> dict[str, Any]:
-    """The training phase of one optimizer step (forward + backward of every micro-batch of a generation: the
-    trainer's own ``_train_on_batch``) at each ``train_timesteps_per_pass`` of :data:`PASS_SETTINGS`, on one fresh
-    generation sampled by the trainer's current weights, the settings alternating for ``rounds`` rounds. Each arm
-    records its seconds, its peak allocated memory and, for Flow-GRPO, its first-pass max |ratio - 1|: on-policy,
-    since nothing changes the weights after that generation is sampled (no optimizer step; the gradients are
-    dropped after each arm), so at K = all it is what stacking K timesteps into one batch does to the ratio on
-    this GPU's kernels."""
-    import torch
-
-    from ..trainer.timestep_passes import passes_of
-
-    device = trainer.accelerator.device
-    cuda = device.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    model = trainer.model_wrapped
-    setting_before = trainer.args.train_timesteps_per_pass
-    inputs = next(iter(trainer.get_train_dataloader()))  # one generation's rows of this process
-    records = trainer._generate(inputs)
-    arms: dict[str, dict[str, Any]] = {str(k): {"training_s": [], "peak_allocated_mib": None,
-                                                "on_policy_ratio_max_dev": None} for k in PASS_SETTINGS}
-    parts = trainer._loss_parts(trainer._prepare_batch(records[0]))
-    try:
-        for round_index in range(rounds):
-            order = PASS_SETTINGS if round_index % 2 == 0 else tuple(reversed(PASS_SETTINGS))
-            for setting in order:
-                arm = arms[str(setting)]
-                trainer.args.train_timesteps_per_pass = setting
-                trainer.metrics.train.clear()
-                model.zero_grad(set_to_none=True)
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats(device)
-                sync()
-                tic = time.perf_counter()
-                for record in records:
-                    trainer._train_on_batch(model, record, True)
-                sync()
-                arm["training_s"].append(time.perf_counter() - tic)
-                arm["passes_per_micro_batch"] = len(passes_of(parts, setting))
-                if cuda:
-                    arm["peak_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-                drift = trainer.metrics.train.get("on_policy_ratio_max_dev")
-                if drift:
-                    arm["on_policy_ratio_max_dev"] = max(drift)
-    finally:
-        trainer.args.train_timesteps_per_pass = setting_before
-        model.zero_grad(set_to_none=True)
-        trainer.metrics.train.clear()
-    medians = {k: sorted(a["training_s"])[len(a["training_s"]) // 2] for k, a in arms.items()}
-    first, last = (str(k) for k in PASS_SETTINGS)
-    return {"micro_batches": len(records), "trained_timesteps": parts, "rounds": rounds, "arms": arms,
-            "training_s": medians, "speedup": medians[first] / medians[last] if medians[last] else None}
-
-
 def _cuda_peaks() -> dict[str, float]:
     import torch
 
@@ -305,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics["trainable_parameters"] = result.get("parameters", {}).get("trainable")
         if args.compare_timesteps_per_pass:
             write(partial=True, summary=_summary(result))  # the step's figures are kept if the comparison stops
+            from ..benchmarking.harness import compare_timesteps_per_pass
+
             metrics["timesteps_per_pass"] = compare_timesteps_per_pass(trainer)
         write(partial=False, summary=_summary(result, metrics.get("timesteps_per_pass")))
         print(f"[recipe_step] PASSED {json.dumps({k: metrics[k] for k in ('first_step', 'peak_memory')})}",
