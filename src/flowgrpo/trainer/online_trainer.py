@@ -493,10 +493,11 @@ class OnlineRLTrainer(FlowBaseTrainer):
         return {"scale_wrt_gas": False} if self.accelerator.distributed_type == DistributedType.DEEPSPEED else {}
 
     @staticmethod
-    def _sync_on_last(model, part: int, parts: int):
-        """A batch trained in ``parts`` backward passes: under DDP only the last one all-reduces the gradients."""
+    def _sync_on_last(model, index: int, passes: int):
+        """A micro-batch trained in ``passes`` backward passes: under DDP only the last one all-reduces the gradients
+        (one all-reduce per micro-batch, whatever ``train_timesteps_per_pass``)."""
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        return model.no_sync() if ddp and part < parts - 1 else nullcontext()
+        return model.no_sync() if ddp and index < passes - 1 else nullcontext()
 
     def _update_old_policy(self, decay: float) -> None:
         """theta_old <- decay theta_old + (1 - decay) theta, unless the step was skipped (a non-finite step changed no
