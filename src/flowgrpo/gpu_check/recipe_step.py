@@ -72,7 +72,8 @@ CONTROLLED_KEYS = {
 SETTING_KEYS = ("resolution", "num_inference_steps", "guidance_scale", "sde_type", "sde_window_size",
                 "sde_window_range", "noise_level", "sampler", "num_generations", "per_device_train_batch_size",
                 "gradient_accumulation_steps", "steps_per_generation", "activation_checkpointing", "beta",
-                "max_sequence_length", "dtype", "bf16", "use_ema", "timestep_fraction", "nft_beta")
+                "max_sequence_length", "dtype", "bf16", "use_ema", "timestep_fraction", "nft_beta",
+                "train_timesteps_per_pass")
 
 
 def check_overrides(overrides: Sequence[str]) -> None:
