@@ -23,12 +23,12 @@ check                   limit  what it runs and records
 ``bf16_onpolicy``          30  one bf16 optimizer step each on the tiny SD3 pipeline with CFG 4.5 and without CFG,
                                and on the tiny FLUX pipeline (guidance embedded): first-pass ratio 1 and KL 0
 ``sd35m_step``            100  ``recipes/ocr.yaml``'s Flow-GRPO-Fast LoRA step at one GPU's share (512 px, 10 steps,
-                               window 2, CFG 4.5, 4 micro-batches of 8 images, checkpointing, KL 0.04, EMA) on the
-                               full-size SD3.5-Medium with random weights: one warm-up and two timed steps, the
-                               per-phase times and peak memory, the step-1 ratio and KL at full size; then one more
-                               generation's training phase at ``train_timesteps_per_pass`` 1 and all, each timed
-                               with its peak memory and first-pass ratio (:mod:`.recipe_step`; the recipe overrides
-                               given on the command line apply here)
+                               window 2 in one pass, CFG 4.5, 4 micro-batches of 8 images, checkpointing, KL 0.04,
+                               EMA) on the full-size SD3.5-Medium with random weights: one warm-up and two timed
+                               steps, the per-phase times and peak memory, the step-1 ratio and KL at full size; then
+                               one more generation's training phase at ``train_timesteps_per_pass`` 1 and all, each
+                               timed with its peak memory and first-pass ratio (:mod:`.recipe_step`; the recipe
+                               overrides given on the command line apply here)
 ``plan_vs_measured``       20  ``flowgrpo plan`` of that same step on this GPU kind: planned against measured peak
                                memory and step time, as ratios (:mod:`.step_plan`)
 ``nft_step``               95  ``recipes/nft_ocr.yaml``'s DiffusionNFT step at one GPU's share (6 micro-batches of 8,
