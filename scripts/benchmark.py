@@ -40,9 +40,15 @@ def main(argv: list[str] | None = None) -> int:
                              "this is a fixed setting like OMP_NUM_THREADS=N")
     parser.add_argument("--no-floor", action="store_true", help="skip the FLOP-floor measurement")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ab", choices=["decode", "reward", "all"], default=None,
+    parser.add_argument("--ab", choices=["decode", "reward", "all", "timesteps_per_pass"], default=None,
                         help="switch the trainer's overlaps (background decode / reward-training overlap / both) on "
-                             "and off on alternate steps and report the overhead ratio of each arm")
+                             "and off on alternate steps and report the overhead ratio of each arm; "
+                             "timesteps_per_pass: train_timesteps_per_pass all (on) against 1 (off), with each arm's "
+                             "training phase (forward + backward per optimizer step)")
+    parser.add_argument("--passes-rounds", type=int, default=0,
+                        help="after the steps, time one more generation's training phase (forward + backward of its "
+                             "micro-batches, nothing in the background) at train_timesteps_per_pass 1 and all, this "
+                             "many rounds each, alternating")
     parser.add_argument("--thread-speedup", action="store_true",
                         help="CPU: after the steps, time the floor with the main thread at 1 thread and at its own "
                              "count (floor_thread_speedup) and report overhead_bound, the least overhead ratio the "
@@ -54,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_benchmark(args.preset, args.steps, warmup_steps=args.warmup_steps, threads=args.threads,
                                torch_threads=args.torch_threads, measure_floor=not args.no_floor, seed=args.seed, ab=args.ab,
-                               thread_speedup=args.thread_speedup, log=lambda m: print(m, file=sys.stderr, flush=True))
+                               thread_speedup=args.thread_speedup, passes_rounds=args.passes_rounds,
+                               log=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,8 +8,8 @@
 #
 # Budget: 360 s. This script's set-up, installing the carried wheels, is allowed 20 s; then, each in its own process
 # with its own time limit (a check over its limit is terminated, reported, and the next one starts): setup/wheels
-# 15 s, bf16_onpolicy 30 s, sd35m_step 85 s, plan_vs_measured 20 s, nft_step 110 s, launch/fsdp8 60 s, 2 s of kill
-# grace each; the report 5 s. flowgrpo.gpu_check.quick holds the limits (QUICK_CHECKS) and checks that they fit
+# 15 s, bf16_onpolicy 30 s, sd35m_step 100 s (its step, then its training phase at train_timesteps_per_pass 1 and
+# all), plan_vs_measured 20 s, nft_step 95 s, launch/fsdp8 60 s, 2 s of kill grace each; the report 5 s. flowgrpo.gpu_check.quick holds the limits (QUICK_CHECKS) and checks that they fit
 # (tests/tooling/test_gpu_quick.py too); it also cuts a limit to the time left, counted from this script's start.
 # Not in the default run: sd35m_compile 150 s (torch_compile on the same step), for a second call:
 #   scripts/gpu_quick.sh OUT_DIR --only sd35m_step sd35m_compile      compile off against on (264 s of limits)

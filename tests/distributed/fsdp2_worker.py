@@ -7,8 +7,10 @@ accelerate has no FSDP on CPU (it falls back to DDP), so this drives ``fully_sha
 the root. Each rank takes one step on its own samples, of a Flow-GRPO policy-gradient loss (the clipped-ratio loss of
 ``flowgrpo.trainer`` on one SDE step) plus a reward-gradient loss (the reward backpropagated through two sampling
 steps, each checkpointed around the sharded model as the reward-gradient trainer checkpoints them), calls the pipeline
-with the sharded transformer, gathers the full state dict and rank 0 exports the LoRA in diffusers format. ``reference_step`` is the same step without sharding, for the
-test to compare against.
+with the sharded transformer, gathers the full state dict and rank 0 exports the LoRA in diffusers format.
+``reference_step`` is the same step without sharding, for the test to compare against. Then (`replay_gathers`) a tiny
+FlowGRPOTrainer's own ``_train_on_batch`` replays a recorded micro-batch on its sharded transformer at several
+``train_timesteps_per_pass``, counting FSDP2's weight all-gathers.
 """
 
 from __future__ import annotations
@@ -105,6 +107,67 @@ def reference_step(world_size: int = 2):
     return pipe, peft_model
 
 
+def replay_gathers(rank: int, output_dir: Path) -> dict:
+    """The trainer's own replay (``OnlineRLTrainer._train_on_batch``) of one recorded micro-batch of Flow-GRPO (a
+    window of REPLAY_STEPS SDE steps) on the transformer sharded by ``fully_shard`` as above, at each
+    ``train_timesteps_per_pass`` of REPLAY_SETTINGS: the weight all-gathers each FSDP unit issued (a counting
+    all-gather set on every unit with ``set_custom_all_gather``) and this rank's shard of the LoRA gradients."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from support.trainer_cases import make_trainer, redness_reward
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    from flowgrpo.testing import cached_tiny_pipeline_path
+    from flowgrpo.trainer.data.datasets import INDEX_COLUMN
+
+    class CountingAllGather(DefaultAllGather):
+        """FSDP2's own all-gather, counted."""
+
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, *args, **kwargs):
+            self.calls += 1
+            return super().__call__(*args, **kwargs)
+
+    trainer = make_trainer(cached_tiny_pipeline_path("sd3", seed=0), output_dir / f"replay{rank}", kind="flow_grpo",
+                           reward=redness_reward, resolution=SIZE, per_device_train_batch_size=4, num_generations=2,
+                           max_sequence_length=8, sde_window_size=REPLAY_STEPS, sde_window_range=[0, 1], seed=rank)
+    prompts = [{"prompt": PROMPTS[i // 2], INDEX_COLUMN: i // 2} for i in range(4)]
+    record = trainer._generate(prompts)[0]  # sampled before sharding; every rank its own noise
+    model = trainer.model
+    inner = model.base_model.model
+    units = {"block": inner.transformer_blocks[0], "transformer": inner, "root": model}
+    for block in inner.transformer_blocks:
+        fully_shard(block)
+    fully_shard(inner)
+    fully_shard(model)
+    counters = {name: CountingAllGather() for name in units}
+    for name, unit in units.items():
+        unit.set_custom_all_gather(counters[name])
+    trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets before a micro-batch
+    out = {"recorded_steps": int(record["latents"].shape[1]), "gathers": {}, "grad_diff": {}, "grad_max": 0.0}
+    grads = {}
+    for setting in REPLAY_SETTINGS:
+        trainer.args.train_timesteps_per_pass = setting
+        model.zero_grad(set_to_none=True)
+        for counter in counters.values():
+            counter.calls = 0
+        trainer._train_on_batch(model, record, True)
+        out["gathers"][str(setting)] = {name: counter.calls for name, counter in counters.items()}
+        grads[setting] = [p.grad.to_local().detach().clone() for p in model.parameters() if p.grad is not None]
+    first = grads[REPLAY_SETTINGS[0]]
+    out["grad_max"] = max(float(g.abs().max()) for g in first)
+    for setting in REPLAY_SETTINGS[1:]:
+        out["grad_diff"][str(setting)] = max(float((a - b).abs().max()) for a, b in zip(first, grads[setting]))
+    return out
+
+
+#: the trainer's replay on the sharded model: recorded steps per micro-batch and the settings compared
+REPLAY_STEPS = 3
+REPLAY_SETTINGS = (1, 2, "all")
+
+
 def main() -> None:
     import torch.distributed as dist
     from diffusers import StableDiffusion3Pipeline
@@ -144,7 +207,8 @@ def main() -> None:
     if rank == 0:
         save_diffusers_lora(StableDiffusion3Pipeline, out / "lora", peft_model, state_dict=full)
     record = {"rank": rank, "world_size": world, "loss": float(loss), "num_sharded_params": len(sharded),
-              "pipeline_image_shape": list(images.shape), "full_state_dict_keys": len(full)}
+              "pipeline_image_shape": list(images.shape), "full_state_dict_keys": len(full),
+              "replay": replay_gathers(rank, out)}
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()

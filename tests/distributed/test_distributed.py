@@ -6,7 +6,8 @@
   through ``FLOWGRPO_RANK_LOG_DIR`` (see ``flowgrpo.cli.train``).
 * FSDP2: ``tests/distributed/fsdp2_worker.py`` under ``torch.distributed.run`` shards the LoRA transformer with
   ``fully_shard`` on two gloo ranks, takes a training step, runs the pipeline and exports the LoRA; the export must
-  equal the same step taken without sharding.
+  equal the same step taken without sharding. The same launch counts the weight all-gathers of the trainer's replay
+  of a micro-batch at several ``train_timesteps_per_pass``.
 """
 
 from __future__ import annotations
@@ -106,10 +107,18 @@ def test_cpu_ddp_launch_trains_two_ranks(tiny_sd3_path, tmp_path):
     assert np.abs(_image(pipe) - before).max() > 0
 
 
-def test_fsdp2_fully_shard_step_and_lora_export(tmp_path):
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One launch of ``fsdp2_worker.py`` on two gloo ranks: its output folder and each rank's record."""
+    out = tmp_path_factory.mktemp("fsdp2")
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-          "tests/distributed/fsdp2_worker.py", "--output_dir", str(tmp_path)], _env())
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+          "tests/distributed/fsdp2_worker.py", "--output_dir", str(out)], _env())
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.xdist_group("fsdp2_launch")  # one worker launches the two ranks for both tests that read them
+def test_fsdp2_fully_shard_step_and_lora_export(fsdp2_run):
+    tmp_path, ranks = fsdp2_run
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert all(r["num_sharded_params"] > 0 for r in ranks)  # parameters really were DTensors
     assert ranks[0]["pipeline_image_shape"] == [1, 32, 32, 3]  # the pipeline ran on the sharded transformer
@@ -142,3 +151,20 @@ def test_fsdp2_fully_shard_step_and_lora_export(tmp_path):
         reference = ref_pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
     assert np.abs(with_lora - base).max() > 0
     np.testing.assert_allclose(with_lora, reference, atol=1e-5)
+
+
+@pytest.mark.xdist_group("fsdp2_launch")
+def test_fsdp2_weight_gathers_fall_with_timesteps_per_pass(fsdp2_run):
+    """The trainer's replay of a micro-batch of T = 3 recorded steps on the FSDP2-sharded transformer: each unit
+    gathers its weights once per forward and once more in the backward (resharded after the forward), so per
+    micro-batch 2 T times at train_timesteps_per_pass 1, 2 ceil(T / K) at K; the gradients are the same."""
+    _, ranks = fsdp2_run
+    for rank in ranks:
+        replay = rank["replay"]
+        steps, gathers = replay["recorded_steps"], replay["gathers"]
+        assert steps == 3
+        for unit in ("block", "transformer"):
+            assert [gathers[k][unit] for k in ("1", "2", "all")] == [2 * 3, 2 * 2, 2 * 1], (unit, gathers)
+        for setting, diff in replay["grad_diff"].items():
+            assert diff <= 1e-6 * replay["grad_max"], (setting, diff, replay["grad_max"])
+        assert replay["grad_max"] > 0

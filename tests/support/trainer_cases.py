@@ -62,10 +62,12 @@ def lora_config(init="gaussian"):
 
 
 #: the trainers on the shared base that the resume and export tests run: configuration and trainer classes, the
-#: settings that make a short run exercise their own state (SDE window; AWM's EMA adapter sampling off-policy;
-#: online DPO pairs), and the logged keys a resumed run must reproduce
+#: settings that make a short run exercise their own state (SDE window, replayed in one pass; AWM's EMA adapter
+#: sampling off-policy; online DPO pairs), and the logged keys a resumed run must reproduce
 TRAINER_KINDS = {
-    "flow_grpo": (FlowGRPOConfig, FlowGRPOTrainer, dict(sde_window_size=2, sde_window_range=[0, 2]),
+    # Flow-GRPO's two recorded steps replayed in one pass (train_timesteps_per_pass): resume and export with it
+    "flow_grpo": (FlowGRPOConfig, FlowGRPOTrainer, dict(sde_window_size=2, sde_window_range=[0, 2],
+                                                        train_timesteps_per_pass="all"),
                   ("reward", "policy_loss", "ratio_mean", "grad_norm")),
     "awm": (AWMConfig, AWMTrainer, dict(train_timesteps=2, beta=0.01, off_policy=True),
             ("reward", "policy_loss", "ratio_mean", "kl", "grad_norm")),
@@ -99,9 +101,13 @@ TRAINER_KINDS = {
 }
 
 
+#: trainers `make_trainer` builds besides the shared cases (tests of their own resume them)
+OTHER_KINDS = {"diffusion_nft": (DiffusionNFTConfig, DiffusionNFTTrainer)}
+
+
 def kind_classes(kind: str) -> tuple[type, type]:
     """The configuration and trainer classes of ``kind`` (a plugin's from the registry, once installed)."""
-    config_class, trainer_class = TRAINER_KINDS[kind][:2]
+    config_class, trainer_class = OTHER_KINDS[kind] if kind in OTHER_KINDS else TRAINER_KINDS[kind][:2]
     if config_class is None:
         from flowgrpo.trainer.registry import TRAINERS
 

@@ -433,6 +433,27 @@ def test_tiny_preset_smoke(tmp_path, capsys):
     assert result["achieved_flops_per_s"] == pytest.approx(flops["total"] / step)
 
 
+def test_tiny_preset_times_train_timesteps_per_pass_side_by_side(tmp_path, capsys):
+    """``--ab timesteps_per_pass``: K = all and 1 on alternate steps, each arm's training phase and its floor's; and
+    ``--passes-rounds``: one more generation's training phase at each K, nothing in the background."""
+    out = tmp_path / "bench.json"
+    status, stdout, err = _run_script(capsys, "--preset", "tiny", "--steps", "2", "--warmup-steps", "0", "--ab",
+                                      "timesteps_per_pass", "--passes-rounds", "1", "--json", str(out))
+    assert status == 0, err[-4000:]
+    result = json.loads(out.read_text())
+    ab = result["ab"]
+    assert ab["switches"] == ["train_timesteps_per_pass: all (on) / 1 (off)"]
+    for arm in ("on", "off"):
+        assert ab[arm]["steps"] == 1 and len(ab[arm]["training_phase_s"]) == 1
+        assert ab[arm]["training_phase_s"][0] > 0 and ab[arm]["floor_training_s"][0] > 0
+    passes = result["timesteps_per_pass"]
+    assert passes["trained_timesteps"] == 2 and passes["rounds"] == 1
+    assert [passes["arms"][k]["passes_per_micro_batch"] for k in ("1", "all")] == [2, 1]
+    # 2 images a micro-batch without CFG: the embedders' 2-row matmuls change kernels at 4 rows (the last bit only)
+    assert all(passes["arms"][k]["on_policy_ratio_max_dev"] <= 1e-6 for k in ("1", "all"))
+    assert "training phase of one generation" in stdout
+
+
 def test_overhead_bound_prices_the_background_at_the_main_threads_second_core():
     """Each core-second of background work costs at least 1 - 1/s of the main thread's time, s the smaller speed-up;
     a main thread that gains nothing from its threads pays nothing."""

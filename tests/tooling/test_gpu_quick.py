@@ -190,7 +190,7 @@ def cpu_recorded(tmp_path_factory):
     results.append(_result_of("bf16_onpolicy", root / "bf16", limits["bf16_onpolicy"]))
     overrides = [*TINY_GRPO, "--model_name_or_path", tiny]
     assert recipe_step.main(["--recipe", "recipes/ocr.yaml", "--output", str(root / "step"), "--model", "tiny",
-                             *overrides]) == 0
+                             "--compare-timesteps-per-pass", *overrides]) == 0
     results.append(_result_of("sd35m_step", root / "step", limits["sd35m_step"]))
     assert step_plan.main(["--recipe", "recipes/ocr.yaml", "--measured", str(root / "step"), "--gpu", "h100-80gb",
                            "--output", str(root / "plan"), *overrides]) == 0
@@ -222,6 +222,11 @@ def test_cpu_runs_of_the_checks_write_the_figures_the_report_shows(cpu_recorded)
     assert parts["rollout"] > 0 and parts["training_forward"] > 0 and parts["training_backward"] > 0
     assert sum(parts.values()) == pytest.approx(bench["step_time_s"], rel=0.3)  # the median of parts ~ of steps
     assert step["first_step"]["on_policy_ratio_max_dev"] == 0.0 and step["first_step"]["kl"] == 0.0
+    passes = step["timesteps_per_pass"]  # one more generation's training phase at K = 1 and all
+    assert passes["trained_timesteps"] == 2 and passes["micro_batches"] == 2
+    assert [passes["arms"][k]["passes_per_micro_batch"] for k in ("1", "all")] == [2, 1]
+    assert all(passes["arms"][k]["on_policy_ratio_max_dev"] == 0.0 for k in ("1", "all"))  # on-policy, CPU float32
+    assert passes["speedup"] == pytest.approx(passes["training_s"]["1"] / passes["training_s"]["all"])
 
     cmp = checks["plan_vs_measured"]["metrics"]["comparison"]
     assert cmp["gpu"] == "h100-80gb" and cmp["time"]["measured_step_s"] == bench["step_time_s"]
@@ -232,6 +237,7 @@ def test_cpu_runs_of_the_checks_write_the_figures_the_report_shows(cpu_recorded)
     assert md == render_markdown(data)  # the markdown is a function of the JSON alone
     assert "| sd3-tiny/no-cfg | 1 | False | 0 |" in md and "Median of the 2 timed steps" in md
     assert "| step time, s (planned at MFU 0.29) |" in md and QUICK_TABLE_HEADER in md
+    assert "| train_timesteps_per_pass | passes a micro-batch |" in md and "| all | 1 |" in md
     assert QUICK_TABLE_HEADER in (REPO / "docs" / "benchmarks.md").read_text()  # the rows fit the docs' table
     row = data["docs_rows"]["sd35m_step"]
     assert row.startswith(f"| {data['date']} | 1x NVIDIA") or row.startswith(f"| {data['date']} | no GPU")

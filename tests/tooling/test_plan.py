@@ -366,3 +366,45 @@ def test_ray_backend_plans_worker_and_trainer_memory_apart_with_and_without_over
     out = tmp_path / "plan.json"
     assert main([TINY, *flags, "--json", str(out), "--no_suggestions"]) == 0
     assert tuple(json.loads(out.read_text())) == (*JSON_KEYS, "rollout_backend")
+
+
+def test_timesteps_per_pass_plans_one_larger_pass_and_the_largest_that_fits():
+    """train_timesteps_per_pass on the tiny recipe (3 recorded steps) under FSDP2 on 2 GPUs: stacking every trained
+    timestep into one pass trains as many rows (the same FLOPs), with a larger pass (its activations grow with K) and
+    a third of the passes, so fewer weight gathers; on a GPU whose memory lies between the peaks at K = 2 and 3, the
+    largest K that fits is 2, and the suggestion names it."""
+    import dataclasses
+
+    from flowgrpo.cli.parser import parse_recipe
+    from flowgrpo.plan.accelerate_config import Parallelism
+    from flowgrpo.plan.gpus import get_gpu
+    from flowgrpo.plan.model_specs import spec_for_model_args
+    from flowgrpo.plan.planner import (
+        largest_timesteps_per_pass,
+        make_plan,
+        plan_inputs,
+        timesteps_per_pass_suggestion,
+    )
+
+    script, model_args, args = parse_recipe([TINY, "--train_timesteps_per_pass", "1"])
+    inputs = plan_inputs(script, model_args, args, Parallelism("fsdp", 2, mixed_precision="no"), get_gpu("h100-80gb"),
+                         spec_for_model_args(model_args))
+    plans = {k: make_plan(dataclasses.replace(inputs, settings=dataclasses.replace(inputs.settings,
+                                                                                   timesteps_per_pass=k)))
+             for k in (1, 2, 3)}
+    assert [plans[k].inputs.settings.trained_pass_count for k in (1, 2, 3)] == [3, 2, 1]
+    assert plans[3].step_flops == pytest.approx(plans[1].step_flops, rel=1e-9)
+    activations = [plans[k].breakdown["activations"] for k in (1, 2, 3)]
+    assert activations[0] < activations[1] < activations[2]
+    assert plans[3].comm_time_s < plans[2].comm_time_s < plans[1].comm_time_s
+    between = (plans[2].peak_gb + plans[3].peak_gb) / 2
+    small_gpu = dataclasses.replace(get_gpu("h100-80gb"), memory_gb=between)
+    at_one = dataclasses.replace(plans[1], inputs=dataclasses.replace(inputs, gpu=small_gpu))
+    assert largest_timesteps_per_pass(at_one).inputs.settings.timesteps_per_pass == 2
+    named = timesteps_per_pass_suggestion(at_one)
+    assert named["change"].startswith("train_timesteps_per_pass: 2 (")
+    assert named["peak_memory_gb"] == pytest.approx(plans[2].peak_gb, abs=0.01)
+    assert timesteps_per_pass_suggestion(plans[3]) is None  # the recipe's own K is already the largest
+    every = _plan("--train_timesteps_per_pass", "all")
+    assert every["details"]["timesteps_per_pass"] == {"per_pass": 3, "trained_timesteps": 3,
+                                                     "passes_per_micro_batch": 1.0}

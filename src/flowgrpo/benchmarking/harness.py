@@ -46,8 +46,8 @@ from ..cpu_threads import ThreadTimeline, current_cpu_thread_plan, fixed_main_th
 from .flops import step_flops, transformer_forward_flops
 from .presets import OCR_PROMPTS, BenchmarkPreset, build_preset_pipeline, check_device, get_preset
 
-__all__ = ["run_benchmark", "format_report", "measure_thread_speedup", "overhead_bound", "BREAKDOWN_KEYS",
-           "RESULT_KEYS"]
+__all__ = ["run_benchmark", "format_report", "measure_thread_speedup", "overhead_bound", "AB_CHOICES", "BREAKDOWN_KEYS",
+           "PASS_SETTINGS", "RESULT_KEYS", "compare_timesteps_per_pass"]
 
 BREAKDOWN_KEYS = ("text_encoding", "rollout", "vae_decode", "reward", "training_forward", "training_backward",
                   "optimizer", "other")
@@ -71,6 +71,12 @@ AB_SWITCHES = {
     "reward": ("overlap_reward_with_training",),
     "all": ("overlap_decode", "overlap_reward_with_training"),
 }
+# ``--ab NAME``: a training setting given its "on" and "off" values on alternate measured steps (attributes of
+# ``trainer.args``, read afresh by every micro-batch; the floor follows the step's setting).
+AB_SETTINGS = {
+    "timesteps_per_pass": ("train_timesteps_per_pass", "all", 1),
+}
+AB_CHOICES = (*AB_SWITCHES, *AB_SETTINGS)
 
 
 def _sync(device: torch.device) -> None:
@@ -118,9 +124,9 @@ class FloorRunner:
         planned = trainer.algorithm.step
         self.old_policy = trainer.policy.old_policy
         self.trained_steps = planned.trained_timesteps
-        self.train_calls = self.micro_batches * self.trained_steps * args.num_iterations
-        self.ref_calls = self.train_calls if "reference" in planned.frozen_forwards else 0
-        self.old_calls = self.train_calls if "old_policy" in planned.frozen_forwards else 0
+        self.reads_reference = "reference" in planned.frozen_forwards
+        self.reads_old_policy = "old_policy" in planned.frozen_forwards
+        self.num_iterations = args.num_iterations
 
         dtype = trainer.policy.dtype
         gen = torch.Generator().manual_seed(seed)
@@ -146,9 +152,37 @@ class FloorRunner:
         self.image_tokens, self.text_tokens = self.adapter.sequence_lengths(self.embeds, self.latents)
         self.audio_tokens = self.adapter.audio_sequence_length(self.latents)
 
-    def _pass(self, model):
-        return self.adapter.predict_velocity(model, self.latents, self.timestep, self.embeds, self.pass_guidance,
-                                             None, self.height, self.width)
+    @property
+    def timesteps_per_pass(self) -> int:
+        """K of the trainer's current ``train_timesteps_per_pass``: the trained timesteps stacked into one pass."""
+        from ..trainer.timestep_passes import resolved_timesteps_per_pass
+
+        return resolved_timesteps_per_pass(self.trainer.args.train_timesteps_per_pass, self.trained_steps)
+
+    @property
+    def train_calls(self) -> int:
+        """Trained passes of a step: ceil(trained steps / K) per micro-batch and pass over the generation."""
+        passes = -(-self.trained_steps // self.timesteps_per_pass)
+        return self.micro_batches * passes * self.num_iterations
+
+    @property
+    def ref_calls(self) -> int:
+        return self.train_calls if self.reads_reference else 0
+
+    @property
+    def old_calls(self) -> int:
+        return self.train_calls if self.reads_old_policy else 0
+
+    def _pass(self, model, copies: int = 1):
+        """One transformer pass over the micro-batch's rows, or over ``copies`` of them stacked (a trained pass of K
+        timesteps)."""
+        if copies == 1:
+            latents, timestep, embeds = self.latents, self.timestep, self.embeds
+        else:
+            latents, timestep = torch.cat([self.latents] * copies), torch.cat([self.timestep] * copies)
+            embeds = self.embeds.index_select(torch.arange(self.rows).repeat(copies))
+        return self.adapter.predict_velocity(model, latents, timestep, embeds, self.pass_guidance, None, self.height,
+                                             self.width)
 
     def measure(self) -> dict[str, float]:
         trainer = self.trainer
@@ -168,24 +202,83 @@ class FloorRunner:
         _sync(self.device)
         t1 = time.perf_counter()
         model.train()
+        copies = self.timesteps_per_pass  # the last pass of an uneven split is timed at full size
         for _ in range(self.train_calls):
             with accelerator.autocast():
-                out = self._pass(model)
+                out = self._pass(model, copies)
             out.float().square().mean().backward()
             if self.old_calls:
                 with torch.no_grad(), accelerator.autocast(), self.old_policy.forward_model(model) as old:
-                    self._pass(old)
+                    self._pass(old, copies)
             if self.ref_calls:
                 ctx = accelerator.unwrap_model(model).disable_adapter() if trainer.is_peft else nullcontext()
                 ref_model = model if trainer.is_peft else trainer.policy.reference_copy
                 with torch.no_grad(), accelerator.autocast(), ctx:
-                    self._pass(ref_model)
+                    self._pass(ref_model, copies)
         _sync(self.device)
         t2 = time.perf_counter()
         for p, g in zip(params, saved_grads):
             p.grad = g
         model.train(was_training)
         return {"rollout": t1 - t0, "training": t2 - t1, "total": t2 - t0}
+
+
+#: the settings of ``train_timesteps_per_pass`` the training phase is compared at (``--compare-timesteps-per-pass``)
+PASS_SETTINGS = (1, "all")
+
+
+def compare_timesteps_per_pass(trainer: Any, rounds: int = 1) -> dict[str, Any]:
+    """The training phase of one optimizer step (forward + backward of every micro-batch of a generation: the
+    trainer's own ``_train_on_batch``) at each ``train_timesteps_per_pass`` of :data:`PASS_SETTINGS`, on one fresh
+    generation sampled by the trainer's current weights, the settings alternating for ``rounds`` rounds. Each arm
+    records its seconds, its peak allocated memory and, for Flow-GRPO, its first-pass max |ratio - 1|: on-policy,
+    since nothing changes the weights after that generation is sampled (no optimizer step; the gradients are
+    dropped after each arm), so at K = all it is what stacking K timesteps into one batch does to the ratio on
+    this device's kernels. Nothing else runs meanwhile (the rewards of that generation are scored before the first
+    arm is timed), so the arms differ only in how the trained timesteps are grouped."""
+    from ..trainer.timestep_passes import passes_of
+
+    device = trainer.accelerator.device
+    cuda = device.type == "cuda"
+
+    model = trainer.model_wrapped
+    setting_before = trainer.args.train_timesteps_per_pass
+    inputs = next(iter(trainer.get_train_dataloader()))  # one generation's rows of this process
+    records = trainer._generate(inputs)
+    trainer.rollouts.resolve_scoring()  # the rewards, scored in the background, before anything is timed
+    arms: dict[str, dict[str, Any]] = {str(k): {"training_s": [], "peak_allocated_mib": None,
+                                                "on_policy_ratio_max_dev": None} for k in PASS_SETTINGS}
+    parts = trainer._loss_parts(trainer._prepare_batch(records[0]))
+    try:
+        for round_index in range(rounds):
+            order = PASS_SETTINGS if round_index % 2 == 0 else tuple(reversed(PASS_SETTINGS))
+            for setting in order:
+                arm = arms[str(setting)]
+                trainer.args.train_timesteps_per_pass = setting
+                trainer.metrics.train.clear()
+                model.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
+                _sync(device)
+                tic = time.perf_counter()
+                for record in records:
+                    trainer._train_on_batch(model, record, True)
+                _sync(device)
+                arm["training_s"].append(time.perf_counter() - tic)
+                arm["passes_per_micro_batch"] = len(passes_of(parts, setting))
+                if cuda:
+                    arm["peak_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+                drift = trainer.metrics.train.get("on_policy_ratio_max_dev")
+                if drift:
+                    arm["on_policy_ratio_max_dev"] = max(drift)
+    finally:
+        trainer.args.train_timesteps_per_pass = setting_before
+        model.zero_grad(set_to_none=True)
+        trainer.metrics.train.clear()
+    medians = {k: _median(a["training_s"]) for k, a in arms.items()}
+    first, last = (str(k) for k in PASS_SETTINGS)
+    return {"micro_batches": len(records), "trained_timesteps": parts, "rounds": rounds, "arms": arms,
+            "training_s": medians, "speedup": medians[first] / medians[last] if medians[last] else None}
 
 
 class _BenchmarkClock(TrainerCallback):
@@ -195,7 +288,8 @@ class _BenchmarkClock(TrainerCallback):
                  ab: str | None = None, on_record: Callable[[dict[str, Any]], None] | None = None):
         self.trainer = trainer
         self.on_record = on_record
-        self.ab_switches = AB_SWITCHES[ab] if ab else ()
+        self.ab_switches = AB_SWITCHES[ab] if ab in AB_SWITCHES else ()
+        self.ab_setting = AB_SETTINGS.get(ab) if ab else None
         self.floor_enabled = floor
         self.floor: FloorRunner | None = None
         self.reward_times, self.reward_lock = reward_times, reward_lock
@@ -241,6 +335,9 @@ class _BenchmarkClock(TrainerCallback):
             parts["vae_decode"] = 0.0
         if self.ab_switches:
             record["ab_arm"] = "on" if getattr(self.trainer.rollouts, self.ab_switches[0]) else "off"
+        if self.ab_setting:
+            name, on_value, _ = self.ab_setting
+            record["ab_arm"] = "on" if getattr(self.trainer.args, name) == on_value else "off"
         parts["other"] = record["step_time_s"] - sum(v for k, v in parts.items() if k != "other")
         record["breakdown"] = parts
         record["sampling_s"] = float(sum(metrics.get("timing/sampling", []) or [0.0]))
@@ -261,6 +358,9 @@ class _BenchmarkClock(TrainerCallback):
         if self.ab_switches:  # the next step: "on" on even step numbers, "off" on odd ones
             for name in self.ab_switches:
                 setattr(self.trainer.rollouts, name, (state.global_step + 1) % 2 == 0)
+        if self.ab_setting:
+            name, on_value, off_value = self.ab_setting
+            setattr(self.trainer.args, name, on_value if (state.global_step + 1) % 2 == 0 else off_value)
         _sync(device)
         if self.timeline is not None:
             self.timeline.reset()  # the floor measurement is not part of the next step
@@ -360,7 +460,7 @@ def build_trainer(preset: BenchmarkPreset, max_steps: int, output_dir: str, seed
 def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, warmup_steps: int | None = None,
                   threads: str | int | None = None, torch_threads: int | None = None, measure_floor: bool = True,
                   seed: int = 0, ab: str | None = None, output_dir: str | None = None,
-                  thread_speedup: bool = False, log: Callable[[str], None] | None = print,
+                  thread_speedup: bool = False, passes_rounds: int = 0, log: Callable[[str], None] | None = print,
                   trainer_builder: Callable[..., Any] | None = None,
                   on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the benchmark and return its results as a JSON-ready dict (see the module docstring).
@@ -369,7 +469,9 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
     thread's count; default: the preset's). ``torch_threads`` sets torch's process-wide intra-op threads before
     anything is built: with ``threads="keep"`` it reproduces a fixed setting such as ``OMP_NUM_THREADS=N``.
     ``thread_speedup`` also times the floor at one thread and at the main thread's count (``floor_thread_speedup``,
-    ``overhead_bound``; see the module docstring).
+    ``overhead_bound``; see the module docstring). ``passes_rounds`` > 0 then times one more generation's training
+    phase at ``train_timesteps_per_pass`` 1 and ``all``, that many rounds each, alternating
+    (:func:`compare_timesteps_per_pass`; ``timesteps_per_pass`` in the result).
 
     ``trainer_builder(preset, max_steps, output_dir, seed=seed)`` replaces :func:`build_trainer` (a trainer made
     from a recipe, say; ``preset`` then only describes the run for the report and the FLOP count), and
@@ -382,8 +484,8 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
     warmup = preset.warmup_steps if warmup_steps is None else int(warmup_steps)
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup_steps >= 0, got steps={steps}, warmup_steps={warmup}.")
-    if ab is not None and (ab not in AB_SWITCHES or not measure_floor):
-        raise ValueError(f"ab={ab!r} must be one of {', '.join(AB_SWITCHES)} and needs the floor measurement.")
+    if ab is not None and (ab not in AB_CHOICES or not measure_floor):
+        raise ValueError(f"ab={ab!r} must be one of {', '.join(AB_CHOICES)} and needs the floor measurement.")
     if thread_speedup and (preset.device != "cpu" or not measure_floor):
         raise ValueError(f"thread_speedup times the floor on a CPU at two thread counts: it needs a CPU preset (got "
                          f"{preset.name!r} on {preset.device}) and the floor measurement (drop --no-floor).")
@@ -428,6 +530,10 @@ def run_benchmark(preset: str | BenchmarkPreset, steps: int | None = None, *, wa
             speedup = measure_thread_speedup(clock.floor, main_threads)
             result["floor_thread_speedup"] = speedup
             result["overhead_bound"] = overhead_bound(result["overlapped"], result["floor_time_s"], speedup)
+        if passes_rounds > 0:
+            say(f"[benchmark] timing the training phase at train_timesteps_per_pass {PASS_SETTINGS[0]} and "
+                f"{PASS_SETTINGS[1]}, {passes_rounds} rounds")
+            result["timesteps_per_pass"] = compare_timesteps_per_pass(trainer, passes_rounds)
         reward_set.close()
         return result
     finally:
@@ -497,8 +603,9 @@ def _summarize(preset: BenchmarkPreset, trainer, clock: _BenchmarkClock, warmup:
             result["flops"]["audio_tokens"] = floor.audio_tokens
         result["achieved_flops_per_s"] = flops.total / step_time
         result["floor_flops_per_s"] = flops.total / floor_time
-        if clock.ab_switches:
-            result["ab"] = {"switches": list(clock.ab_switches)}
+        if clock.ab_switches or clock.ab_setting:
+            result["ab"] = {"switches": list(clock.ab_switches) if clock.ab_switches else
+                            [f"{clock.ab_setting[0]}: {clock.ab_setting[1]} (on) / {clock.ab_setting[2]} (off)"]}
             for arm in ("on", "off"):
                 rs = [r for r in records if r.get("ab_arm") == arm]
                 st, fl = _median([r["step_time_s"] for r in rs]), _median([r["floor"]["total"] for r in rs])
@@ -508,6 +615,10 @@ def _summarize(preset: BenchmarkPreset, trainer, clock: _BenchmarkClock, warmup:
                     "steps": len(rs), "step_time_s": st, "floor_time_s": fl, "overhead_ratio": _median(per_step),
                     "overhead_ratio_per_step": per_step,
                     "breakdown": {k: _median([r["breakdown"][k] for r in rs]) for k in BREAKDOWN_KEYS},
+                    # forward + backward per optimizer step, and the floor's trained passes, step by step
+                    "training_phase_s": [r["breakdown"]["training_forward"] + r["breakdown"]["training_backward"]
+                                         for r in rs],
+                    "floor_training_s": [r["floor"]["training"] for r in rs],
                 }
     else:
         result["floor_time_s"] = None
@@ -549,6 +660,13 @@ def format_report(result: dict[str, Any]) -> str:
     if "thread_timeline_s" in result:
         states = ", ".join(f"{k} {v:.3f} s" for k, v in result["thread_timeline_s"].items())
         lines.append(f"  main thread's torch threads against busy background tasks (mean s per step): {states}")
+    if "timesteps_per_pass" in result:
+        passes = result["timesteps_per_pass"]
+        t = passes["training_s"]
+        lines.append(f"  training phase of one generation ({passes['micro_batches']} micro-batches, "
+                     f"{passes['trained_timesteps']} trained timesteps each), median of {passes['rounds']} alternating "
+                     f"rounds: train_timesteps_per_pass 1 {t['1']:.3f} s, all {t['all']:.3f} s "
+                     f"({passes['speedup']:.3f}x)")
     if "ab" in result:
         ab = result["ab"]
         lines.append(f"  A/B of {', '.join(ab['switches'])} (alternate steps):")
@@ -556,5 +674,7 @@ def format_report(result: dict[str, Any]) -> str:
             a = ab[arm]
             lines.append(f"    {arm:<4} {a['steps']} steps: step {a['step_time_s']:.3f} s, floor {a['floor_time_s']:.3f} s, "
                          f"median per-step overhead_ratio {a['overhead_ratio']:.3f}  (reward wait "
-                         f"{a['breakdown']['reward']:.3f} s, decode {a['breakdown']['vae_decode']:.3f} s)")
+                         f"{a['breakdown']['reward']:.3f} s, decode {a['breakdown']['vae_decode']:.3f} s, training "
+                         f"forward + backward {_median(a['training_phase_s']):.3f} s, its floor "
+                         f"{_median(a['floor_training_s']):.3f} s)")
     return "\n".join(lines)

@@ -22,14 +22,16 @@ check                   limit  what it runs and records
                                importable there, with versions; torch, diffusers, datasets, ... imported
 ``bf16_onpolicy``          30  one bf16 optimizer step each on the tiny SD3 pipeline with CFG 4.5 and without CFG,
                                and on the tiny FLUX pipeline (guidance embedded): first-pass ratio 1 and KL 0
-``sd35m_step``             85  ``recipes/ocr.yaml``'s Flow-GRPO-Fast LoRA step at one GPU's share (512 px, 10 steps,
-                               window 2, CFG 4.5, 4 micro-batches of 8 images, checkpointing, KL 0.04, EMA) on the
-                               full-size SD3.5-Medium with random weights: one warm-up and two timed steps, the
-                               per-phase times and peak memory, the step-1 ratio and KL at full size
-                               (:mod:`.recipe_step`; the recipe overrides given on the command line apply here)
+``sd35m_step``            100  ``recipes/ocr.yaml``'s Flow-GRPO-Fast LoRA step at one GPU's share (512 px, 10 steps,
+                               window 2 in one pass, CFG 4.5, 4 micro-batches of 8 images, checkpointing, KL 0.04,
+                               EMA) on the full-size SD3.5-Medium with random weights: one warm-up and two timed
+                               steps, the per-phase times and peak memory, the step-1 ratio and KL at full size; then
+                               one more generation's training phase at ``train_timesteps_per_pass`` 1 and all, each
+                               timed with its peak memory and first-pass ratio (:mod:`.recipe_step`; the recipe
+                               overrides given on the command line apply here)
 ``plan_vs_measured``       20  ``flowgrpo plan`` of that same step on this GPU kind: planned against measured peak
                                memory and step time, as ratios (:mod:`.step_plan`)
-``nft_step``              110  ``recipes/nft_ocr.yaml``'s DiffusionNFT step at one GPU's share (6 micro-batches of 8,
+``nft_step``               95  ``recipes/nft_ocr.yaml``'s DiffusionNFT step at one GPU's share (6 micro-batches of 8,
                                10 DPM-Solver++ 2M steps, 9 noise levels trained), timed the same way
 ``launch/fsdp8``           60  ``accelerate launch --config_file accelerate_configs/fsdp8.yaml --num_processes 1
                                src/train.py recipes/ocr.yaml`` for two steps on the random-weight SD3.5-M
@@ -111,12 +113,13 @@ QUICK_CHECKS: tuple[QuickCheck, ...] = (
                                    "imported"),
     QuickCheck("bf16_onpolicy", 30, "bf16 first-pass ratio and KL at step 1: tiny SD3 with CFG 4.5 and without CFG, "
                                     "tiny FLUX"),
-    QuickCheck("sd35m_step", 85, f"{STEP_RECIPE} (Flow-GRPO-Fast LoRA) at one GPU's share on the full-size "
-                                 "SD3.5-Medium with random weights: 2 steps after 1 warm-up, per phase"),
+    QuickCheck("sd35m_step", 100, f"{STEP_RECIPE} (Flow-GRPO-Fast LoRA) at one GPU's share on the full-size "
+                                  "SD3.5-Medium with random weights: 2 steps after 1 warm-up, per phase; then its "
+                                  "training phase at train_timesteps_per_pass 1 and all"),
     QuickCheck("plan_vs_measured", 20, f"flowgrpo plan of the same {STEP_RECIPE} step on this GPU kind: planned vs "
                                        "measured peak memory and step time"),
-    QuickCheck("nft_step", 110, f"{NFT_RECIPE} (DiffusionNFT) at one GPU's share on the same model, timed the "
-                                "same way"),
+    QuickCheck("nft_step", 95, f"{NFT_RECIPE} (DiffusionNFT) at one GPU's share on the same model, timed the "
+                               "same way"),
     QuickCheck(f"launch/{LAUNCH_CONFIG}", 60, f"accelerate launch accelerate_configs/{LAUNCH_CONFIG}.yaml "
                                               f"--num_processes 1 src/train.py {STEP_RECIPE}: 2 steps on the "
                                               "random-weight SD3.5-M, its LoRA exported"),
@@ -188,7 +191,7 @@ def build_quick_plan(work: str | os.PathLike, *, site: str | None, overrides: Se
                           "--models", "sd3-tiny", "flux-tiny", "--cfg", "both"],
         "sd35m_step": [py, "-m", "flowgrpo.gpu_check.recipe_step", "--recipe", STEP_RECIPE,
                        "--output", str(_check_folder(work, "sd35m_step")), "--work", str(work / "runs" / "sd35m_step"),
-                       *overrides],
+                       "--compare-timesteps-per-pass", *overrides],
         "plan_vs_measured": [py, "-m", "flowgrpo.gpu_check.step_plan", "--recipe", STEP_RECIPE,
                              "--measured", str(_check_folder(work, "sd35m_step")), "--gpu", gpu,
                              "--output", str(_check_folder(work, "plan_vs_measured")), *overrides],

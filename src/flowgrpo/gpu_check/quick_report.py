@@ -165,6 +165,29 @@ def _step_section(check: Mapping[str, Any], plan: Mapping[str, Any] | None) -> l
     if first:
         lines += ["", f"Step 1 at full size (bf16): max |ratio - 1| {_num(first.get('on_policy_ratio_max_dev'))}, "
                       f"ratio mean {_num(first.get('ratio_mean'), 6)}, KL {_num(first.get('kl'))}."]
+    lines += _passes_section(m.get("timesteps_per_pass") or {})
+    return lines
+
+
+def _passes_section(passes: Mapping[str, Any]) -> list[str]:
+    """The training phase at train_timesteps_per_pass 1 against all (`recipe_step.compare_timesteps_per_pass`)."""
+    arms = passes.get("arms") or {}
+    if not arms:
+        return []
+    lines = ["", f"Training phase of one more generation ({passes.get('micro_batches')} micro-batches, "
+                 f"{passes.get('trained_timesteps')} trained timesteps each; no optimizer step), by "
+                 "`train_timesteps_per_pass`:", "",
+             "| train_timesteps_per_pass | passes a micro-batch | forward + backward s | peak allocated GiB | "
+             "first-pass max abs(ratio - 1) |", "|---|---|---|---|---|"]
+    for setting, arm in arms.items():
+        peak = arm.get("peak_allocated_mib")
+        times = arm.get("training_s") or []
+        lines.append(f"| {setting} | {arm.get('passes_per_micro_batch', '-')} | "
+                     f"{' / '.join(_num(t, 4) for t in times) or '-'} | {_num(peak / 1024 if peak else None)} | "
+                     f"{_num(arm.get('on_policy_ratio_max_dev'))} |")
+    if passes.get("speedup"):
+        lines += ["", f"K = all takes {_num(1 / passes['speedup'], 3)} of the time of K = 1 "
+                      f"({_num(passes['speedup'], 3)}x faster)."]
     return lines
 
 

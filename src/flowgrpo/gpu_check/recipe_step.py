@@ -27,6 +27,12 @@ work done in the background; the peak ``torch.cuda.max_memory_allocated`` and ``
 Flow-GRPO the first step's on-policy figures are recorded too: the largest |ratio - 1| and the KL of the first pass.
 After every step the figures so far are written to ``result.json`` (``partial: true``), so a check stopped at its
 time limit still reports the steps it finished.
+
+With ``--compare-timesteps-per-pass`` (the quick check's ``sd35m_step``) the timed steps are followed by
+:func:`flowgrpo.benchmarking.harness.compare_timesteps_per_pass`: one more generation, trained (without an
+optimizer step) at
+``train_timesteps_per_pass`` 1 and ``all``, the training phase of each timed, with its peak memory and first-pass
+ratio.
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ CONTROLLED_KEYS = {
 SETTING_KEYS = ("resolution", "num_inference_steps", "guidance_scale", "sde_type", "sde_window_size",
                 "sde_window_range", "noise_level", "sampler", "num_generations", "per_device_train_batch_size",
                 "gradient_accumulation_steps", "steps_per_generation", "activation_checkpointing", "beta",
-                "max_sequence_length", "dtype", "bf16", "use_ema", "timestep_fraction", "nft_beta")
+                "max_sequence_length", "dtype", "bf16", "use_ema", "timestep_fraction", "nft_beta",
+                "train_timesteps_per_pass")
 
 
 def check_overrides(overrides: Sequence[str]) -> None:
@@ -157,13 +164,16 @@ def _cuda_peaks() -> dict[str, float]:
             "max_memory_reserved_mib": torch.cuda.max_memory_reserved() / 2**20}
 
 
-def _summary(result: dict[str, Any]) -> str:
+def _summary(result: dict[str, Any], passes: dict[str, Any] | None = None) -> str:
     parts = [f"step {result['step_time_s']:.2f} s (median of {len(result['step_times_s'])})",
              f"{result['images_per_s']:.2f} images/s"]
     if result.get("peak_memory_kind") == "cuda_max_allocated":
         parts.append(f"peak {result['peak_memory_mb'] / 1024:.1f} GiB allocated")
     b = result["breakdown"]
     parts.append(f"sampling {b['rollout']:.2f} s, training {b['training_forward'] + b['training_backward']:.2f} s")
+    if passes:
+        t = passes["training_s"]
+        parts.append(f"training phase at train_timesteps_per_pass 1 / all: {t['1']:.2f} / {t['all']:.2f} s")
     return ", ".join(parts)
 
 
@@ -175,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="sd35m-random")
     parser.add_argument("--steps", type=int, default=2, help="measured steps (default 2)")
     parser.add_argument("--warmup-steps", type=int, default=1, help="warm-up steps before them (default 1)")
+    parser.add_argument("--compare-timesteps-per-pass", action="store_true",
+                        help="after the timed steps, time the training phase of one fresh generation at "
+                             "train_timesteps_per_pass 1 and all (compare_timesteps_per_pass)")
     args, overrides = parser.parse_known_args(argv)
     install_memory_recorder("recipe_step")
     out = Path(args.output)
@@ -234,7 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics["peak_memory"] = _cuda_peaks()
         metrics["first_step"] = _first_step_figures(trainer)
         metrics["trainable_parameters"] = result.get("parameters", {}).get("trainable")
-        write(partial=False, summary=_summary(result))
+        if args.compare_timesteps_per_pass:
+            write(partial=True, summary=_summary(result))  # the step's figures are kept if the comparison stops
+            from ..benchmarking.harness import compare_timesteps_per_pass
+
+            metrics["timesteps_per_pass"] = compare_timesteps_per_pass(trainer)
+        write(partial=False, summary=_summary(result, metrics.get("timesteps_per_pass")))
         print(f"[recipe_step] PASSED {json.dumps({k: metrics[k] for k in ('first_step', 'peak_memory')})}",
               flush=True)
         return 0

@@ -88,6 +88,9 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), *, config_file: str 
         "parallelism": parallel.kind, "accelerate_config": parallel.source, "comm_time_s": round(plan.comm_time_s, 2),
         "calibration": {"source": CALIBRATION_SOURCE, "error": CALIBRATION_ERROR}, "notes": plan.notes,
         "deepspeed_check": plan.deepspeed_check,
+        "timesteps_per_pass": {"per_pass": inputs.settings.timesteps_per_pass,
+                               "trained_timesteps": inputs.settings.trained_steps,
+                               "passes_per_micro_batch": inputs.settings.trained_pass_count},
     }
     if inputs.sequence_parallel_size > 1:
         sp_seconds = plan.sequence_parallel_bytes / (gpu_spec.interconnect_gbs * 1e9)
@@ -127,6 +130,11 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"  step: {result['step_flops']:.3e} FLOPs per GPU, about {result['est_step_time_s']:.1f} s at MFU "
                  f"{result['mfu_assumed']} (communication {d.get('comm_time_s', 0)} s)")
+    passes = d.get("timesteps_per_pass")
+    if passes and passes["trained_timesteps"] > 1:
+        lines.append(f"  training: {passes['per_pass']} of {passes['trained_timesteps']} trained timesteps per pass "
+                     f"(train_timesteps_per_pass), {passes['passes_per_micro_batch']:g} forward + backward passes a "
+                     "micro-batch")
     cal = d.get("calibration", {})
     if cal:
         lines.append(f"  calibration: {cal['source']}; error: {cal['error']}")
@@ -167,7 +175,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append("  suggestions (each re-planned):")
         for s in result["suggestions"]:
             peak = "n/a" if s.get("peak_memory_gb") is None else f"{s['peak_memory_gb']:.2f} GB"
-            lines.append(f"    {s['change']:<60} -> {peak}")
+            time = f", about {s['est_step_time_s']:.1f} s a step" if "est_step_time_s" in s else ""
+            lines.append(f"    {s['change']:<60} -> {peak}{time}")
     return "\n".join(lines)
 
 

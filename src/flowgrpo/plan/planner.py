@@ -16,8 +16,9 @@ gradients              trained parameters x their bytes; DDP keeps a second copy
                        16-bit gradients before reduction.
 optimizer_states       AdamW: 2 states in the parameter's dtype (torch keeps them so), 8-bit AdamW (``adamw_bnb_8bit``):
                        2 bytes + block scales; ZeRO: float32 master + 2 float32 states (12 bytes) /N.
-activations            measured: the transient peak of one trained step's forward + backward on fake tensors (torch's
-                       gradient checkpointing run as the trainer runs it), the parameters' gradients set aside as they
+activations            measured: the transient peak of one trained pass's forward + backward on fake tensors (K =
+                       ``train_timesteps_per_pass`` trained timesteps stacked into one batch; torch's gradient
+                       checkpointing run as the trainer runs it), the parameters' gradients set aside as they
                        appear (they are the gradients term, sharded as the configuration shards them).
                        Rollout: one sampling step's peak; decode: one slice's.
 copies                 EMA (float32 copy of the trained parameters), DiffusionNFT's old policy, DGPO's EMA reference,
@@ -37,7 +38,10 @@ are freed by ``zero_grad``); ``training`` = persistent terms + gradients + activ
 
 FLOPs: the rollout's transformer passes per sample (BranchGRPO: a tree's rows summed over the steps, divided by its
 leaves, since the samples of a tree share their prefixes) and the trained transitions per sample (a tree's edges per
-leaf), each with the forwards without gradient the algorithm's spec names (the reference, a teacher, the old policy).
+leaf), each with the forwards without gradient the algorithm's spec names (the reference, a teacher, the old policy);
+whatever K, as many rows are trained. Under FSDP2 / ZeRO-3 each trained pass gathers the weights for its forward and
+again for its backward: ceil(T / K) passes per micro-batch. `largest_timesteps_per_pass` finds the largest K whose
+plan fits the GPU.
 What the step is comes from the algorithm's spec (`AlgorithmFacts.step` and ``copies``), never from its name.
 """
 
@@ -131,6 +135,9 @@ def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> Ste
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
         str(args.dtype), torch.bfloat16)
     micro = int(args.per_device_train_batch_size)
+    from ..trainer.timestep_passes import resolved_timesteps_per_pass
+
+    per_pass = resolved_timesteps_per_pass(args.train_timesteps_per_pass, planned.trained_timesteps)
     return StepSettings(
         height=int(height), width=int(width), num_frames=int(getattr(args, "num_frames", 1) or 1), micro_batch=micro,
         num_inference_steps=steps, trained_steps=planned.trained_timesteps, guidance_scale=float(args.guidance_scale),
@@ -147,7 +154,7 @@ def settings_from_args(training_args: Any, model_args: Any, trainer: str) -> Ste
         trained_batch=planned.trained_batch, stored_per_step=planned.stored_per_step, teachers=teachers,
         teacher_kind=teacher_kind, split_tokens=int(args.sequence_parallel_size or 1) > 1,
         vae_tiling=bool(args.vae_tiling), backprop_steps=planned.backprop_steps,
-        checkpointed_steps=planned.checkpointed_steps)
+        checkpointed_steps=planned.checkpointed_steps, timesteps_per_pass=per_pass)
 
 
 def _opt_bytes_per_param(optimizer: str, param_bytes: int) -> float:
@@ -324,8 +331,8 @@ def _collective_bytes(par: Parallelism, params: dict[str, float], trainable: flo
     if par.kind == "ddp" or par.kind == "zero2":
         return 2 * ring * trainable * train_bytes
     # FSDP2 / ZeRO-3: every forward gathers the parameters; every backward gathers them again and reduce-scatters
-    # the gradients
-    trained = s.trained_passes or s.trained_steps
+    # the gradients. A trained pass holds K timesteps (train_timesteps_per_pass): ceil(T / K) passes
+    trained = s.trained_pass_count
     extra = len(s.frozen_forwards)  # the reference, a teacher, the old policy: forwards without gradient
     chain = max(1, s.backprop_steps)  # a reward-gradient chain: that many forwards (and recomputations) a pass
     forwards = ga * (s.sampling_passes + trained * chain * (2 + extra))
@@ -428,6 +435,72 @@ def make_plan(inputs: PlanInputs) -> Plan:
     return plan
 
 
+def plan_with_timesteps_per_pass(plan: Plan, per_pass: int) -> Plan:
+    """``plan``'s recipe re-planned with K = ``per_pass`` trained timesteps per pass (a new fake-tensor measurement of
+    the trained pass; measured steps are kept per settings for the process)."""
+    inputs = plan.inputs
+    if per_pass == inputs.settings.timesteps_per_pass:
+        return plan
+    return make_plan(dataclasses.replace(inputs, settings=dataclasses.replace(inputs.settings,
+                                                                               timesteps_per_pass=per_pass)))
+
+
+def largest_timesteps_per_pass(plan: Plan) -> Plan | None:
+    """The plan of the largest K (``train_timesteps_per_pass``, 1 .. the trained timesteps T) whose peak fits the GPU,
+    or None when even K = 1 does not fit. A pass's activations grow with its rows, so the peak does not fall as K
+    grows: K = T is planned first; otherwise a search between the largest K known to fit and the smallest known not
+    to, each guess read off the straight line through their peaks (a pass's activations are close to linear in
+    its rows), so that a recipe takes about four plans."""
+    s = plan.inputs.settings
+    parts = max(1, s.trained_steps)
+    memory = plan.inputs.gpu.memory_gb
+    plans = {s.timesteps_per_pass: plan}
+
+    def at(per_pass: int) -> Plan:
+        if per_pass not in plans:
+            plans[per_pass] = plan_with_timesteps_per_pass(plan, per_pass)
+        return plans[per_pass]
+
+    if at(parts).peak_gb <= memory:
+        return at(parts)
+    if at(1).peak_gb > memory:
+        return None
+    low, high = 1, parts  # at(low) fits, at(high) does not
+    while high - low > 1:
+        low_peak, high_peak = at(low).peak_gb, at(high).peak_gb
+        guess = low + int((memory - low_peak) / (high_peak - low_peak) * (high - low)) if high_peak > low_peak \
+            else low
+        guess = min(max(guess, low + 1), high - 1)
+        if at(guess).peak_gb <= memory:
+            low = guess
+        else:
+            high = guess
+    return at(low)
+
+
+def timesteps_per_pass_suggestion(plan: Plan) -> dict[str, Any] | None:
+    """The ``train_timesteps_per_pass`` to suggest, with its peak and step time, or None when it is the plan's own K
+    or no K fits: the largest K that fits (`largest_timesteps_per_pass`), evened out to the smallest K that needs as
+    few passes (`even_timesteps_per_pass`: 9 timesteps fit at K = 6 take 2 passes, as at K = 5, with a smaller
+    peak)."""
+    from ..trainer.timestep_passes import even_timesteps_per_pass
+
+    s = plan.inputs.settings
+    largest = largest_timesteps_per_pass(plan)
+    if largest is None:
+        return None
+    k_max = largest.inputs.settings.timesteps_per_pass
+    k = even_timesteps_per_pass(s.trained_steps, k_max)
+    if k == s.timesteps_per_pass:
+        return None
+    chosen = plan_with_timesteps_per_pass(plan, k)
+    passes = int(chosen.inputs.settings.trained_pass_count)
+    words = "all" if k == s.trained_steps else str(k)
+    return {"change": f"train_timesteps_per_pass: {words} ({passes} pass{'es' if passes > 1 else ''} of the "
+                      f"{s.trained_steps} trained timesteps; the largest K that fits: {k_max})",
+            "peak_memory_gb": round(chosen.peak_gb, 2), "est_step_time_s": round(chosen.step_time_s, 2)}
+
+
 def suggestions(plan: Plan) -> list[dict[str, Any]]:
     """Concrete changes, each re-planned (a new fake-tensor measurement where the step's shapes change)."""
     inputs = plan.inputs
@@ -462,6 +535,13 @@ def suggestions(plan: Plan) -> list[dict[str, Any]]:
     measure = plan.measure
     if not s.vae_tiling and measure is not None and measure.decode_bytes > measure.rollout_bytes:
         add("vae_tiling: true", dataclasses.replace(inputs, settings=dataclasses.replace(s, vae_tiling=True)))
+    if s.trained_steps > 1:  # the largest K that fits, whichever way it moves from the recipe's
+        try:
+            suggestion = timesteps_per_pass_suggestion(plan)
+        except Exception as err:  # a change this model cannot take is reported, not fatal
+            suggestion = {"change": "train_timesteps_per_pass", "peak_memory_gb": None, "error": str(err)[:200]}
+        if suggestion is not None:
+            out.append(suggestion)
     if not inputs.offload_text_encoders and inputs.spec.text_encoder_total:
         add("cache_prompt_embeddings: true, offload_text_encoders: true",
             dataclasses.replace(inputs, offload_text_encoders=True))
@@ -492,5 +572,6 @@ def sequence_parallel_families() -> set[str]:
 
 
 __all__ = ["Plan", "PlanInputs", "REWARD_MODEL_PARAMS", "attention_layers", "check_wrap_classes", "compose",
-           "make_plan", "plan_inputs", "sequence_parallel_bytes", "sequence_parallel_families", "settings_from_args",
-           "suggestions"]
+           "largest_timesteps_per_pass", "make_plan", "plan_inputs", "plan_with_timesteps_per_pass",
+           "sequence_parallel_bytes", "sequence_parallel_families", "settings_from_args", "suggestions",
+           "timesteps_per_pass_suggestion"]

@@ -26,8 +26,9 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-#: Largest tensor (elements) made real when its values do not depend on data.
-SMALL_NUMEL = 1 << 21
+#: Largest tensor (elements) made real when its values do not depend on data: HunyuanVideo 1.5's all-zero image
+#: embeddings (729 x 1152 a row, on which its transformer branches) for up to 9 rows (CFG x stacked timesteps)
+SMALL_NUMEL = 1 << 23
 
 _aten = torch.ops.aten
 #: Operators whose output values do not depend on the input's data (only on its shape / dtype): -> fill value.

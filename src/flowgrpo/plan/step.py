@@ -77,7 +77,9 @@ class StepSettings:
     stored_per_step: int = 2         # latents kept per recorded step: x_j, x_{j+1} (3 with the transition means)
     teachers: int = 0                # on-policy distillation: the teachers kept
     teacher_kind: str = ""           # "lora" (a further adapter) | "model" (another transformer) | "" (none)
-    trained_batch: int = 1           # rows of one trained pass per sample (AWM: its train_timesteps levels at once)
+    trained_batch: int = 1           # rows of one trained part per sample (AWM: its train_timesteps levels at once)
+    timesteps_per_pass: int = 1      # K: trained timesteps stacked into one forward and backward
+                                     # (train_timesteps_per_pass, resolved against trained_steps)
     policy_copies: int = 0           # copies of the trained weights besides the EMA (old policy, sampling copy)
     unsharded_reference: bool = False  # full fine-tuning with beta > 0 keeps a whole frozen reference on every GPU
     samples_with_copy: bool = False  # the rollouts are sampled by a copy (a rollout worker holds it)
@@ -96,12 +98,25 @@ class StepSettings:
         return float(self.num_inference_steps)
 
 
+    @property
+    def pass_rows(self) -> int:
+        """Rows of one trained pass per sample: ``trained_batch`` x K."""
+        return self.trained_batch * self.timesteps_per_pass
+
+    @property
+    def trained_pass_count(self) -> float:
+        """Trained passes (forward + backward) per micro-batch: ceil(trained transitions / K)."""
+        import math
+
+        return float(math.ceil((self.trained_passes or self.trained_steps) / self.timesteps_per_pass))
+
+
 @dataclass
 class StepMeasure:
     """Bytes and FLOPs of one micro-batch's step on one GPU (before sharding), and parameter counts."""
 
     rollout_bytes: float = 0.0       # transient peak of one sampling trajectory (no gradients)
-    training_bytes: float = 0.0      # transient peak of one trained step's forward + backward, gradients excluded
+    training_bytes: float = 0.0      # transient peak of one trained pass's forward + backward, gradients excluded
     decode_bytes: float = 0.0        # transient peak of decoding one slice of the micro-batch
     rollout_flops: float = 0.0       # FLOPs of the whole trajectory of one micro-batch
     training_flops: float = 0.0      # FLOPs of all trained steps of one micro-batch (forward, recompute, backward)
@@ -415,8 +430,8 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
 
         if rollout_only:
             return measure
-        # ---- training: one trained step's forward and backward (one backward per step: each step alike), as the
-        # algorithm's spec plans it (`_trained_step_loss`) ----------------------------------------------------------
+        # ---- training: one trained pass's forward and backward (K trained timesteps stacked, every pass alike; the
+        # last, smaller one of an uneven split peaks lower), as the algorithm's spec plans it (`_trained_step_loss`)
         live, flops = _counting("training", also_track)
         hooks = [p.register_post_accumulate_grad_hook(lambda param: live.exclude(param.grad))
                  for p in model.parameters() if p.requires_grad]
@@ -434,18 +449,20 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
         for hook in hooks:
             hook.remove()
         measure.training_bytes = live.peak_excluding  # gradients are a term of their own (sharded by FSDP / ZeRO)
-        measure.training_flops = live.get_total_flops() * (settings.trained_passes or settings.trained_steps)
+        # FLOPs are linear in the rows: one pass of K timesteps' rows, times the trained transitions over K
+        measure.training_flops = live.get_total_flops() * (settings.trained_passes or settings.trained_steps) / \
+            settings.timesteps_per_pass
     return measure
 
 
 def _trained_velocity(spec: ModelSpec, config: dict[str, Any], adapter, settings: StepSettings,
                       latents: torch.Tensor, embeds, negative):
-    """``velocity(net, x, t)`` over the rows of one trained pass: the micro-batch, or ``trained_batch`` copies of it
-    (one forward over several noise levels of each sample)."""
+    """``velocity(net, x, t)`` over the rows of one trained pass: the micro-batch, or ``pass_rows`` copies of it (one
+    forward over several noise levels or recorded steps of each sample: AWM's levels, K timesteps per pass)."""
     rows_embeds, rows_negative = embeds, negative
-    if settings.trained_batch > 1:
-        rows = latents.shape[0] * settings.trained_batch
-        rows_latents = torch.cat([latents] * settings.trained_batch)
+    if settings.pass_rows > 1:
+        rows = latents.shape[0] * settings.pass_rows
+        rows_latents = torch.cat([latents] * settings.pass_rows)
         rows_embeds = conditioning(spec, config, rows, settings.text_tokens, rows_latents, settings.dtype)
         rows_negative = conditioning(spec, config, rows, settings.text_tokens, rows_latents, settings.dtype) \
             if negative is not None else None
@@ -460,7 +477,8 @@ def _trained_velocity(spec: ModelSpec, config: dict[str, Any], adapter, settings
 
 def _trained_step_loss(settings: StepSettings, model, velocity, latents: torch.Tensor, x_next: torch.Tensor,
                        old_log_prob: torch.Tensor, sigmas: list[float], t_value: float) -> torch.Tensor:
-    """The loss of one trained timestep as the algorithm's spec plans it (`PlannedStep`): the trained forward's input
+    """The loss of one trained pass (``pass_rows`` rows per sample: K timesteps stacked, each the same shapes) as the
+    algorithm's spec plans it (`PlannedStep`): the trained forward's input
     (the recorded transition x_j -> x_{j+1}, or the final sample noised to a level, x_t = (1 - sigma) x0 + sigma eps),
     the forwards without gradient it adds (the old policy's before it; a teacher's and the reference's after it, as
     the trainers run them) and the loss's form (the ratio of the recomputed transition, the distance of its mean to a
@@ -471,8 +489,10 @@ def _trained_step_loss(settings: StepSettings, model, velocity, latents: torch.T
         x_in = latents
     else:
         x_in = (1 - sigmas[0]) * x_next + sigmas[0] * latents
-    if settings.trained_batch > 1:
-        x_in = torch.cat([x_in] * settings.trained_batch)
+    if settings.pass_rows > 1:  # the pass's rows: K timesteps (and AWM's levels) of each sample, stacked
+        copies = settings.pass_rows
+        x_in, latents, x_next = (torch.cat([x] * copies) for x in (x_in, latents, x_next))
+        old_log_prob = torch.cat([old_log_prob] * copies)
     frozen: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         if "old_policy" in settings.frozen_forwards:

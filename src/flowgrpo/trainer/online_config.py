@@ -271,6 +271,19 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                           "taylor_factors_dtype: float32} for taylorseer (JSON on the command line). The timestep "
                           "callbacks and MagCache's num_inference_steps are the rollout engine's."},
     )
+    # ---- training passes -----------------------------------------------------------------------------
+    train_timesteps_per_pass: str = field(
+        default=1,
+        metadata={"help": "Trained timesteps of a micro-batch that go through the model in one forward and one "
+                          "backward, as one batch of B x K rows (Flow-GRPO and its variants, on-policy distillation: "
+                          "recorded SDE steps; DiffusionNFT, DGPO, CRD: noise levels; Diffusion-DPO: noise draws; "
+                          "AWM already trains all its train_timesteps in one pass, so K changes nothing there). An "
+                          "integer K >= 1, or 'all' (a micro-batch in one pass). Each timestep's loss is computed "
+                          "as with 1 (clipping, KL, weights, the scale of the loss; the first pass's ratio stays 1), "
+                          "with ceil(T / K) passes instead of T: fewer, larger forwards and, under FSDP2, ceil(T / K) "
+                          "weight gathers per micro-batch; activation memory grows with K (`flowgrpo plan` names the "
+                          "largest K that fits). Default 1: one timestep at a time."},
+    )
 
     # ---- crash safety --------------------------------------------------------------------------------
     max_consecutive_skipped_steps: int = field(
@@ -486,6 +499,9 @@ class OnlineRLConfig(HealthArguments, TrainingArguments):
                              "remove_unused_columns=False.")
         if self.ema_decay < 0 or self.ema_decay >= 1:
             raise ValueError(f"ema_decay={self.ema_decay} must be in [0, 1).")
+        from .timestep_passes import parse_timesteps_per_pass
+
+        self.train_timesteps_per_pass = parse_timesteps_per_pass(self.train_timesteps_per_pass)
         self._check_health_settings()
 
     #: the trainer this configuration is for (in error messages)

@@ -18,17 +18,18 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
 2. *Reward.* The last micro-batch's rewards are still being scored while the first training forward runs; the
    algorithm's loss asks for the advantages (`_advantages`) after that forward, which gathers the rewards of all
    processes and turns them into group advantages.
-3. *Training* (`_train_on_batch`). For each recorded micro-batch, the algorithm's `_batch_loss` gives the loss of each
-   of its `_loss_parts` (Flow-GRPO: one per trained denoising step); this class runs one backward pass per part
-   (DDP synchronises on the last), scales by the parts and the accumulation steps, times the passes and logs the
-   loss's metrics.
+3. *Training* (`_train_on_batch`). Each recorded micro-batch is trained in `_loss_parts` parts (Flow-GRPO: one per
+   trained denoising step), grouped into passes of ``train_timesteps_per_pass`` parts (`timestep_passes`); the
+   algorithm's `_pass_losses` gives each part's loss from one forward over the pass's rows, and this class runs one
+   backward pass per pass (DDP synchronises on the last), scales by the parts and the accumulation steps, times the
+   passes and logs the loss's metrics.
 
 What an algorithm (a subclass) provides: ``_config_class``, ``_name`` / ``_tag_names`` / ``_paper`` (model card),
-``_rollout_strategy``, ``_batch_loss`` (and ``_loss_parts`` / ``_prepare_batch`` when it trains a micro-batch in
-several parts), ``_card_setup_lines``; optional: ``_eval_ode_solver``, ``_eval_raw_weights``, ``_check_rewards``,
-``_check_datasets``, ``_on_optimizer_step_end``, ``_generate``. What the algorithm *is* (the copies of the policy it
-keeps, whether its loss reads the reference, what a rollout worker needs, what the planner plans) is its
-`AlgorithmSpec`, declared next to its configuration and read as ``trainer.spec`` / ``trainer.algorithm``
+``_rollout_strategy``, ``_batch_loss`` or ``_pass_losses`` (and ``_loss_parts`` / ``_prepare_batch`` when it trains
+a micro-batch in several parts), ``_card_setup_lines``; optional: ``_eval_ode_solver``, ``_eval_raw_weights``,
+``_check_rewards``, ``_check_datasets``, ``_on_optimizer_step_end``, ``_generate``. What the algorithm *is* (the copies
+of the policy it keeps, whether its loss reads the reference, what a rollout worker needs, what the planner plans) is
+its `AlgorithmSpec`, declared next to its configuration and read as ``trainer.spec`` / ``trainer.algorithm``
 (`flowgrpo.trainer.algorithm_spec`).
 """
 
@@ -81,6 +82,7 @@ from .sequence_parallel import (
 )
 from .speed_settings import check_speed_settings, torch_compile_refusal
 from .step_metrics import StepMetrics
+from .timestep_passes import passes_of
 
 logger = logging.get_logger(__name__)
 
@@ -441,8 +443,19 @@ class OnlineRLTrainer(FlowBaseTrainer):
         return 1
 
     def _batch_loss(self, model: torch.nn.Module, batch: dict, part: int, first_pass: bool) -> LossPart:
-        """The loss of part ``part`` of a micro-batch (``first_pass``: the first pass over a fresh generation)."""
-        raise NotImplementedError
+        """The loss of part ``part`` of a micro-batch (``first_pass``: the first pass over a fresh generation). An
+        algorithm implements this or `_pass_losses`; by default it is the one-part pass ``[part]``."""
+        if type(self)._pass_losses is OnlineRLTrainer._pass_losses:
+            raise NotImplementedError(f"{type(self).__name__} must implement _batch_loss or _pass_losses.")
+        return self._pass_losses(model, batch, [part], first_pass)[0]
+
+    def _pass_losses(self, model: torch.nn.Module, batch: dict, parts: list[int], first_pass: bool) -> list[LossPart]:
+        """The losses of the parts ``parts`` of a micro-batch, trained together in one backward pass (a pass of
+        ``train_timesteps_per_pass`` parts, `timestep_passes`): one `LossPart` per part, in order, each the part's loss
+        as `_batch_loss` gives it. An algorithm whose parts replay the model on different rows overrides this to run
+        each forward once over the parts' rows stacked (`stack_rows`, `split_rows`); this default computes the parts
+        one after the other (their forwards apart, one backward for all)."""
+        return [self._batch_loss(model, batch, part, first_pass) for part in parts]
 
     def _on_optimizer_step_end(self, step: int) -> None:
         """Called after each optimizer step ``step`` (1-based), before logging and checkpointing."""
@@ -514,10 +527,12 @@ class OnlineRLTrainer(FlowBaseTrainer):
         return loss
 
     def _train_on_batch(self, model, record: dict, first_pass: bool) -> torch.Tensor:
-        """The algorithm's loss on one recorded micro-batch, part by part: one backward pass each, scaled by
-        1 / (parts x accumulation steps); returns the scaled loss's value (detached)."""
+        """The algorithm's loss on one recorded micro-batch, in passes of ``train_timesteps_per_pass`` parts
+        (`timestep_passes`): one forward over the pass's rows and one backward of the sum of its parts' losses each,
+        every part scaled by 1 / (parts x accumulation steps); returns the scaled loss's value (detached)."""
         batch = self._prepare_batch(record)
         parts = self._loss_parts(batch)
+        passes = passes_of(parts, self.args.train_timesteps_per_pass)
         # a first pass over samples of older weights (rollout_backend: ray, max_staleness >= 1) is not on-policy
         on_policy = first_pass and self.rollout_backend.staleness == 0
         scale = 1.0 / (parts * self.current_gradient_accumulation_steps)
@@ -528,22 +543,29 @@ class OnlineRLTrainer(FlowBaseTrainer):
         m = self.metrics.train
         backward_kwargs = self._backward_kwargs()
         clock = self.rollouts.clock
-        for part in range(parts):
-            with self._sync_on_last(model, part, parts):
+        for index, group in enumerate(passes):
+            with self._sync_on_last(model, index, len(passes)):
                 self.rollouts.scoring_wait_s = 0.0
                 tic = clock()
-                out = self._batch_loss(model, batch, part, on_policy)
+                outs = self._pass_losses(model, batch, group, on_policy)
+                if len(outs) != len(group):
+                    raise RuntimeError(f"{type(self).__name__}._pass_losses returned {len(outs)} losses for the "
+                                       f"{len(group)} parts {group}; it must return one LossPart per part.")
+                loss = outs[0].loss
+                for out in outs[1:]:
+                    loss = loss + out.loss
                 tac = clock()
-                self.accelerator.backward(out.loss * backward_scale, **backward_kwargs)
+                self.accelerator.backward(loss * backward_scale, **backward_kwargs)
                 toc = clock()
                 # the wait for rewards scored while the forward ran is logged as timing/reward, not forward time
                 m["timing/training_forward"].append(tac - tic - self.rollouts.scoring_wait_s)
                 m["timing/training_backward"].append(toc - tac)
-            total += out.loss.detach() * scale
-            for key, value in out.metrics.items():
-                m[key].append(value)
-            if first_pass and self.rollout_backend.logs_rollout_metrics and "ratio_mean" in out.metrics:
-                m["rollout/first_pass_ratio"].append(out.metrics["ratio_mean"])
+            for out in outs:
+                total += out.loss.detach() * scale
+                for key, value in out.metrics.items():
+                    m[key].append(value)
+                if first_pass and self.rollout_backend.logs_rollout_metrics and "ratio_mean" in out.metrics:
+                    m["rollout/first_pass_ratio"].append(out.metrics["ratio_mean"])
         return total
 
     def _advantages(self, batch: dict) -> torch.Tensor:
@@ -560,10 +582,11 @@ class OnlineRLTrainer(FlowBaseTrainer):
         return {"scale_wrt_gas": False} if self.accelerator.distributed_type == DistributedType.DEEPSPEED else {}
 
     @staticmethod
-    def _sync_on_last(model, part: int, parts: int):
-        """A batch trained in ``parts`` backward passes: under DDP only the last one all-reduces the gradients."""
+    def _sync_on_last(model, index: int, passes: int):
+        """A micro-batch trained in ``passes`` backward passes: under DDP only the last one all-reduces the gradients
+        (one all-reduce per micro-batch, whatever ``train_timesteps_per_pass``)."""
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        return model.no_sync() if ddp and part < parts - 1 else nullcontext()
+        return model.no_sync() if ddp and index < passes - 1 else nullcontext()
 
     def _update_old_policy(self, decay: float) -> None:
         """theta_old <- decay theta_old + (1 - decay) theta, unless the step was skipped (a non-finite step changed no

@@ -142,6 +142,7 @@ def test_refusals_before_anything_is_loaded(tmp_path):
         (dict(refl_pretrain_weight=0.1), "use 'refl'"),
         (dict(filter_zero_std_groups=True), "no groups to refill"),
         (dict(num_iterations=2), "raise max_steps"),
+        (dict(train_timesteps_per_pass="all"), "no recorded timesteps to stack"),
         (dict(rollout_backend="ray"), "samples inside its loss"),
     ]
     for kwargs, match in bad:

@@ -9,7 +9,8 @@ steps):
 2. *Trained steps* (`_prepare_batch`). ``crd_num_timesteps`` stratified draws over the rollout step indices below
    int(``num_inference_steps`` x ``timestep_fraction``) (`crd_step_indices`), shared by the micro-batch, with fresh
    noise eps per draw and sample.
-3. *Loss* (`_batch_loss`, one backward pass per draw). At x_t = (1 - sigma) x0 + sigma eps: the policy's velocity
+3. *Loss* (`_pass_losses`, ``train_timesteps_per_pass`` draws per forward and backward, their rows stacked; default
+   one draw per backward). At x_t = (1 - sigma) x0 + sigma eps: the policy's velocity
    with gradient; without gradient the **old copy**'s (or the base's, ``crd_use_old_policy: false``) and the base's at
    ``kl_guidance_scale``. `crd_loss` gives, with r = clamp(A / (2 C) + 1/2, 0, 1) the reward in [0, 1],
 
@@ -44,6 +45,7 @@ from ...schedulers.flow_matching import noised_sample
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..rollout.strategies import FinalSampleRollout
 from ..seeds import seed_for
+from ..timestep_passes import split_rows, stack_embeds, stack_rows
 from .crd_config import SAMPLING_COPY, CRDConfig
 from .crd_loss import crd_loss, crd_step_indices, reward_weight
 
@@ -106,18 +108,21 @@ class CRDTrainer(OnlineRLTrainer):
     def _loss_parts(self, batch: dict) -> int:
         return len(batch["crd_steps"])
 
-    def _batch_loss(self, model, batch: dict, part: int, first_pass: bool) -> LossPart:
+    def _pass_losses(self, model, batch: dict, parts: list[int], first_pass: bool) -> list[LossPart]:
+        """The losses of the draws ``parts``: each forward (policy, old copy or base, KL reference) runs once over the
+        draws' points stacked (`timestep_passes`); each draw's loss is `crd_loss` of its own rows."""
         args = self.args
         height, width = args.image_size
         policy = self.policy
-        x0, embeds = batch["x0"], batch["embeds"]
-        j = batch["crd_steps"][part]
-        sigma, t = batch["sigmas"][:, j], batch["timesteps"][:, j]
-        noise = batch["noise"][part]
-        x_t = noised_sample(x0, noise, sigma)
+        x0 = batch["x0"]
+        steps = [batch["crd_steps"][part] for part in parts]
+        noises = [batch["noise"][part] for part in parts]
+        timesteps = [batch["timesteps"][:, j] for j in steps]
+        points = [noised_sample(x0, noise, batch["sigmas"][:, j]) for j, noise in zip(steps, noises)]
+        x_t, t = stack_rows(points), stack_rows(timesteps)
+        embeds = stack_embeds(batch["embeds"], [None] * len(parts))
         with self.accelerator.autocast():
             v = policy.velocity(model, x_t, t, embeds, args.guidance_scale, height, width)
-        rewards = reward_weight(self._advantages(batch), args.adv_clip_max)  # scored while this forward ran
         v_ref = None
         with torch.no_grad(), self.accelerator.autocast():
             if args.crd_use_old_policy:
@@ -132,19 +137,27 @@ class CRDTrainer(OnlineRLTrainer):
                 else:
                     v_ref = policy.reference_velocity(model, x_t, t, embeds, height, width,
                                                       guidance_scale=args.kl_guidance_scale)
-        out = crd_loss(v, v_old, noise, x0, rewards, crd_beta=args.crd_beta, loss_type=args.loss_type,
-                       adv_clip_max=args.adv_clip_max, adaptive=args.crd_adaptive_weights,
-                       group_index=batch["group_ids"] if args.crd_centering == "group" else None,
-                       gather=self.accelerator.gather if self.accelerator.num_processes > 1 else None,
-                       v_ref=v_ref, beta_kl=args.beta, reward_adaptive_kl=args.reward_adaptive_kl)
-        with torch.no_grad():
-            metrics = {"policy_loss": float(out.policy_loss), "crd/implicit_reward": float(out.implicit_reward.mean()),
-                       "crd/centred_implicit_std": float(out.centred_implicit.float().std(unbiased=False)),
-                       "crd/old_deviation": float((v.detach() - v_old).square().mean())}
-            if out.kl is not None:
-                metrics["kl"] = float(out.kl.mean())
-                metrics["crd/kl_loss"] = float(out.kl_loss)
-        return LossPart(out.loss, metrics)
+        sizes = [len(point) for point in points]
+        olds = split_rows(v_old, sizes)
+        references = split_rows(v_ref, sizes) if v_ref is not None else [None] * len(parts)
+        losses = []
+        for i, velocity in enumerate(split_rows(v, sizes)):
+            rewards = reward_weight(self._advantages(batch), args.adv_clip_max)  # scored while the forwards ran
+            out = crd_loss(velocity, olds[i], noises[i], x0, rewards, crd_beta=args.crd_beta, loss_type=args.loss_type,
+                           adv_clip_max=args.adv_clip_max, adaptive=args.crd_adaptive_weights,
+                           group_index=batch["group_ids"] if args.crd_centering == "group" else None,
+                           gather=self.accelerator.gather if self.accelerator.num_processes > 1 else None,
+                           v_ref=references[i], beta_kl=args.beta, reward_adaptive_kl=args.reward_adaptive_kl)
+            with torch.no_grad():
+                metrics = {"policy_loss": float(out.policy_loss),
+                           "crd/implicit_reward": float(out.implicit_reward.mean()),
+                           "crd/centred_implicit_std": float(out.centred_implicit.float().std(unbiased=False)),
+                           "crd/old_deviation": float((velocity.detach() - olds[i]).square().mean())}
+                if out.kl is not None:
+                    metrics["kl"] = float(out.kl.mean())
+                    metrics["crd/kl_loss"] = float(out.kl_loss)
+            losses.append(LossPart(out.loss, metrics))
+        return losses
 
     # ------------------------------------------------------------------------------------------------
     # the copies, once per generation (kept, saved and restored by the policy)

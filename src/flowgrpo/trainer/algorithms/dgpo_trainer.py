@@ -11,7 +11,8 @@ One generation (with the default ``steps_per_generation = gradient_accumulation_
    rollout step indices from 0 .. ``dgpo_trunc_steps`` (`dgpo_step_indices`, the same on every process); per
    micro-batch and trained step one noise eps per group (`group_shared_noise`, keyed by the prompt, so a group split
    over processes gets one eps) or per sample.
-3. *Loss* (`_batch_loss`, one backward pass per trained step). At x_t = (1 - sigma) x0 + sigma eps: the policy's
+3. *Loss* (`_pass_losses`, ``train_timesteps_per_pass`` trained steps per forward and backward, their rows stacked;
+   default one step per backward). At x_t = (1 - sigma) x0 + sigma eps: the policy's
    conditional velocity (``train_guidance_scale``) with gradient; without gradient the base's (LoRA off, at
    ``kl_guidance_scale`` when > 1) and the EMA reference's. `dgpo_loss` gives
 
@@ -49,6 +50,7 @@ from ...schedulers.flow_matching import noised_sample
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..rollout.strategies import FinalSampleRollout
 from ..seeds import seed_for
+from ..timestep_passes import split_rows, stack_embeds, stack_rows
 from .dgpo_config import DGPOConfig
 from .dgpo_loss import (
     dense_group_index,
@@ -146,19 +148,23 @@ class DGPOTrainer(OnlineRLTrainer):
         """S_g summed over every process (an all-reduce every process takes part in)."""
         return self.accelerator.reduce(sums, reduction="sum")
 
-    def _batch_loss(self, model, batch: dict, part: int, first_pass: bool) -> LossPart:
+    def _pass_losses(self, model, batch: dict, parts: list[int], first_pass: bool) -> list[LossPart]:
+        """The losses of the trained steps ``parts``: each forward (policy, base, EMA reference) runs once over the
+        steps' points stacked (`timestep_passes`); each step's loss is `dgpo_loss` of its own rows (its group sums
+        reduced over every process as alone)."""
         args = self.args
         height, width = args.image_size
         policy = self.policy
-        x0, embeds = batch["x0"], batch["embeds"]
-        j = batch["dgpo_steps"][part]
-        sigma, t = batch["sigmas"][:, j], batch["timesteps"][:, j]
-        noise = batch["noise"][part]
-        x_t = noised_sample(x0, noise, sigma)
+        x0 = batch["x0"]
+        steps = [batch["dgpo_steps"][part] for part in parts]
+        noises = [batch["noise"][part] for part in parts]
+        timesteps = [batch["timesteps"][:, j] for j in steps]
+        points = [noised_sample(x0, noise, batch["sigmas"][:, j]) for j, noise in zip(steps, noises)]
+        x_t, t = stack_rows(points), stack_rows(timesteps)
+        embeds = stack_embeds(batch["embeds"], [None] * len(parts))
         scale = args.training_guidance_scale
         with self.accelerator.autocast():
             v = policy.velocity(model, x_t, t, embeds, scale, height, width)
-        advantages = self._advantages(batch)  # the last rewards were scored while this forward ran
         v_base = v_ema = None
         with torch.no_grad(), self.accelerator.autocast():
             if args.reads_base:
@@ -167,24 +173,33 @@ class DGPOTrainer(OnlineRLTrainer):
             if args.uses_ema_reference:
                 with policy.old_policy.forward_model(model) as ema:
                     v_ema = policy.velocity(ema, x_t, t, embeds, scale, height, width)
+        sizes = [len(point) for point in points]
+        nothing = [None] * len(parts)
+        bases = split_rows(v_base, sizes) if v_base is not None else nothing
+        emas = split_rows(v_ema, sizes) if v_ema is not None else nothing
         multi = self.accelerator.num_processes > 1
-        out = dgpo_loss(v, noise, x0, advantages, batch["group_index"], batch["num_groups"],
-                        v_dgpo_ref=v_ema if args.dgpo_use_ema_reference else v_base, beta_dpo=args.beta_dpo,
-                        group_size=args.num_generations, adv_clip_max=args.adv_clip_max,
-                        v_old=v_ema if (args.dgpo_clip_dsm or args.dgpo_clip_kl) else None, clip=args.dgpo_clip,
-                        clip_dsm=args.dgpo_clip_dsm, clip_kl=args.dgpo_clip_kl,
-                        v_kl_ref=v_base if args.beta > 0 else None, beta=args.beta,
-                        reduce_group_sums=self._reduce_group_sums if multi else None)
-        with torch.no_grad():
-            metrics = {"policy_loss": float(out.policy_loss), "dgpo/dsm": float(out.dsm.mean()),
-                       "dgpo/ref_dsm": float(out.ref_dsm.mean()), "dgpo/group_score": float(out.group_scores.mean()),
-                       "dgpo/group_weight": float(out.sample_weights.mean()),
-                       "dgpo/rollouts_by_ema_reference": float(batch.get("by_ema_reference", False))}
-            if out.clip_frac is not None:
-                metrics["clip_frac"] = float(out.clip_frac)
-            if out.kl is not None:
-                metrics["kl"] = float(out.kl)
-        return LossPart(out.loss, metrics)
+        losses = []
+        for i, velocity in enumerate(split_rows(v, sizes)):
+            advantages = self._advantages(batch)  # the last rewards were scored while the forwards ran
+            out = dgpo_loss(velocity, noises[i], x0, advantages, batch["group_index"], batch["num_groups"],
+                            v_dgpo_ref=emas[i] if args.dgpo_use_ema_reference else bases[i], beta_dpo=args.beta_dpo,
+                            group_size=args.num_generations, adv_clip_max=args.adv_clip_max,
+                            v_old=emas[i] if (args.dgpo_clip_dsm or args.dgpo_clip_kl) else None, clip=args.dgpo_clip,
+                            clip_dsm=args.dgpo_clip_dsm, clip_kl=args.dgpo_clip_kl,
+                            v_kl_ref=bases[i] if args.beta > 0 else None, beta=args.beta,
+                            reduce_group_sums=self._reduce_group_sums if multi else None)
+            with torch.no_grad():
+                metrics = {"policy_loss": float(out.policy_loss), "dgpo/dsm": float(out.dsm.mean()),
+                           "dgpo/ref_dsm": float(out.ref_dsm.mean()),
+                           "dgpo/group_score": float(out.group_scores.mean()),
+                           "dgpo/group_weight": float(out.sample_weights.mean()),
+                           "dgpo/rollouts_by_ema_reference": float(batch.get("by_ema_reference", False))}
+                if out.clip_frac is not None:
+                    metrics["clip_frac"] = float(out.clip_frac)
+                if out.kl is not None:
+                    metrics["kl"] = float(out.kl)
+            losses.append(LossPart(out.loss, metrics))
+        return losses
 
     # ------------------------------------------------------------------------------------------------
     # the EMA reference after each optimizer step (kept, saved and restored by the policy)

@@ -17,6 +17,8 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
    ``train_guidance_scale`` (default 1: the conditional velocity, as flow_grpo trains while it samples at CFG 4.5),
    give the flow-matching errors and `dpo_loss` the loss (the math is there); one backward per draw, each scaled by
    1 / K, so the gradient is that of the mean over the K P terms (accumulated, as flow_grpo accumulates its 39).
+   With ``train_timesteps_per_pass`` > 1 that many draws share one forward of each model and one backward, their
+   points stacked (`timestep_passes`); each draw's loss is unchanged.
 
 Logged besides the shared keys (means over the draws): ``dpo/accuracy`` (pairs preferred the right way relative to
 the reference), ``dpo/inside`` (the mean preference logit), ``dpo/abs_inside`` (its mean magnitude),
@@ -41,6 +43,7 @@ from ..data.sampler import RepeatSampler
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..rollout.strategies import FinalSampleRollout
 from ..seeds import seed_for
+from ..timestep_passes import split_rows, stack_embeds, stack_rows
 from .dpo_config import CHOSEN_COLUMN, REJECTED_COLUMN, DiffusionDPOConfig
 from .dpo_loss import dpo_loss
 from .dpo_timesteps import sample_dpo_sigmas, scheduler_training_shift
@@ -215,28 +218,38 @@ class DiffusionDPOTrainer(OnlineRLTrainer):
         """One backward per (t, eps) draw: ``dpo_num_noise_draws``."""
         return self.args.dpo_num_noise_draws
 
-    def _batch_loss(self, model, batch: dict, part: int, first_pass: bool) -> LossPart:
+    def _pass_losses(self, model, batch: dict, parts: list[int], first_pass: bool) -> list[LossPart]:
+        """The losses of the draws ``parts``: the policy's and the reference's forwards each run once over the draws'
+        2P points stacked (`timestep_passes`); each draw's loss is `dpo_loss` of its own rows."""
         args = self.args
         height, width = args.image_size
         policy = self.policy
         pairs, weight = batch["pairs"], batch["weight"]
         x0, pair_embeds = batch["x0_pairs"], batch["pair_embeds"]
-        eps, levels = batch["eps"][part], batch["levels"][part]  # draw number ``part``
-        x_t = noised_sample(x0, eps, levels)
-        timesteps = sigma_timesteps(levels, self.rollouts.scheduler.config.num_train_timesteps)
+        noises = [batch["eps"][part] for part in parts]  # draw number ``part``
+        levels = [batch["levels"][part] for part in parts]
+        points = [noised_sample(x0, eps, level) for eps, level in zip(noises, levels)]
+        num_train_timesteps = self.rollouts.scheduler.config.num_train_timesteps
+        timesteps = [sigma_timesteps(level, num_train_timesteps) for level in levels]
+        x_t, t = stack_rows(points), stack_rows(timesteps)
+        embeds = stack_embeds(pair_embeds, [None] * len(parts))
         scale = args.training_guidance_scale  # the trained velocities' CFG, not the rollouts'
         with self.accelerator.autocast():
-            v = policy.velocity(model, x_t, timesteps, pair_embeds, scale, height, width)
-            v_ref = policy.reference_velocity(model, x_t, timesteps, pair_embeds, height, width, guidance_scale=scale)
-        errors = flow_matching_error(v, eps, x0)
-        ref_errors = flow_matching_error(v_ref, eps, x0)
-        out = dpo_loss(errors[:pairs], errors[pairs:], ref_errors[:pairs], ref_errors[pairs:], args.beta_dpo)
-        metrics: dict[str, Any] = {"dpo/pairs": float(pairs if weight > 0 else 0)}
-        if weight > 0:
-            metrics.update(out.metrics())
-            metrics.update({"dpo/error_w": float(errors[:pairs].detach().mean()),
-                            "dpo/error_l": float(errors[pairs:].detach().mean())})
-        return LossPart(out.loss * weight, metrics)
+            v = policy.velocity(model, x_t, t, embeds, scale, height, width)
+            v_ref = policy.reference_velocity(model, x_t, t, embeds, height, width, guidance_scale=scale)
+        sizes = [len(point) for point in points]
+        losses = []
+        for velocity, reference, eps in zip(split_rows(v, sizes), split_rows(v_ref, sizes), noises):
+            errors = flow_matching_error(velocity, eps, x0)
+            ref_errors = flow_matching_error(reference, eps, x0)
+            out = dpo_loss(errors[:pairs], errors[pairs:], ref_errors[:pairs], ref_errors[pairs:], args.beta_dpo)
+            metrics: dict[str, Any] = {"dpo/pairs": float(pairs if weight > 0 else 0)}
+            if weight > 0:
+                metrics.update(out.metrics())
+                metrics.update({"dpo/error_w": float(errors[:pairs].detach().mean()),
+                                "dpo/error_l": float(errors[pairs:].detach().mean())})
+            losses.append(LossPart(out.loss * weight, metrics))
+        return losses
 
     def _card_setup_lines(self) -> list[str]:
         args = self.args

@@ -8,12 +8,13 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
    log p_old(x_{j+1} | x_j), t_j and the noise levels.
 2. *Reward.* Decoded and scored in the background; gathered into group advantages while the first training forward
    runs (`OnlineRLTrainer`).
-3. *Training.* For each micro-batch and each stored step j (one backward per step, so activation memory is bounded
-   by one step), the policy's transition log-prob is recomputed with the same guidance and negative embeddings and
-   `flow_grpo_loss` gives the clipped-ratio loss, plus ``beta`` x a KL estimate to the reference (the math is
-   there); each step's loss is divided by the number of steps and the accumulation steps. On the first pass the
-   ratio is exactly 1 (same inputs, dtype and batch composition as sampling): ``on_policy_ratio_max_dev`` logs the
-   drift and a warning names the likely causes.
+3. *Training.* For each micro-batch and each stored step j, the policy's transition log-prob is recomputed with the
+   same guidance and negative embeddings and `flow_grpo_loss` gives the clipped-ratio loss, plus ``beta`` x a KL
+   estimate to the reference (the math is there); each step's loss is divided by the number of steps and the
+   accumulation steps. The stored steps are replayed ``train_timesteps_per_pass`` at a time, their rows stacked into
+   one forward and one backward (`timestep_passes`; default one step per backward, so activation memory is bounded
+   by one step). On the first pass the ratio is exactly 1 (same inputs, dtype and per-row computation as sampling):
+   ``on_policy_ratio_max_dev`` logs the drift and a warning names the likely causes.
 
 Variants (``FlowGRPOConfig``): the window's start follows ``sde_window_strategy`` (random, MixGRPO's progressive
 schedule, fixed); the deterministic steps use ``ode_solver`` (Euler or DPM-Solver++ 2M, with the steps after the
@@ -49,6 +50,7 @@ from ...schedulers import sde_transition
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..outputs.lora_export import LORA_WEIGHTS_NAME
 from ..seeds import seed_for
+from ..timestep_passes import split_rows, stack_embeds, stack_rows
 from .branch_grpo import edge_log_prob
 from .branch_grpo_rollout import BranchTreeRollout, is_tree_record, tree_parts, tree_step_std
 from .flow_dppo_loss import flow_dppo_loss
@@ -70,7 +72,7 @@ class TrainedTransition:
     """One trained step of a micro-batch, as Flow-GRPO's objective reads it: the recorded transition x -> x' at
     (t, sigma -> sigma'), the prompts' embeddings, the trained policy's velocity and transition (log-prob, mean, std,
     with gradient), the sampling policy's log-prob and mean (the anchor of Flow-DPPO and GRPO-Guard), the
-    advantages and GARDO's gate."""
+    advantages, GARDO's gate and, with a KL term, the reference's velocity at the same point (no gradient)."""
 
     state: torch.Tensor
     next_state: torch.Tensor
@@ -86,6 +88,7 @@ class TrainedTransition:
     old_mean: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     kl_gate: torch.Tensor | None = None
+    ref_velocity: torch.Tensor | None = None
 
 
 class FlowGRPOTrainer(OnlineRLTrainer):
@@ -147,36 +150,63 @@ class FlowGRPOTrainer(OnlineRLTrainer):
             return len(batch["tempflow_parts"])
         return batch["latents"].shape[1]
 
-    def _batch_loss(self, model, batch: dict, j: int, first_pass: bool) -> LossPart:
+    def _pass_losses(self, model, batch: dict, parts: list[int], first_pass: bool) -> list[LossPart]:
+        """The losses of the recorded steps ``parts`` (indices into the micro-batch's steps), replayed in one forward
+        over their rows stacked (`_replay_parts`); each step's loss is `_objective` of its own transitions."""
         if is_tree_record(batch):
-            return self._tree_loss(model, batch, j, first_pass)
+            return self._tree_losses(model, batch, parts, first_pass)
         if is_tempflow_record(batch):
-            return self._tempflow_loss(model, batch, j, first_pass)
-        step = self._replay(model, batch, j)
-        step.old_log_prob = batch["log_probs"][:, j]
-        step.old_mean = batch["means"][:, j] if "means" in batch else None
-        step.advantages = self._advantages(batch)  # the last rewards were scored while the forward ran
-        step.kl_gate = batch.get("kl_gate")
-        loss, metrics = self._objective(model, step, first_pass)
-        metrics["sde_window_start"] = float(batch["window"][0])
-        return LossPart(loss, metrics)
+            return self._tempflow_losses(model, batch, parts, first_pass)
+        steps = self._replay_parts(model, batch, [(j, None) for j in parts])
+        losses = []
+        for j, step in zip(parts, steps):
+            step.old_log_prob = batch["log_probs"][:, j]
+            step.old_mean = batch["means"][:, j] if "means" in batch else None
+            step.advantages = self._advantages(batch)  # the last rewards were scored while the forward ran
+            step.kl_gate = batch.get("kl_gate")
+            loss, metrics = self._objective(model, step, first_pass)
+            metrics["sde_window_start"] = float(batch["window"][0])
+            losses.append(LossPart(loss, metrics))
+        return losses
 
-    def _replay(self, model, batch: dict, j: int | torch.Tensor, rows: torch.Tensor | None = None
-                ) -> TrainedTransition:
-        """Recorded step ``j`` of the micro-batch (of its rows ``rows``, default all) replayed by the trained policy:
-        its velocity at (x_j, t_j) and its transition to the recorded x_{j+1} (log-prob, mean, std)."""
+    def _replay_parts(self, model, batch: dict, picks: list[tuple[int, torch.Tensor | None]]
+                      ) -> list[TrainedTransition]:
+        """Recorded steps of the micro-batch replayed by the trained policy: for each ``(j, rows)`` of ``picks``, step
+        ``j`` of the rows ``rows`` (None: all), its velocity at (x_j, t_j) and its transition to the recorded x_{j+1}
+        (log-prob, mean, std), and, with ``beta > 0``, the reference's velocity there. The picks' rows go through one
+        forward of the policy (and one of the reference) as one batch (`timestep_passes`); each transition is then
+        computed from its own rows as alone."""
         args = self.args
         height, width = args.image_size
-        pick = (lambda key: batch[key][:, j]) if rows is None else (lambda key: batch[key][rows, j])
-        x, x_next = pick("latents"), pick("next_latents")
-        t, sigma, sigma_next = pick("timesteps"), pick("sigmas"), pick("sigmas_next")
-        embeds = batch["embeds"] if rows is None else batch["embeds"].index_select(rows)
+
+        def pick(key: str) -> list[torch.Tensor]:
+            return [batch[key][:, j] if rows is None else batch[key][rows, j] for j, rows in picks]
+
+        states, next_states = pick("latents"), pick("next_latents")
+        timesteps, sigmas, sigmas_next = pick("timesteps"), pick("sigmas"), pick("sigmas_next")
+        x, t = stack_rows(states), stack_rows(timesteps)
+        embeds = stack_embeds(batch["embeds"], [rows for _, rows in picks])
         with self.accelerator.autocast():
             v = self.policy.velocity(model, x, t, embeds, args.guidance_scale, height, width)
-        out = sde_transition(v, x, sigma, sigma_next, self.rollouts.sde_settings(), next_state=x_next)
-        return TrainedTransition(state=x, next_state=x_next, timestep=t, sigma=sigma, sigma_next=sigma_next,
-                                 embeds=embeds, velocity=v, log_prob=out.log_prob, mean=out.prev_sample_mean,
-                                 std=out.std)
+        v_ref = None
+        if args.beta > 0:
+            with self.accelerator.autocast():
+                v_ref = self.policy.reference_velocity(model, x, t, embeds, height, width)
+        sizes = [len(state) for state in states]
+        velocities = split_rows(v, sizes)
+        references = split_rows(v_ref, sizes) if v_ref is not None else [None] * len(picks)
+        sde = self.rollouts.sde_settings()
+        out = []
+        for i, (_, rows) in enumerate(picks):
+            part_embeds = embeds if len(picks) == 1 else (
+                batch["embeds"] if rows is None else batch["embeds"].index_select(rows))
+            transition = sde_transition(velocities[i], states[i], sigmas[i], sigmas_next[i], sde,
+                                        next_state=next_states[i])
+            out.append(TrainedTransition(
+                state=states[i], next_state=next_states[i], timestep=timesteps[i], sigma=sigmas[i],
+                sigma_next=sigmas_next[i], embeds=part_embeds, velocity=velocities[i], log_prob=transition.log_prob,
+                mean=transition.prev_sample_mean, std=transition.std, ref_velocity=references[i]))
+        return out
 
     def _advantages(self, batch: dict) -> torch.Tensor:
         """The micro-batch's advantages, times the truncated importance weights of a stale generation replayed by the
@@ -200,8 +230,10 @@ class FlowGRPOTrainer(OnlineRLTrainer):
         x, x_next, mean, std = step.state, step.next_state, step.mean, step.std
         v_ref = ref_mean = None
         if args.beta > 0:
-            with self.accelerator.autocast():
-                v_ref = self.policy.reference_velocity(model, x, step.timestep, step.embeds, height, width)
+            v_ref = step.ref_velocity
+            if v_ref is None:  # not replayed with the policy's forward (`_replay_parts` gives it)
+                with self.accelerator.autocast():
+                    v_ref = self.policy.reference_velocity(model, x, step.timestep, step.embeds, height, width)
             if args.kl_estimator != "velocity":  # the reference's transition mean
                 with torch.no_grad():
                     ref_mean = sde_transition(v_ref, x, step.sigma, step.sigma_next,
@@ -239,48 +271,59 @@ class FlowGRPOTrainer(OnlineRLTrainer):
                 metrics["on_policy_ratio_max_dev"] = self._check_on_policy(ratio.detach())
         return loss, metrics
 
-    def _tree_loss(self, model, batch: dict, part: int, first_pass: bool) -> LossPart:
-        """Part ``part`` of a BranchGRPO micro-batch: the edges trained at one SDE step, each at its parent state with
-        its child's advantage and its split-aware log-prob, weighted so that the parts sum to the mean over the
-        micro-batch's trained edges."""
+    def _tree_losses(self, model, batch: dict, parts: list[int], first_pass: bool) -> list[LossPart]:
+        """Parts ``parts`` of a BranchGRPO micro-batch, replayed in one forward: each the edges trained at one SDE
+        step, each edge at its parent state with its child's advantage and its split-aware log-prob, weighted so
+        that the parts sum to the mean over the micro-batch's trained edges."""
         args = self.args
-        parts, edges = batch["tree_parts"], batch["tree_edges"]
-        if not parts:  # nothing to train here (pruned): a zero loss that still reaches every trained weight
-            step_index, rows, weight = batch["latents"].shape[1] - 1, torch.zeros(1, dtype=torch.long), 0.0
-        else:
-            step_index = parts[part]
-            rows = batch["edge_trained"][:, step_index].nonzero().flatten()
-            weight = len(rows) * len(parts) / edges
-        rows = rows.to(batch["latents"].device)
-        step = self._replay(model, batch, step_index, rows)
-        split = bool(batch["tree_split"][step_index])
-        step.log_prob = edge_log_prob(step.next_state, step.mean, step.std, split, args.branch_noise_scale,
-                                      split_log_prob=args.branch_split_log_prob)
-        step.std = tree_step_std(batch, rows, step_index, step.std, args)
-        step.old_log_prob = batch["log_probs"][rows, step_index]
-        step.old_mean = batch["means"][rows, step_index]
-        step.advantages = batch["edge_advantages"][rows, step_index]
-        loss, metrics = self._objective(model, step, first_pass and bool(parts))
-        metrics.update({"sde_window_start": 0.0, "branch/trained_edges": float(edges)})
-        return LossPart(loss * weight, metrics)
+        tree, edges = batch["tree_parts"], batch["tree_edges"]
+        picks, weights = [], []
+        for part in parts:
+            if not tree:  # nothing to train here (pruned): a zero loss that still reaches every trained weight
+                step_index, rows, weight = batch["latents"].shape[1] - 1, torch.zeros(1, dtype=torch.long), 0.0
+            else:
+                step_index = tree[part]
+                rows = batch["edge_trained"][:, step_index].nonzero().flatten()
+                weight = len(rows) * len(tree) / edges
+            picks.append((step_index, rows.to(batch["latents"].device)))
+            weights.append(weight)
+        losses = []
+        for (step_index, rows), weight, step in zip(picks, weights, self._replay_parts(model, batch, picks)):
+            split = bool(batch["tree_split"][step_index])
+            step.log_prob = edge_log_prob(step.next_state, step.mean, step.std, split, args.branch_noise_scale,
+                                          split_log_prob=args.branch_split_log_prob)
+            step.std = tree_step_std(batch, rows, step_index, step.std, args)
+            step.old_log_prob = batch["log_probs"][rows, step_index]
+            step.old_mean = batch["means"][rows, step_index]
+            step.advantages = batch["edge_advantages"][rows, step_index]
+            loss, metrics = self._objective(model, step, first_pass and bool(tree))
+            metrics.update({"sde_window_start": 0.0, "branch/trained_edges": float(edges)})
+            losses.append(LossPart(loss * weight, metrics))
+        return losses
 
-    def _tempflow_loss(self, model, batch: dict, part: int, first_pass: bool) -> LossPart:
-        """Part ``part`` of a TempFlow-GRPO micro-batch: the children that branch at one step, each replayed from its
-        trunk state with its sibling advantage weighted by ``tempflow_noise_weight`` x the step's std (`tempflow`),
-        weighted so that the parts sum to the mean over the micro-batch's children."""
+    def _tempflow_losses(self, model, batch: dict, parts: list[int], first_pass: bool) -> list[LossPart]:
+        """Parts ``parts`` of a TempFlow-GRPO micro-batch, replayed in one forward: each the children that branch at
+        one step, each replayed from its trunk state with its sibling advantage weighted by
+        ``tempflow_noise_weight`` x the step's std (`tempflow`), weighted so that the parts sum to the mean over the
+        micro-batch's children."""
         args = self.args
-        branch_step = batch["tempflow_parts"][part]
-        rows = (batch["tempflow_step"] == branch_step).nonzero().flatten().to(batch["latents"].device)
-        step = self._replay(model, batch, 0, rows)
-        step.old_log_prob = batch["log_probs"][rows, 0]
-        step.old_mean = batch["means"][rows, 0] if "means" in batch else None
-        step.advantages = weighted_advantages(self._advantages(batch)[rows], step.std, args.tempflow_noise_weight)
-        step.kl_gate = batch["kl_gate"][rows] if batch.get("kl_gate") is not None else None
-        loss, metrics = self._objective(model, step, first_pass)
-        metrics.update({"sde_window_start": float(branch_step),
-                        "tempflow/weight": float(args.tempflow_noise_weight * step.std.detach().mean())})
-        weight = len(rows) * len(batch["tempflow_parts"]) / batch["latents"].shape[0]
-        return LossPart(loss * weight, metrics)
+        device = batch["latents"].device
+        branch_steps = [batch["tempflow_parts"][part] for part in parts]
+        picks = [(0, (batch["tempflow_step"] == branch_step).nonzero().flatten().to(device))
+                 for branch_step in branch_steps]
+        advantages = self._advantages(batch)
+        losses = []
+        for branch_step, (_, rows), step in zip(branch_steps, picks, self._replay_parts(model, batch, picks)):
+            step.old_log_prob = batch["log_probs"][rows, 0]
+            step.old_mean = batch["means"][rows, 0] if "means" in batch else None
+            step.advantages = weighted_advantages(advantages[rows], step.std, args.tempflow_noise_weight)
+            step.kl_gate = batch["kl_gate"][rows] if batch.get("kl_gate") is not None else None
+            loss, metrics = self._objective(model, step, first_pass)
+            metrics.update({"sde_window_start": float(branch_step),
+                            "tempflow/weight": float(args.tempflow_noise_weight * step.std.detach().mean())})
+            weight = len(rows) * len(batch["tempflow_parts"]) / batch["latents"].shape[0]
+            losses.append(LossPart(loss * weight, metrics))
+        return losses
 
     def _check_on_policy(self, ratio: torch.Tensor) -> float:
         """max |ratio - 1| of a first pass, with one warning when it exceeds ``on_policy_tolerance``."""

@@ -9,7 +9,8 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
 2. *Training.* For each micro-batch, each sample draws its own random subset of ``num_trained_timesteps =
    int(num_inference_steps * timestep_fraction)`` of the rollout's noise levels; at each, fresh noise eps gives
    x_t = (1 - sigma) x0 + sigma eps, and one forward of the old policy (no gradient), one forward and backward of the
-   policy and, with ``beta > 0``, one forward of the reference give the loss of `nft_loss` (the math is there):
+   policy and, with ``beta > 0``, one forward of the reference give the loss of `nft_loss` (the math is there;
+   ``train_timesteps_per_pass`` levels share each forward and the backward, their rows stacked, `timestep_passes`):
 
        r = clamp(A / adv_clip_max / 2 + 0.5, 0, 1)
        v+ = nft_beta v_theta + (1 - nft_beta) v_old,    v- = (1 + nft_beta) v_old - nft_beta v_theta
@@ -40,6 +41,7 @@ from ..online_trainer import LossPart, OnlineRLTrainer
 from ..policy.old_policy import old_policy_decay
 from ..rollout.strategies import FinalSampleRollout
 from ..seeds import seed_for
+from ..timestep_passes import split_rows, stack_embeds, stack_rows
 from .nft_config import DiffusionNFTConfig
 from .nft_loss import nft_loss, reward_weight
 
@@ -90,32 +92,45 @@ class DiffusionNFTTrainer(OnlineRLTrainer):
     def _loss_parts(self, batch: dict) -> int:
         return len(batch["noise"])
 
-    def _batch_loss(self, model, batch: dict, j: int, first_pass: bool) -> LossPart:
+    def _pass_losses(self, model, batch: dict, parts: list[int], first_pass: bool) -> list[LossPart]:
+        """The losses of the trained noise levels ``parts``: each forward (old policy, policy, reference) runs once over
+        the levels' points stacked (`timestep_passes`); each level's loss is `nft_loss` of its own rows."""
         args = self.args
         height, width = args.image_size
         policy = self.policy
-        x0, embeds, order = batch["x0"], batch["embeds"], batch["order"]
+        x0, order = batch["x0"], batch["order"]
         rows = torch.arange(x0.shape[0], device=x0.device)
-        sigma, t = batch["sigmas"][rows, order[:, j]], batch["timesteps"][rows, order[:, j]]
-        x_t = noised_sample(x0, batch["noise"][j], sigma)
+        sigmas = [batch["sigmas"][rows, order[:, j]] for j in parts]
+        timesteps = [batch["timesteps"][rows, order[:, j]] for j in parts]
+        points = [noised_sample(x0, batch["noise"][j], sigma) for j, sigma in zip(parts, sigmas)]
+        x_t, t = stack_rows(points), stack_rows(timesteps)
+        embeds = stack_embeds(batch["embeds"], [None] * len(parts))
         with torch.no_grad(), self.accelerator.autocast(), policy.old_policy.forward_model(model) as old:
             v_old = policy.velocity(old, x_t, t, embeds, args.guidance_scale, height, width)
         with self.accelerator.autocast():
             v = policy.velocity(model, x_t, t, embeds, args.guidance_scale, height, width)
-        weights = reward_weight(self._advantages(batch), args.adv_clip_max)  # scored while these forwards ran
         v_ref = None
+        sizes = [len(point) for point in points]
+        references = [None] * len(parts)
         if args.beta > 0:
             with self.accelerator.autocast():
                 v_ref = policy.reference_velocity(model, x_t, t, embeds, height, width)
-        out = nft_loss(v, v_old, x0, x_t, sigma, weights, args.nft_beta, adv_clip_max=args.adv_clip_max,
-                       v_ref=v_ref, beta=args.beta, kl_gate=batch.get("kl_gate"))
-        with torch.no_grad():
-            metrics = {"nft/policy_loss": float(out.policy_loss), "nft/positive_loss": float(out.positive_loss.mean()),
-                       "nft/negative_loss": float(out.negative_loss.mean()),
-                       "nft/old_policy_deviation": float((v.detach() - v_old).square().mean())}
-            if out.kl is not None:
-                metrics["kl"] = float(out.kl)
-        return LossPart(out.loss, metrics)
+            references = split_rows(v_ref, sizes)
+        losses = []
+        for i, (velocity, old_velocity) in enumerate(zip(split_rows(v, sizes), split_rows(v_old, sizes))):
+            weights = reward_weight(self._advantages(batch), args.adv_clip_max)  # scored while these forwards ran
+            out = nft_loss(velocity, old_velocity, x0, points[i], sigmas[i], weights, args.nft_beta,
+                           adv_clip_max=args.adv_clip_max, v_ref=references[i], beta=args.beta,
+                           kl_gate=batch.get("kl_gate"))
+            with torch.no_grad():
+                metrics = {"nft/policy_loss": float(out.policy_loss),
+                           "nft/positive_loss": float(out.positive_loss.mean()),
+                           "nft/negative_loss": float(out.negative_loss.mean()),
+                           "nft/old_policy_deviation": float((velocity.detach() - old_velocity).square().mean())}
+                if out.kl is not None:
+                    metrics["kl"] = float(out.kl)
+            losses.append(LossPart(out.loss, metrics))
+        return losses
 
     # ------------------------------------------------------------------------------------------------
     # the old policy after each optimizer step (kept, saved and restored by the policy)

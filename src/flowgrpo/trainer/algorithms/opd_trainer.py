@@ -8,7 +8,8 @@ One optimizer step (with the default ``steps_per_generation = gradient_accumulat
    t_j and the noise levels of each window step.
 2. *Rewards* are decoded and scored as every trainer's, and only logged (``reward``, ``rewards/<name>/...``): they
    play no part in the loss.
-3. *Distillation.* For each micro-batch and each recorded step j (one backward per step), the frozen teacher replays
+3. *Distillation.* For each micro-batch and each recorded step j (one backward per step; ``train_timesteps_per_pass``
+   steps per forward and backward, their rows stacked, with `timestep_passes`), the frozen teacher replays
    the recorded state x_j at t_j without gradient (at its own guidance scale) and the student with gradient (at the
    rollout's); both velocities become transition means of the same SDE step, and `opd_loss` gives the KL between the
    two Gaussian transitions (``opd_kl: exact``, divided by the step's variance, or ``ode``, mean matching), averaged
@@ -40,6 +41,7 @@ from ..data.sampler import DomainRepeatSampler
 from ..online_trainer import LossPart, OnlineRLTrainer
 from ..rollout.strategies import RolloutStrategy
 from ..seeds import seed_for
+from ..timestep_passes import split_rows, stack_embeds, stack_rows
 from .flow_grpo_loss import gaussian_kl
 from .opd_config import DiffusionOPDConfig
 from .opd_loss import opd_loss
@@ -184,42 +186,56 @@ class DiffusionOPDTrainer(OnlineRLTrainer):
     def _loss_parts(self, batch: dict) -> int:
         return batch["latents"].shape[1]
 
-    def _batch_loss(self, model, batch: dict, j: int, first_pass: bool) -> LossPart:
+    def _pass_losses(self, model, batch: dict, parts: list[int], first_pass: bool) -> list[LossPart]:
+        """The losses of the recorded steps ``parts``: the teacher's, the student's and (beta > 0) the reference's
+        forwards each run once over the steps' states stacked (`timestep_passes`); each step's loss is `opd_loss` of
+        its own rows."""
         args = self.args
         height, width = args.image_size
         policy = self.policy
         index = int(batch["teacher"])
         spec = self.teacher_specs[index]
-        x, x_next = batch["latents"][:, j], batch["next_latents"][:, j]
-        t, sigma, sigma_next = batch["timesteps"][:, j], batch["sigmas"][:, j], batch["sigmas_next"][:, j]
-        embeds = batch["embeds"]
+        states = [batch["latents"][:, j] for j in parts]
+        next_states = [batch["next_latents"][:, j] for j in parts]
+        timesteps = [batch["timesteps"][:, j] for j in parts]
+        x, t = stack_rows(states), stack_rows(timesteps)
+        embeds = stack_embeds(batch["embeds"], [None] * len(parts))
         sde = self.rollouts.sde_settings()
         with self.accelerator.autocast():
             v_teacher = policy.teacher_velocity(model, index, x, t, embeds, spec.guidance_scale, height, width)
             v = policy.velocity(model, x, t, embeds, args.guidance_scale, height, width)
         self.rollouts.resolve_scoring()  # the rewards are only logged; scored while the forwards ran
-
-        def step(velocity: torch.Tensor):
-            return sde_transition(velocity, x, sigma, sigma_next, sde, next_state=x_next)
-
-        student = step(v)
-        with torch.no_grad():
-            teacher_mean = step(v_teacher).prev_sample_mean
-        out = opd_loss(student.prev_sample_mean, teacher_mean, student.std, args.opd_kl)
-        loss = out.loss
-        metrics = {"opd_kl": float(out.loss.detach()), "opd/teacher": float(index),
-                   "sde_window_start": float(batch["window"][0])}
-        if len(self.teacher_specs) > 1 and spec.dataset_name is not None:
-            metrics[f"opd_kl/{spec.dataset_name}"] = float(out.loss.detach())
+        sizes = [len(state) for state in states]
+        references = [None] * len(parts)
         if args.beta > 0:
             with self.accelerator.autocast():
-                v_ref = policy.reference_velocity(model, x, t, embeds, height, width)
+                references = split_rows(policy.reference_velocity(model, x, t, embeds, height, width), sizes)
+
+        def step(i: int, velocity: torch.Tensor):
+            """The SDE transition of recorded step ``parts[i]`` with ``velocity``, to the recorded next state."""
+            j = parts[i]
+            return sde_transition(velocity, states[i], batch["sigmas"][:, j], batch["sigmas_next"][:, j], sde,
+                                  next_state=next_states[i])
+
+        losses = []
+        for i, (velocity, teacher) in enumerate(zip(split_rows(v, sizes), split_rows(v_teacher, sizes))):
+            student = step(i, velocity)
             with torch.no_grad():
-                ref_mean = step(v_ref).prev_sample_mean
-            kl = gaussian_kl(student.prev_sample_mean, ref_mean, student.std).mean()
-            loss = loss + args.beta * kl
-            metrics["kl"] = float(kl.detach())
-        return LossPart(loss, metrics)
+                teacher_mean = step(i, teacher).prev_sample_mean
+            out = opd_loss(student.prev_sample_mean, teacher_mean, student.std, args.opd_kl)
+            loss = out.loss
+            metrics = {"opd_kl": float(out.loss.detach()), "opd/teacher": float(index),
+                       "sde_window_start": float(batch["window"][0])}
+            if len(self.teacher_specs) > 1 and spec.dataset_name is not None:
+                metrics[f"opd_kl/{spec.dataset_name}"] = float(out.loss.detach())
+            if args.beta > 0:
+                with torch.no_grad():
+                    ref_mean = step(i, references[i]).prev_sample_mean
+                kl = gaussian_kl(student.prev_sample_mean, ref_mean, student.std).mean()
+                loss = loss + args.beta * kl
+                metrics["kl"] = float(kl.detach())
+            losses.append(LossPart(loss, metrics))
+        return losses
 
     def _card_setup_lines(self) -> list[str]:
         args = self.args

@@ -21,6 +21,7 @@ from typing import ClassVar
 from ..algorithm_spec import AlgorithmFacts, AlgorithmSpec, PlannedStep, RolloutRecord, TransitionProbe, WorkerNeeds
 from ..config_docs import document_config
 from ..online_config import OnlineRLConfig, check_choice
+from ..timestep_passes import parse_timesteps_per_pass
 from .reward_backprop_loss import (
     ALIGNPROP_TRUNCATIONS,
     REFL_LOSSES,
@@ -194,6 +195,10 @@ class RewardBackpropConfig(OnlineRLConfig):
                                    "of the rewards; normalising within groups needs groups"),
             "num_iterations": (self.num_iterations != 1, "every pass samples afresh (the rollout is the loss), so a "
                                "second pass is just more steps: raise max_steps"),
+            "train_timesteps_per_pass": (parse_timesteps_per_pass(self.train_timesteps_per_pass) != 1,
+                                         "its parts are whole sampling chains with gradient (a draw's chain, ReFL's "
+                                         "pretraining loss), each backpropagated before the next so that one chain's "
+                                         "activations are held at a time; there are no recorded timesteps to stack"),
         }
         for name, (bad, why) in refused.items():
             if bad:
