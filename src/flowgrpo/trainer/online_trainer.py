@@ -195,24 +195,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
         # Cheap validation first: rewards and datasets fail before any model is loaded.
         train_dataset = IndexedPromptDataset.wrap(train_dataset, "train_dataset")
         eval_dataset = IndexedPromptDataset.wrap(eval_dataset, "eval_dataset")
-        # reward constraints: a constrained reward outside reward_funcs is scored too, with weight 0 (it acts through
-        # its multiplier only)
-        constrained = check_constraint_rewards(args, reward_spec_names(reward_funcs),
-                                               reward_spec_names(args.eval_reward_funcs or []),
-                                               has_eval_dataset=eval_dataset is not None)
-        if constrained and isinstance(reward_funcs, RewardSet):
-            raise ValueError(f"reward_constraints name {constrained}, which the given RewardSet lacks; add them to it "
-                             "with weight 0, or pass reward names instead of a RewardSet.")
-        if constrained:
-            specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-            weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(specs)
-            reward_funcs, reward_weights = specs + constrained, weights + [0.0] * len(constrained)
-        else:
-            reward_weights = args.reward_weights
-        self.reward_set: RewardSet = resolve_reward_funcs(reward_funcs, reward_weights, args.reward_kwargs,
-                                                          num_workers=args.reward_num_workers,
-                                                          on_failure=args.reward_on_failure,
-                                                          offload=args.reward_offload)
+        self.reward_set: RewardSet = self._resolve_rewards(args, reward_funcs, has_eval_dataset=eval_dataset is not None)
         self._check_rewards(args, self.reward_set)
         self.gold_reward_set: RewardSet | None = resolve_gold_rewards(args, self.reward_set)
         audio_rewards = audio_reward_names(self.reward_set, self.gold_reward_set)
@@ -251,15 +234,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
         self.generation_settings = self.policy.generation_settings
         adapter = self.policy.adapter
         check_audio_rewards(type(adapter), audio_rewards)
-        self._card_base_model = self.policy.base_model_id
-        self._card_rewards = list(self.reward_set.names)
-        # FLUX.2's reference images are optional: its card says image-to-image only when the data holds images.
-        edits = adapter.accepts_images and (not adapter.images_optional or (
-            train_dataset is not None and len(train_dataset) > 0 and IMAGE_COLUMN in train_dataset[0]))
-        self._card_pipeline_tag = ("image-to-video" if edits else "text-to-video") if adapter.is_video else (
-            "image-to-image" if edits else "text-to-image")
-        if len(adapter.transformers()) > 1:
-            self._card_second_expert_lora = EXPERT_LORA_WEIGHTS_NAMES["transformer_2"]
+        self._set_card_facts(adapter, train_dataset)
 
         self.metrics = StepMetrics()
         #: the current generation's records (one per micro-batch), trained on until the next rollout
@@ -287,23 +262,8 @@ class OnlineRLTrainer(FlowBaseTrainer):
         device = self.accelerator.device
         if device.type == "cpu":  # pinned host memory needs an accelerator: on a CPU torch warns and ignores it
             args.dataloader_pin_memory = False
-        model_parameters = sum(p.numel() for module in adapter.transformers() for p in module.parameters())
-        self.cpu_thread_plan = apply_cpu_thread_plan(plan_cpu_threads(args.cpu_threads, on_cpu=device.type == "cpu",
-                                                                      model_parameters=model_parameters))
-        if self.cpu_thread_plan is not None:
-            logger.info("CPU threads: %s", self.cpu_thread_plan.describe())
-        self._thread_yield_hooks = install_main_thread_yield(adapter.transformers())
-
-        #: how the launch splits into data-parallel replicas of ``sequence_parallel_size`` processes each
-        self.sequence_parallel = SequenceParallelLayout(args.sequence_parallel_size, self.accelerator.process_index,
-                                                        self.accelerator.num_processes)
-        #: the accelerator as the parts count samples: one process per data-parallel replica, whose gathers keep one
-        #: copy of what the processes of a sequence-parallel group share (the accelerator itself without SP)
-        self.data_parallel = self.accelerator
-        mesh = None
-        if self.sequence_parallel.enabled:
-            mesh = sequence_parallel_mesh(self.sequence_parallel, self.accelerator.device)
-            self.data_parallel = DataParallelView(self.accelerator, self.sequence_parallel, mesh["ulysses"].get_group())
+        self._plan_cpu_threads(args, adapter)
+        mesh = self._split_processes(args)
 
         # ---- the rest of the policy, the health guards, the rollout engine, the evaluator --------------------
         zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
@@ -326,14 +286,7 @@ class OnlineRLTrainer(FlowBaseTrainer):
             self.policy.enable_sequence_parallel(mesh)
         #: torch_compile: the compile times and graphs (None without it); the blocks are compiled once every copy
         #: of the policy exists, and Trainer compiles nothing itself (`_build_accelerator_args`)
-        self.compile_watch: CompileWatch | None = None
-        if args.torch_compile:
-            if self.is_fsdp_enabled or zero3:  # a launch the environment did not show before loading
-                raise ValueError(torch_compile_refusal("FSDP" if self.is_fsdp_enabled else "DeepSpeed ZeRO-3"))
-            self.compile_watch = CompileWatch()
-            blocks = self.policy.compile_blocks(args.torch_compile_backend, args.torch_compile_mode)
-            logger.info("torch_compile: %d blocks compiled with backend %s (dynamic shapes)", blocks,
-                        args.torch_compile_backend)
+        self.compile_watch: CompileWatch | None = self._compile_blocks(args, zero3) if args.torch_compile else None
         self.rollouts = RolloutEngine(args, self.policy, self._rollout_strategy(args), self.reward_set,
                                       self.data_parallel, self.metrics, prompt_cache=prompt_cache,
                                       console=self.console, on_scores=self.health.on_scores,
@@ -347,6 +300,74 @@ class OnlineRLTrainer(FlowBaseTrainer):
                                                      self.algorithm, rollout_source,
                                                      stale_replay=self._stale_generation_replay())
         self.rollout_backend.launch()  # Ray workers load the pipeline while the trainer goes on
+
+    @staticmethod
+    def _resolve_rewards(args: OnlineRLConfig, reward_funcs: Any, *, has_eval_dataset: bool) -> RewardSet:
+        """The run's `RewardSet`: ``reward_funcs`` at ``reward_weights``, and each reward that ``reward_constraints``
+        names outside them scored too with weight 0 (it acts through its multiplier only)."""
+        constrained = check_constraint_rewards(args, reward_spec_names(reward_funcs),
+                                               reward_spec_names(args.eval_reward_funcs or []),
+                                               has_eval_dataset=has_eval_dataset)
+        if constrained and isinstance(reward_funcs, RewardSet):
+            raise ValueError(f"reward_constraints name {constrained}, which the given RewardSet lacks; add them to it "
+                             "with weight 0, or pass reward names instead of a RewardSet.")
+        if constrained:
+            specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+            weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(specs)
+            reward_funcs, reward_weights = specs + constrained, weights + [0.0] * len(constrained)
+        else:
+            reward_weights = args.reward_weights
+        return resolve_reward_funcs(reward_funcs, reward_weights, args.reward_kwargs,
+                                    num_workers=args.reward_num_workers, on_failure=args.reward_on_failure,
+                                    offload=args.reward_offload)
+
+    def _set_card_facts(self, adapter, train_dataset) -> None:
+        """What the model card says of the run: the base model, the rewards, the pipeline tag, a second expert."""
+        self._card_base_model = self.policy.base_model_id
+        self._card_rewards = list(self.reward_set.names)
+        # FLUX.2's reference images are optional: its card says image-to-image only when the data holds images.
+        edits = adapter.accepts_images and (not adapter.images_optional or (
+            train_dataset is not None and len(train_dataset) > 0 and IMAGE_COLUMN in train_dataset[0]))
+        self._card_pipeline_tag = ("image-to-video" if edits else "text-to-video") if adapter.is_video else (
+            "image-to-image" if edits else "text-to-image")
+        if len(adapter.transformers()) > 1:
+            self._card_second_expert_lora = EXPERT_LORA_WEIGHTS_NAMES["transformer_2"]
+
+    def _plan_cpu_threads(self, args: OnlineRLConfig, adapter) -> None:
+        """On a CPU, the threads of torch and of the main thread's yields (`flowgrpo.cpu_threads`)."""
+        on_cpu = self.accelerator.device.type == "cpu"
+        model_parameters = sum(p.numel() for module in adapter.transformers() for p in module.parameters())
+        self.cpu_thread_plan = apply_cpu_thread_plan(plan_cpu_threads(args.cpu_threads, on_cpu=on_cpu,
+                                                                      model_parameters=model_parameters))
+        if self.cpu_thread_plan is not None:
+            logger.info("CPU threads: %s", self.cpu_thread_plan.describe())
+        self._thread_yield_hooks = install_main_thread_yield(adapter.transformers())
+
+    def _split_processes(self, args: OnlineRLConfig):
+        """The launch as data-parallel replicas of ``sequence_parallel_size`` processes each: sets
+        ``sequence_parallel`` (the layout) and ``data_parallel`` (the accelerator as the parts count samples: one
+        process per replica, whose gathers keep one copy of what the processes of a sequence-parallel group share;
+        the accelerator itself without SP); returns the device mesh of sequence parallelism, or None."""
+        #: how the launch splits into data-parallel replicas of ``sequence_parallel_size`` processes each
+        self.sequence_parallel = SequenceParallelLayout(args.sequence_parallel_size, self.accelerator.process_index,
+                                                        self.accelerator.num_processes)
+        self.data_parallel = self.accelerator
+        if not self.sequence_parallel.enabled:
+            return None
+        mesh = sequence_parallel_mesh(self.sequence_parallel, self.accelerator.device)
+        self.data_parallel = DataParallelView(self.accelerator, self.sequence_parallel, mesh["ulysses"].get_group())
+        return mesh
+
+    def _compile_blocks(self, args: OnlineRLConfig, zero3: bool) -> CompileWatch:
+        """``torch_compile``: the policy's blocks compiled once (every copy of the policy exists by now), refused
+        under FSDP and ZeRO-3 (a launch the environment did not show before loading)."""
+        if self.is_fsdp_enabled or zero3:
+            raise ValueError(torch_compile_refusal("FSDP" if self.is_fsdp_enabled else "DeepSpeed ZeRO-3"))
+        watch = CompileWatch()
+        blocks = self.policy.compile_blocks(args.torch_compile_backend, args.torch_compile_mode)
+        logger.info("torch_compile: %d blocks compiled with backend %s (dynamic shapes)", blocks,
+                    args.torch_compile_backend)
+        return watch
 
     def _check_speed_settings(self, args: OnlineRLConfig, family: str | None) -> None:
         """Refuse torch_compile and rollout_cache where they cannot give this run's results (before loading)."""
