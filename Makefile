@@ -1,7 +1,8 @@
 # flowgrpo developer commands.
 #
 #   make install   create $(VENV) and install flowgrpo with the extras the tests need
-#   make test      install if needed, then run the test suite (parallel workers; the ten slowest tests listed)
+#   make test      install if needed, then run the test suite (parallel workers; the ten slowest tests listed, then
+#                  the wall time and the CPU share: scripts/run_tests.py)
 #   make demo      install if needed, then run the main job on the embedded tiny default
 #   make lint      ruff, and the import contracts of pyproject.toml (import-linter)
 #   make bench     the benchmark harness (PRESET=small-cpu by default)
@@ -26,7 +27,8 @@ TORCH_CPU_INDEX_URL ?=
 EXTRAS ?= dev,ocr,bnb,deepspeed,ray
 PYTEST_ARGS ?=
 # Parallel test workers (pytest-xdist): one per core, at most 8. Tests that share an expensive artefact (the toy
-# world) run in one worker (xdist_group), the rest spread over the others.
+# world, a Ray cluster) run in one worker (xdist_group), the rest spread over the others; the longest go first
+# (tests/conftest.py, by tests/durations.json).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 8 ] && n=8; echo $$n)
 PRESET ?= small-cpu
 STEPS ?= 5
@@ -60,7 +62,7 @@ $(STAMP): setup.py Makefile
 	@touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(PYTEST_ARGS)
+	$(PY) scripts/run_tests.py -q tests -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(PYTEST_ARGS)
 
 demo: install
 	$(PY) scripts/demo.py
