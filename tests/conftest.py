@@ -174,3 +174,14 @@ def tiny_pipeline_path(tiny_pipeline_cache):
         return cached_tiny_pipeline_path(family, seed=0, cache_dir=tiny_pipeline_cache, variant=variant)
 
     return path
+
+
+@pytest.fixture(scope="session")
+def toy_light_world(tmp_path_factory):
+    """The toy world's ``light`` preset (seconds to build), built once per session; read only by its tests (the
+    ``toy_light_world`` xdist group runs them all in one worker)."""
+    from flowgrpo.toy.build import build_toy_world
+
+    path = tmp_path_factory.mktemp("toy") / "world"
+    build_toy_world(path, seed=0, config="light", log=lambda message: None)
+    return path
