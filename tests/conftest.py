@@ -99,8 +99,8 @@ def pytest_collection_modifyitems(session, config, items):
     loadgroup = bool(config.getvalue("loadgroup")) if hasattr(config.option, "loadgroup") else False
 
     def estimate(item) -> float:
-        seconds = recorded.get(_base_nodeid(item.nodeid), 0.0)
-        return max(seconds, RUN_FIRST_S) if item.get_closest_marker("run_first") else seconds
+        unrecorded = RUN_FIRST_S if item.get_closest_marker("run_first") else 0.0
+        return recorded.get(_base_nodeid(item.nodeid), unrecorded)
 
     units: dict[str, float] = {}
     keys = []
