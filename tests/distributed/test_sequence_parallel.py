@@ -21,8 +21,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-# the longest tests of the module (its launches), started first
-pytestmark = [pytest.mark.slow, pytest.mark.run_first]
+# One worker runs the module's tests (the other would wait on the launches' lock, its core idle, rather than take other
+# tests meanwhile); the launches make them one of the longest units, started first (tests/durations.json).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sequence_parallel_launches")]
 sys.path.insert(0, str(Path(__file__).parent))
 
 import sequence_parallel_worker as worker  # noqa: E402

@@ -547,22 +547,40 @@ FURTHER_TRAINERS = {"dgpo": ("loss", "policy_loss", "dgpo/dsm", "dgpo/group_weig
 ONLY_ON = {"reward_backprop": ("qwenimage", "flux_kontext")}
 
 
+#: the two-rank launches (each its own test, so that parallel workers share them): every family of `CASES` in
+#: exactly one of them (round robin), Flow-DPPO, BranchGRPO and distillation in the last
+LAUNCHES = 3
+#: the launch that also trains Flow-DPPO, BranchGRPO and on-policy distillation on the tiny SD3 pipeline
+DPPO_BRANCH_OPD_LAUNCH = LAUNCHES - 1
+
+
+def test_the_two_rank_launches_cover_every_family():
+    launched = [c.name for i in range(LAUNCHES) for c in CASES[i::LAUNCHES]]
+    assert sorted(launched) == sorted(c.name for c in CASES) and len(set(launched)) == len(CASES)
+
+
 @pytest.mark.slow
-def test_two_ranks_train_every_family(tiny_pipeline_path, tiny_sd3_path, tmp_path):
+@pytest.mark.parametrize("launch", range(LAUNCHES))
+def test_two_ranks_train_every_family(launch, tiny_pipeline_path, tiny_sd3_path, tmp_path):
+    """Two CPU ranks (one accelerate launch per test) train the families ``CASES[launch::LAUNCHES]``: all the launches
+    together train every family (test_the_two_rank_launches_cover_every_family)."""
     from support.trainer_cases import teacher_lora_folder
 
-    paths = {c.name: str(tiny_pipeline_path(c.family, c.variant)) for c in CASES}
+    cases = CASES[launch::LAUNCHES]
+    with_dppo_branch_opd = launch == DPPO_BRANCH_OPD_LAUNCH
+    paths = {c.name: str(tiny_pipeline_path(c.family, c.variant)) for c in cases}
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_ddp.yaml",
            "tests/distributed/families_ddp_worker.py", "--pipelines", json.dumps(paths), "--output_dir", str(tmp_path),
-           "--trainers", json.dumps(list(FURTHER_TRAINERS)),
-           "--dppo_branch_opd", str(tiny_sd3_path), "--teacher_lora", str(teacher_lora_folder(tiny_sd3_path))]
+           "--trainers", json.dumps(list(FURTHER_TRAINERS))]
+    if with_dppo_branch_opd:
+        cmd += ["--dppo_branch_opd", str(tiny_sd3_path), "--teacher_lora", str(teacher_lora_folder(tiny_sd3_path))]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (r0["rank"], r1["rank"], r0["world_size"], r1["world_size"]) == (0, 1, 2, 2)
-    for case in CASES:
+    for case in cases:
         a, b = r0["cases"][case.name], r1["cases"][case.name]
         assert [x["step"] for x in a] == [x["step"] for x in b] == [0, 1, 2], case.name
         for x, y in zip(a, b):
@@ -592,6 +610,8 @@ def test_two_ranks_train_every_family(tiny_pipeline_path, tiny_sd3_path, tmp_pat
         a, b = r0["cases"][f"{case.name}/dgpo"], r1["cases"][f"{case.name}/dgpo"]
         assert a[1]["logs"]["dgpo/group_score"] == pytest.approx(b[1]["logs"]["dgpo/group_score"], rel=1e-5)
         assert a[1]["logs"]["dgpo/group_score"] != 0.0, case.name
+    if not with_dppo_branch_opd:
+        return
     # Flow-DPPO, BranchGRPO and on-policy distillation on the tiny SD3 pipeline, same launch: each tree of 4 leaves is split over the two ranks.
     for name in ("new:dppo_branch", "new:opd"):
         a, b = r0["cases"][name], r1["cases"][name]

@@ -349,18 +349,15 @@ def test_leaderboard_splits_variants_over_processes():
     assert bench._without_options(argv, ("--only", "--processes", "--note")) == ["--leaderboard", "--seeds", "0"]
 
 
-@pytest.mark.xdist_group("toy_light_world")
-def test_quick_leaderboard_runs_in_two_processes(tmp_path):
+@pytest.mark.xdist_group("toy_light_world")  # the worker that built the light world for tests/toy/test_toy_world.py
+def test_quick_leaderboard_runs_in_two_processes(tmp_path, toy_light_world):
     """Two concurrent processes train their share of the variants; the parent reuses their runs and writes the page
     with a line saying how it was run. The light world (seconds to build) follows prompts badly, which is fine
     here: only the machinery is under test."""
-    from flowgrpo.toy.build import build_toy_world
-
     sys.path.insert(0, str(REPO / "scripts"))
     import learning_benchmark as bench
 
-    world = tmp_path / "world"
-    build_toy_world(world, seed=0, config="light", log=lambda message: None)
+    world = toy_light_world
     output = tmp_path / "out"
     status = bench.main(["--leaderboard", "--quick", "--processes", "2", "--only", "fast-random,mixgrpo-flash",
                          "--seeds", "0", "--max-eval-prompts", "2", "--threads", "1", "--world", str(world), "--output", str(output),

@@ -49,13 +49,29 @@ def run(recipe, toy_world, out, *flags):
             last[f"eval_rewards/{NAME}/change_se"], first[f"eval_rewards/{NAME}/mean"])
 
 
-@pytest.mark.run_first  # the longest learning test: two 30-step runs in a row
-def test_toy_flowdppo_learns_a_foreign_reward_and_opd_distils_it(toy_world, tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO)
-    teacher_gain, se, _ = run("toy_flowdppo.yaml", toy_world, tmp_path / "teacher")
+@pytest.fixture(scope="module")
+def flowdppo_teacher(toy_world, tmp_path_factory):
+    """The Flow-DPPO run: its output folder (the distillation's teacher LoRA), its held-out gain and standard error."""
+    out = tmp_path_factory.mktemp("flowdppo") / "teacher"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)
+        gain, se, _ = run("toy_flowdppo.yaml", toy_world, out)
+    return out, gain, se
+
+
+# The two tests share the Flow-DPPO run (one worker runs both, the run first): each is one 30-step run, so that
+# parallel workers never wait on two runs in a row.
+@pytest.mark.xdist_group("toy_flowdppo_teacher")
+def test_toy_flowdppo_learns_a_foreign_reward(flowdppo_teacher):
+    _, teacher_gain, se = flowdppo_teacher
     assert teacher_gain > max(3 * se, 0.01), (teacher_gain, se)
-    student_gain, se, _ = run("toy_opd.yaml", toy_world, tmp_path / "student", "--teacher_lora",
-                              str(tmp_path / "teacher"))
+
+
+@pytest.mark.xdist_group("toy_flowdppo_teacher")
+def test_toy_opd_distils_the_flowdppo_teacher(flowdppo_teacher, toy_world, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    teacher, teacher_gain, _ = flowdppo_teacher
+    student_gain, se, _ = run("toy_opd.yaml", toy_world, tmp_path / "student", "--teacher_lora", str(teacher))
     assert student_gain > 3 * se, (student_gain, se)
     assert student_gain > 0.6 * teacher_gain, (student_gain, teacher_gain)  # most of the way to the teacher
 
