@@ -88,11 +88,13 @@ def _base_nodeid(nodeid: str) -> str:
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook, which reads the marks too
 def pytest_collection_modifyitems(session, config, items):
-    """The longest scheduling units first (a test, or all the tests of an xdist group together), by the durations
-    recorded in tests/durations.json (``run_first`` tests not recorded yet count as long). xdist then hands the
-    workers one unit at a time in this order (--dist loadgroup, reordering off: see pytest_configure), so both workers
-    start on the long tests at once and finish on short ones: the suite's wall time comes close to its CPU time
-    divided by the workers, instead of a long test running alone at the end."""
+    """The longest units first (a test file, or all the tests of an xdist group together), by the durations recorded
+    in tests/durations.json (``run_first`` tests not recorded yet count as long). xdist then hands the workers the
+    tests in this order (--dist loadgroup, reordering off: see pytest_configure), so both workers start on the long
+    files at once and finish on short ones: the suite's wall time comes close to its CPU time divided by the workers,
+    instead of a long test running alone at the end. A file's tests stay together, in their collection order: a
+    worker that went to another file between two of them would tear down and build the file's module fixtures (a
+    trained baseline, a launch) again."""
     import json
 
     recorded = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.is_file() else {}
@@ -108,10 +110,10 @@ def pytest_collection_modifyitems(session, config, items):
         group = _group_suffix(item)
         if group and loadgroup:
             _apply_xdist_group(item, group)
-        unit = f"@{group}" if group else item.nodeid
+        unit = f"@{group}" if group else item.nodeid.split("::", 1)[0]
         units[unit] = units.get(unit, 0.0) + estimate(item)
         keys.append(unit)
-    # a group's tests stay together, in their collection order: the unit's first test gives the unit its place
+    # a unit's tests stay together, in their collection order: the unit's first test gives the unit its place
     first_index = {}
     for index, unit in enumerate(keys):
         first_index.setdefault(unit, index)
