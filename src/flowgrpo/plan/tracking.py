@@ -120,20 +120,25 @@ def _(q, k, v, scale):
     return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("flowgrpo_plan::flash_attention_backward", mutates_args=())
-def _flash_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # attention's gradients written out (autograd does not run inside an operator's implementation):
-    # P = softmax(s Q K^T), dV = P^T G, dP = G V^T, dS = P * (dP - rowsum(dP * P)), dQ = s dS K, dK = s dS^T Q
-    compute = torch.float32
-    qf, kf, vf, gf = (x.to(compute) for x in (q, k, v, grad))
-    probs = torch.softmax(qf @ kf.transpose(-2, -1) * scale, dim=-1)
+def _attention_grads(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention's gradients written out (autograd does not run inside an operator's implementation), in float32:
+    P = softmax(s Q K^T + bias), dV = P^T G, dP = G V^T, dS = P * (dP - rowsum(dP * P)), dQ = s dS K, dK = s dS^T Q."""
+    qf, kf, vf, gf = (x.to(torch.float32) for x in (q, k, v, grad))
+    scores = qf @ kf.transpose(-2, -1) * scale
+    probs = torch.softmax(scores if bias is None else scores + bias, dim=-1)
     dv = probs.transpose(-2, -1) @ gf
     dprobs = gf @ vf.transpose(-2, -1)
     dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
     dq = dscores @ kf * scale
     dk = dscores.transpose(-2, -1) @ qf * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@torch.library.custom_op("flowgrpo_plan::flash_attention_backward", mutates_args=())
+def _flash_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _attention_grads(grad, q, k, v, scale)
 
 
 @_flash_attention_backward.register_fake
@@ -173,18 +178,10 @@ def _(q, k, v, mask, scale):
 @torch.library.custom_op("flowgrpo_plan::masked_attention_backward", mutates_args=())
 def _masked_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # as _flash_attention_backward, with the mask's bias on the scores (a boolean mask: -inf where it is False)
-    compute = torch.float32
-    qf, kf, vf, gf = (x.to(compute) for x in (q, k, v, grad))
-    bias = torch.zeros((), dtype=compute).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
-        else mask.to(compute)
-    probs = torch.softmax(qf @ kf.transpose(-2, -1) * scale + bias, dim=-1)
-    dv = probs.transpose(-2, -1) @ gf
-    dprobs = gf @ vf.transpose(-2, -1)
-    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
-    dq = dscores @ kf * scale
-    dk = dscores.transpose(-2, -1) @ qf * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    # with the mask's bias on the scores (a boolean mask: -inf where it is False)
+    bias = torch.zeros((), dtype=torch.float32).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+        else mask.to(torch.float32)
+    return _attention_grads(grad, q, k, v, scale, bias)
 
 
 @_masked_attention_backward.register_fake

@@ -4,9 +4,10 @@ import without torch, diffusers or Ray."""
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
+
+from .json_setting import decode_json_setting
 
 __all__ = ["REWARD_BACKENDS", "ROLLOUT_BACKENDS", "WEIGHT_SYNCS", "WORKER_RESOURCE_KEYS", "check_rollout_backend_settings",
            "parse_worker_resources"]
@@ -24,12 +25,7 @@ def parse_worker_resources(value: Any, name: str) -> dict | None:
     negative amounts."""
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{name}={value!r} is not valid JSON ({err.msg}); write e.g. "
-                             '\'{"num_gpus": 1, "num_cpus": 4}\'.') from None
+    value = decode_json_setting(value, name, 'write e.g. \'{"num_gpus": 1, "num_cpus": 4}\'.')
     if not isinstance(value, dict):
         raise ValueError(f"{name}={value!r} must be a mapping of Ray resources, e.g. {{num_gpus: 1, num_cpus: 4}}.")
     unknown = sorted(set(value) - set(WORKER_RESOURCE_KEYS))

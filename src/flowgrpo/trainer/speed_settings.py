@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .json_setting import decode_json_setting
+
 __all__ = ["ROLLOUT_CACHES", "UNSUPPORTED", "CacheRefusal", "check_speed_settings", "parse_rollout_cache_config",
            "rollout_cache_refusal", "sharded_launch", "torch_compile_refusal"]
 
@@ -84,12 +86,8 @@ def parse_rollout_cache_config(value: Any) -> dict[str, Any]:
     """``rollout_cache_config`` as a dict: None -> {}, a JSON string (the command line) -> its object."""
     if value is None or value == "":
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"rollout_cache_config={value!r} is not valid JSON ({err.msg}); give an object of the "
-                             'diffusers cache configuration\'s fields, e.g. \'{"cache_interval": 4}\'.') from None
+    value = decode_json_setting(value, "rollout_cache_config", "give an object of the diffusers cache configuration's "
+                                'fields, e.g. \'{"cache_interval": 4}\'.')
     if not isinstance(value, dict):
         raise ValueError(f"rollout_cache_config={value!r} must be a mapping of the diffusers cache configuration's "
                          "fields to values, e.g. {cache_interval: 4}.")

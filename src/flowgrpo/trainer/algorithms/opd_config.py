@@ -12,7 +12,6 @@ the per-step KL between transition means (``opd_kl``). Rewards are only logged. 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from ..algorithm_spec import (
@@ -25,6 +24,7 @@ from ..algorithm_spec import (
     WorkerNeeds,
 )
 from ..config_docs import document_config
+from ..json_setting import decode_json_setting
 from ..online_config import OnlineRLConfig, check_choice
 
 #: the per-step KL's forms (opd_loss.py implements them)
@@ -144,12 +144,8 @@ class DiffusionOPDConfig(OnlineRLConfig):
     def _parse_teachers(value) -> list[dict] | None:
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"teachers={value!r} is not valid JSON; give a list such as "
-                                 '[{"lora": "ocr_expert", "dataset_name": "ocr"}].') from err
+        value = decode_json_setting(value, "teachers", 'give a list such as [{"lora": "ocr_expert", "dataset_name": '
+                                    '"ocr"}].')
         if isinstance(value, dict):
             value = [value]
         if not isinstance(value, (list, tuple)) or not value:

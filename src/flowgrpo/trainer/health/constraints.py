@@ -38,13 +38,14 @@ resume, so a resumed run continues with the same multipliers.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..json_setting import decode_json_setting
 
 __all__ = ["CONSTRAINT_SOURCES", "ConstraintSpec", "RewardConstraints", "check_constraint_rewards",
            "parse_reward_constraints"]
@@ -77,12 +78,8 @@ def parse_reward_constraints(value: Any) -> list[ConstraintSpec]:
     the fix."""
     if value is None or value == "":
         return []
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as err:
-            raise ValueError(f"reward_constraints={value!r} is not valid JSON ({err}); give a mapping such as "
-                             "'{\"toy_color\": {\"min_delta\": -0.02, \"source\": \"evaluation\"}}'.") from None
+    value = decode_json_setting(value, "reward_constraints", "give a mapping such as "
+                                "'{\"toy_color\": {\"min_delta\": -0.02, \"source\": \"evaluation\"}}'.")
     if not isinstance(value, Mapping):
         raise ValueError(f"reward_constraints={value!r} must be a mapping from reward name to its bound, e.g. "
                          "{'toy_color': {'min_delta': -0.02, 'source': 'evaluation'}}.")
