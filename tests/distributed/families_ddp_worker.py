@@ -3,7 +3,8 @@
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml tests/distributed/families_ddp_worker.py \
         --pipelines JSON --output_dir DIR [--trainers '["dgpo", "crd"]']
 
-One launch (one start-up) for all families: each rank builds a ``FlowGRPOTrainer`` on each tiny pipeline in turn and
+One launch (one start-up) for the families it is given (tests/models/test_model_families.py splits them over a
+few launches balanced by cost): each rank builds a ``FlowGRPOTrainer`` on each tiny pipeline in turn and
 trains two optimizer steps under DDP; after every step it records the logged metrics, a digest of its trainable
 weights (equal on both ranks when gradients are synchronised) and a digest of its own samples (different: each
 rank samples its own noise). Each trainer named in ``--trainers`` then trains one step of its own on the same

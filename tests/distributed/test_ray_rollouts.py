@@ -363,13 +363,39 @@ def _stub(folder: Path, name: str, body: str) -> None:
     path.chmod(0o755)
 
 
-def test_the_slurm_script_starts_the_head_joins_a_rollout_node_and_trains_there(tiny_sd3_path, tmp_path):
+#: the recipe and flags the Slurm tests train with: two generations of the one prompt an epoch, one step off, weights
+#: over the collective group
+SLURM_TRAIN_ARGS = ["recipes/tiny_cpu.yaml", "--max_steps", "2", "--max_eval_samples", "2", "--disable_tqdm", "true",
+                    "--eval_on_start", "false", "--save_strategy", "no", "--reward_funcs", REWARD, "--reward_weights",
+                    "1.0", "--cpu_threads", "1", "--max_staleness", "1", "--weight_sync", "collective"]
+#: the rollout worker's resources: one CPU of the rollout node (a CPU rollout node has one ``rollout_node``)
+SLURM_WORKER_RESOURCES = json.dumps({"num_cpus": 1, "resources": {ROLLOUT_NODE: 1}})
+
+
+def _slurm_train_args(tiny_sd3_path, tmp_path: Path) -> list[str]:
+    prompts = tmp_path / "same_prompt.txt"
+    prompts.write_text('a wooden sign that says "OPEN"\n' * 8)  # two generations per epoch
+    return [*SLURM_TRAIN_ARGS, "--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tiny_sd3_path),
+            "--dataset_name", str(prompts), "--eval_dataset_name", str(prompts)]
+
+
+def _script_launch(train_args: list[str], main_port: int, ray_address: str) -> list[str]:
+    """The ``accelerate`` command line scripts/slurm/flowgrpo_ray.sbatch runs on its one trainer node (the first of the
+    allocation, 127.0.0.1 here) for ``train_args``, on the CPU config with one rollout worker: what
+    test_the_slurm_script_starts_the_head_joins_a_rollout_node_and_launches_the_trainer checks the script runs, and
+    test_the_slurm_scripts_trainer_command_trains_two_ranks_with_rollouts_on_the_rollout_node runs."""
+    return ["launch", "--config_file", "accelerate_configs/cpu_ddp.yaml", "--num_machines", "1", "--machine_rank", "0",
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(main_port), "src/train.py", *train_args,
+            "--resume_from_checkpoint", "last", "--rollout_backend", "ray", "--ray_address", ray_address,
+            "--rollout_workers", "1", "--rollout_worker_resources", SLURM_WORKER_RESOURCES]
+
+
+def test_the_slurm_script_starts_the_head_joins_a_rollout_node_and_launches_the_trainer(tiny_sd3_path, tmp_path):
     """scripts/slurm/flowgrpo_ray.sbatch on two "nodes" of this machine, ``srun`` and ``scontrol`` stubbed (srun runs
-    its command here once per node it names, with that node's SLURM_NODEID): a token-authenticated head, a rollout
-    node carrying ``rollout_node``, and ``accelerate launch`` with two CPU processes (gloo) whose one rollout worker
-    may only run on the rollout node, one step off, weights over the collective group. Each rank gets its own share
-    (its own noise); the worker loads every sync's weights once (process 0 sends them); the nodes are gone when the
-    script ends."""
+    its command here once per node it names, with that node's SLURM_NODEID), and ``accelerate`` stubbed by a client
+    of the cluster that records its command line and what it sees: a token-authenticated head, a rollout node carrying
+    ``rollout_node``, the trainer launched with the cluster's address (`_script_launch`), the token in the job's own
+    folder, and the nodes gone when the script ends. What that command line trains: the next test."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
     _stub(stubs, "scontrol", 'if [ "$1 $2" = "show hostnames" ]; then tr , "\\n" <<< "$3"; fi\n')
@@ -388,27 +414,60 @@ status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 exit $status
 ''')
-    prompts = tmp_path / "same_prompt.txt"
-    prompts.write_text('a wooden sign that says "OPEN"\n' * 8)  # two generations per epoch
-    out, rank_logs = tmp_path / "out", tmp_path / "ranks"
-    job = f"t{os.getpid()}"
+    record = tmp_path / "launch.json"
+    _stub(stubs, "accelerate", r'''exec python - "$@" <<'PY'
+import json, os, sys
+import ray
+ray.init(log_to_driver=False)  # RAY_ADDRESS and the job's token: the script's environment
+nodes = [sorted(node["Resources"]) for node in ray.nodes() if node["Alive"]]
+ray.shutdown()
+with open(os.environ["LAUNCH_RECORD"], "w") as out:
+    json.dump({"argv": sys.argv[1:], "nodes": nodes, "address": os.environ["RAY_ADDRESS"],
+               "auth": os.environ.get("RAY_AUTH_MODE"), "token": os.environ.get("RAY_AUTH_TOKEN_PATH")}, out)
+PY
+''')
+    job, ray_port, main_port = f"t{os.getpid()}", _free_port(), _free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
-           "FLOWGRPO_RANK_LOG_DIR": str(rank_logs), "PATH": f"{stubs}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "HF_HUB_OFFLINE": "1", "PATH": f"{stubs}:{Path(sys.executable).parent}:{os.environ['PATH']}",
            "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2", "TRAINER_NODES": "1",
            "ACCELERATE_CONFIG": "accelerate_configs/cpu_ddp.yaml", "GPUS_PER_NODE": "0", "NODE_CPUS": "1",
-           "RAY_PORT": str(_free_port()), "MAIN_PORT": str(_free_port()), "RAY_START_TIMEOUT": "120",
-           "RUN_DIR": str(tmp_path / "run"), "ROLLOUT_WORKERS": "1",
-           "ROLLOUT_WORKER_RESOURCES": json.dumps({"num_cpus": 1, "resources": {ROLLOUT_NODE: 1}})}
+           "RAY_PORT": str(ray_port), "MAIN_PORT": str(main_port), "RAY_START_TIMEOUT": "120",
+           "RUN_DIR": str(tmp_path / "run"), "ROLLOUT_WORKERS": "1", "ROLLOUT_WORKER_RESOURCES": SLURM_WORKER_RESOURCES,
+           "LAUNCH_RECORD": str(record)}
     # a CPU rollout node: one rollout_node per CPU instead of per GPU
     script = (REPO / "scripts/slurm/flowgrpo_ray.sbatch").read_text().replace(
         '--resources="{\\"rollout_node\\": $GPUS_PER_NODE}"', '--resources="{\\"rollout_node\\": 1}"')
+    assert script != (REPO / "scripts/slurm/flowgrpo_ray.sbatch").read_text(), "the rollout node's resource line moved"
     (tmp_path / "job.sbatch").write_text(script)
-    cmd = ["bash", str(tmp_path / "job.sbatch"), "recipes/tiny_cpu.yaml", "--max_steps", "2", "--output_dir", str(out),
-           "--model_name_or_path", str(tiny_sd3_path), "--dataset_name", str(prompts), "--eval_dataset_name",
-           str(prompts), "--max_eval_samples", "2", "--disable_tqdm", "true", "--eval_on_start", "false",
-           "--save_strategy", "no", "--reward_funcs", REWARD, "--reward_weights", "1.0", "--cpu_threads", "1",
-           "--max_staleness", "1", "--weight_sync", "collective"]
+    train_args = _slurm_train_args(tiny_sd3_path, tmp_path)
+    proc = subprocess.run(["bash", str(tmp_path / "job.sbatch"), *train_args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    launched = json.loads(record.read_text())
+    assert launched["argv"] == _script_launch(train_args, main_port, f"127.0.0.1:{ray_port}")
+    # the head (no rollout_node) and the rollout node, both joined with the job's token, kept in its 0700 folder
+    assert len(launched["nodes"]) == 2 and sum(ROLLOUT_NODE in n for n in launched["nodes"]) == 1
+    assert launched["address"] == f"127.0.0.1:{ray_port}" and launched["auth"] == "token"
+    token = Path(launched["token"])
+    assert token.parent == tmp_path / "run" and stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "run").stat().st_mode) == 0o700
+    # the nodes were stopped with the job
+    leftover = subprocess.run(["pgrep", "-f", f"fgs-{os.getuid()}-{job}"], capture_output=True, text=True).stdout
+    assert not leftover.strip()
+
+
+def test_the_slurm_scripts_trainer_command_trains_two_ranks_with_rollouts_on_the_rollout_node(
+        ray_cluster, tiny_sd3_path, tmp_path):
+    """The command line the Slurm script runs on its trainer node (`_script_launch`, checked against the script
+    above), here joining this module's two-node cluster: ``accelerate launch`` with two CPU processes (gloo) whose one
+    rollout worker may only run on the rollout node, one step off, weights over the collective group. Each rank gets
+    its own share (its own noise); the worker loads every sync's weights once (process 0 sends them)."""
+    rank_logs = tmp_path / "ranks"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "WANDB_MODE": "disabled", "FLOWGRPO_RANK_LOG_DIR": str(rank_logs)}  # the module's token settings
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli",
+           *_script_launch(_slurm_train_args(tiny_sd3_path, tmp_path), _free_port(), ray_cluster.address)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
     assert "Rollouts on 1 Ray worker(s)" in proc.stdout + proc.stderr
@@ -422,10 +481,6 @@ exit $status
     # process 0 sent each sync once: the worker loaded exactly one version per step, not one per process
     assert [r["logs"]["rollout/worker_weight_loads"] for r in r0] == [1, 2]
     assert all("rollout/worker_weight_loads" not in r["logs"] for r in r1)
-    # the token folder is the job's own, and the nodes were stopped with the job
-    assert stat.S_IMODE((tmp_path / "run").stat().st_mode) == 0o700
-    leftover = subprocess.run(["pgrep", "-f", f"fgs-{os.getuid()}-{job}"], capture_output=True, text=True).stdout
-    assert not leftover.strip()
 
 
 def _free_port() -> int:

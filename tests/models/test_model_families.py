@@ -5,8 +5,8 @@ What must hold for each: the trainer's ODE sampling through the family adapter r
 (same seed, sigmas / shift / dynamic shift, guidance form, latent packing, source-image encoding and decoding); the
 first pass over a rollout is on-policy (ratio exactly 1, KL 0); resuming from a checkpoint gives exactly the
 uninterrupted run; the exported LoRA loads with the family's own ``load_lora_weights`` (both experts of Wan 2.2) and
-changes the output; two optimizer steps on two ranks under ``accelerate_configs/cpu_ddp.yaml`` (one launch for all
-families: ``families_ddp_worker.py``), of Flow-GRPO and of the trainers of ``FURTHER_TRAINERS`` (DGPO, CRD, and the
+changes the output; two optimizer steps on two ranks under ``accelerate_configs/cpu_ddp.yaml`` (four launches
+balanced by cost, `launch_plan`: ``families_ddp_worker.py``), of Flow-GRPO and of the trainers of ``FURTHER_TRAINERS`` (DGPO, CRD, and the
 reward-gradient trainer on two of them). SD3 and FLUX are covered by test_trainer.py and test_distributed.py.
 """
 
@@ -547,27 +547,49 @@ FURTHER_TRAINERS = {"dgpo": ("loss", "policy_loss", "dgpo/dsm", "dgpo/group_weig
 ONLY_ON = {"reward_backprop": ("qwenimage", "flux_kontext")}
 
 
-#: the two-rank launches (each its own test, so that parallel workers share them): every family of `CASES` in
-#: exactly one of them (round robin), Flow-DPPO, BranchGRPO and distillation in the last
-LAUNCHES = 3
-#: the launch that also trains Flow-DPPO, BranchGRPO and on-policy distillation on the tiny SD3 pipeline
-DPPO_BRANCH_OPD_LAUNCH = LAUNCHES - 1
+#: seconds one rank spends on each family's part of a launch (Flow-GRPO's two steps, DGPO's and CRD's one, DRaFT's
+#: where it runs), measured on a quiet 2-core machine, and on the Flow-DPPO / BranchGRPO / distillation part: what
+#: `launch_plan` balances the launches by
+LAUNCH_COST = {"qwenimage": 3.5, "wan": 4.5, "wan_two_experts": 6.0, "flux_kontext": 4.0, "qwenimage_edit": 4.5,
+               "flux2_klein": 4.0, "zimage": 3.5, "flux2": 4.5, "qwenimage_edit_plus": 7.0, "qwenimage21": 4.0,
+               "wan_i2v": 4.5, "wan_i2v_two_experts": 6.0, "wan_i2v_ti2v": 4.0, "ltx2": 6.0, "hunyuanvideo15": 14.0}
+DPPO_BRANCH_OPD = "new:dppo_branch_opd"
+LAUNCH_COST[DPPO_BRANCH_OPD] = 3.0
+#: the two-rank launches (each its own test, so that parallel test workers share them; each about 20 s of training a
+#: rank after its start-up, so that none runs past a minute beside another test)
+LAUNCHES = 4
+
+
+def launch_plan(launches: int = LAUNCHES) -> list[list[str]]:
+    """The parts of each launch: every family of `CASES` and the Flow-DPPO / BranchGRPO / distillation part in
+    exactly one, the longest first to the launch with the least so far (ties: the first such launch)."""
+    plan: list[list[str]] = [[] for _ in range(launches)]
+    totals = [0.0] * launches
+    for name in sorted(LAUNCH_COST, key=lambda n: (-LAUNCH_COST[n], n)):
+        target = totals.index(min(totals))
+        plan[target].append(name)
+        totals[target] += LAUNCH_COST[name]
+    return plan
 
 
 def test_the_two_rank_launches_cover_every_family():
-    launched = [c.name for i in range(LAUNCHES) for c in CASES[i::LAUNCHES]]
-    assert sorted(launched) == sorted(c.name for c in CASES) and len(set(launched)) == len(CASES)
+    assert set(LAUNCH_COST) == {c.name for c in CASES} | {DPPO_BRANCH_OPD}, "a family without its launch cost"
+    launched = [name for part in launch_plan() for name in part]
+    assert sorted(launched) == sorted(LAUNCH_COST) and len(set(launched)) == len(LAUNCH_COST)
+    totals = [sum(LAUNCH_COST[n] for n in part) for part in launch_plan()]
+    assert max(totals) <= 1.25 * sum(totals) / LAUNCHES, totals  # balanced
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", range(LAUNCHES))
 def test_two_ranks_train_every_family(launch, tiny_pipeline_path, tiny_sd3_path, tmp_path):
-    """Two CPU ranks (one accelerate launch per test) train the families ``CASES[launch::LAUNCHES]``: all the launches
-    together train every family (test_the_two_rank_launches_cover_every_family)."""
+    """Two CPU ranks (one accelerate launch per test) train the families of ``launch_plan()[launch]``: all the
+    launches together train every family (test_the_two_rank_launches_cover_every_family)."""
     from support.trainer_cases import teacher_lora_folder
 
-    cases = CASES[launch::LAUNCHES]
-    with_dppo_branch_opd = launch == DPPO_BRANCH_OPD_LAUNCH
+    part = launch_plan()[launch]
+    cases = [c for c in CASES if c.name in part]
+    with_dppo_branch_opd = DPPO_BRANCH_OPD in part
     paths = {c.name: str(tiny_pipeline_path(c.family, c.variant)) for c in cases}
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
