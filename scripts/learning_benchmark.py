@@ -623,4 +623,7 @@ def _world(args) -> Path:
 
 
 if __name__ == "__main__":
+    from flowgrpo.process_gc import pause_until_training
+
+    pause_until_training()  # a training process (flowgrpo.process_gc): the first train() turns the collector back on
     sys.exit(main())

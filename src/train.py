@@ -10,7 +10,10 @@
 ``DIR/rank<N>.jsonl`` (see ``flowgrpo.cli.train``).
 """
 
-from flowgrpo.cli import main
-
 if __name__ == "__main__":
+    from flowgrpo.process_gc import pause_until_training
+
+    pause_until_training()  # the imports and the set-up with the garbage collector paused (flowgrpo.process_gc)
+    from flowgrpo.cli import main
+
     main()

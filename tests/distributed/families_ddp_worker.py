@@ -160,4 +160,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from flowgrpo.process_gc import pause_until_training
+
+    pause_until_training()  # as src/train.py: the first train() turns the collector back on
     main()

@@ -74,6 +74,7 @@ def _load(sub: Subcommand) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``flowgrpo <command> ...``; returns the exit status."""
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
@@ -84,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flowgrpo {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
+    if name == "train" and from_command_line:  # this process trains (flowgrpo.process_gc)
+        from ..process_gc import pause_until_training
+
+        pause_until_training()
     sub = SUBCOMMANDS.get(name)
     if sub is None:
         close = difflib.get_close_matches(name, list(SUBCOMMANDS), n=1)

@@ -516,7 +516,12 @@ class OnlineRLTrainer(FlowBaseTrainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
         """`transformers.Trainer.train` with the rollout backend started before and closed after; a rollout worker
-        lost for good stops the run with a checkpoint of the last completed step (`RolloutWorkerError`)."""
+        lost for good stops the run with a checkpoint of the last completed step (`RolloutWorkerError`). In a training
+        process whose entry point paused the garbage collector, it is turned back on here with everything alive now
+        frozen (`flowgrpo.process_gc`)."""
+        from ..process_gc import resume as resume_garbage_collection
+
+        resume_garbage_collection()
         self.rollout_backend.start()
         summary = self.rollout_backend.summary()
         if summary and self.is_world_process_zero():
