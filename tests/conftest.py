@@ -156,6 +156,19 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The same at the end of each test module, once its fixtures are gone: what is still alive then (the session's
+    fixtures, the libraries' caches, modules imported since) is frozen too, after a collection of the module's
+    garbage (full collections over tests/trainer/algorithms: 3.9 s without, 2.5 s with, these collections included)."""
+    yield
+    if nextitem is None or nextitem.module is not item.module:
+        import gc
+
+        gc.collect()
+        gc.freeze()
+
+
 #: this run's durations (setup, call and teardown together), by node id without the group suffix
 _MEASURED: dict[str, float] = {}
 
