@@ -285,6 +285,40 @@ def test_suggestions_are_replanned_changes():
     assert changes["optim: adamw_bnb_8bit"] <= result["peak_memory_gb"]
 
 
+@pytest.mark.parametrize("full_depth", [True, False])
+def test_a_decode_only_change_measures_the_decode_alone_with_the_figures_of_a_fresh_step(full_depth, monkeypatch):
+    """vae_decode_batch_size and vae_tiling change only the decode: after a measured step, measure_full_depth runs
+    the decode alone (one run_step, decode_only) and keeps the rest, and every number is what measuring the changed
+    step afresh gives (toy: 4 blocks, planned at full depth or from copies)."""
+    import dataclasses
+
+    from flowgrpo.plan import step
+
+    spec, settings = _preset_case("toy")
+    changed = dataclasses.replace(settings, decode_batch=2, vae_tiling=True)
+
+    def fresh_caches():
+        for name in ("_CACHE", "_STEP_CACHE", "_DECODE_CACHE"):
+            monkeypatch.setattr(step, name, {})
+
+    def as_numbers(result):
+        total, smallest, blocks = result
+        return dataclasses.asdict(total), dataclasses.asdict(smallest), blocks
+
+    fresh_caches()
+    step.measure_full_depth(spec, settings, full_depth=full_depth)
+    calls = []
+    run_step = step.run_step
+    monkeypatch.setattr(step, "run_step", lambda *a, **k: calls.append(k) or run_step(*a, **k))
+    reused = step.measure_full_depth(spec, changed, full_depth=full_depth)
+    assert calls == [{"decode_only": True}]
+    monkeypatch.setattr(step, "run_step", run_step)
+    fresh_caches()
+    fresh = step.measure_full_depth(spec, changed, full_depth=full_depth)
+    assert as_numbers(reused) == as_numbers(fresh)
+    assert reused[0].decode_bytes != step.measure_full_depth(spec, settings, full_depth=full_depth)[0].decode_bytes
+
+
 @pytest.mark.parametrize("preset", ["small-cpu", "toy"])
 def test_depth_scaled_copies_reproduce_the_full_depth_step(preset):
     """Large models are planned from copies of 2-3 blocks combined linearly: against the full-depth step (small-cpu:

@@ -15,7 +15,9 @@ encoders and the pipeline's own guider.
   ``v_u + w (v_c - v_u)``, two passes when ``w > 1``; a guider with ``guidance_rescale`` or the original formulation
   is refused (clear error) because the trainer's SDE needs the plain combination.
 * Decode: ``x / scaling_factor``, decoded one video at a time (this diffusers version's VAE attention breaks on a
-  batch of several), frames ``(B, F, 3, H, W)``.
+  batch of several), frames ``(B, F, 3, H, W)``. The VAE's attention blocks build their frame-causal mask with one
+  operation per frame instead of one per token (`frame_causal_attention_mask`, installed on each block by the
+  adapter).
 * LoRA: the MMDiT names (``attn.to_q/k/v/out.0``, ``attn.add_q/k/v_proj``; not ``attn.to_add_out``, unused in the
   last block) of the double-stream blocks and the text refiner's attention; both text encoders and the VAE are frozen. The pipeline class has no
   ``load_lora_weights`` in diffusers 0.42.1: the export is written in the diffusers transformer format and loads with
@@ -49,6 +51,8 @@ class HunyuanVideo15Adapter(ModelFamilyAdapter):
 
     def __init__(self, pipeline, num_frames: int = 1):
         super().__init__(pipeline, num_frames)
+        if getattr(pipeline, "vae", None) is not None:
+            use_frame_causal_masks(pipeline.vae)
         guider = getattr(pipeline, "guider", None)
         if guider is not None and (getattr(guider, "guidance_rescale", 0.0) or
                                    getattr(guider, "use_original_formulation", False)):
@@ -221,6 +225,38 @@ class HunyuanVideo15Adapter(ModelFamilyAdapter):
         # One video at a time: the VAE's causal attention mask does not broadcast over a batch in this version.
         video = torch.cat([vae.decode(latents[i:i + 1], return_dict=False)[0] for i in range(latents.shape[0])])
         return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
+
+
+def frame_causal_attention_mask(n_frame: int, n_hw: int, dtype: torch.dtype, device: torch.device | str | None,
+                                batch_size: int | None = None) -> torch.Tensor:
+    """The causal attention mask of HunyuanVideo 1.5's VAE attention (``HunyuanVideo15AttnBlock.
+    prepare_causal_attention_mask``), built with one operation per frame instead of one per token.
+
+    Over ``L = n_frame * n_hw`` tokens ordered frame by frame, token ``i`` attends to token ``j`` exactly when ``j``'s
+    frame is not after ``i``'s: ``mask[i, j] = 0`` if ``j // n_hw <= i // n_hw``, else ``-inf``. So frame ``f``'s
+    rows ``f n_hw .. (f + 1) n_hw - 1`` are 0 on columns ``0 .. (f + 1) n_hw - 1`` and ``-inf`` after them. The
+    ``(L, L)`` tensor has ``dtype`` on ``device``, expanded (a view) to ``(batch_size, L, L)`` when ``batch_size`` is
+    given; as diffusers' own, it is the only ``L x L`` tensor made (filled with ``-inf``, then zeroed in place)."""
+    seq_len = n_frame * n_hw
+    mask = torch.full((seq_len, seq_len), float("-inf"), dtype=dtype, device=device)
+    for frame in range(n_frame):
+        mask[frame * n_hw:(frame + 1) * n_hw, :(frame + 1) * n_hw] = 0
+    if batch_size is not None:
+        mask = mask.unsqueeze(0).expand(batch_size, -1, -1)
+    return mask
+
+
+def use_frame_causal_masks(vae: torch.nn.Module) -> int:
+    """Give each attention block of a HunyuanVideo 1.5 VAE `frame_causal_attention_mask` (an attribute of the
+    instance: the diffusers class is left as it is), and return how many blocks got it. diffusers' own builds the
+    same mask with a Python loop over every token, which dominated decoding under fake tensors (the planner) and
+    costs one small operation per token on a real video."""
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
+
+    blocks = [m for m in vae.modules() if isinstance(m, HunyuanVideo15AttnBlock)]
+    for block in blocks:
+        block.prepare_causal_attention_mask = frame_causal_attention_mask
+    return len(blocks)
 
 
 def _joint_processor_base() -> type:

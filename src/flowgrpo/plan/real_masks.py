@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from .tracking import operator_tensors
 
 #: Largest tensor (elements) made real when its values do not depend on data: HunyuanVideo 1.5's all-zero image
 #: embeddings (729 x 1152 a row, on which its transformer branches) for up to 9 rows (CFG x stacked timesteps)
@@ -38,7 +39,7 @@ _INDEX = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
 
 
 def _tensors(args: Any, kwargs: dict) -> list[torch.Tensor]:
-    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    return operator_tensors(args, kwargs)
 
 
 def _real_indices(indices: list[Any]) -> list[Any]:

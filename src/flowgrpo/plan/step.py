@@ -336,13 +336,16 @@ def _counting(phase: str, also_track: Callable[[str], contextlib.AbstractContext
 
 def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[str, Any] | None = None, *,
              fake: bool = True, real_modules: tuple | None = None, rollout_only: bool = False,
-             decode: bool = True, also_track: Callable[[str], contextlib.AbstractContextManager] | None = None
-             ) -> StepMeasure:
+             decode: bool = True, also_track: Callable[[str], contextlib.AbstractContextManager] | None = None,
+             decode_only: bool = False) -> StepMeasure:
     """Run one micro-batch's rollout, decode and training on the transformer of ``transformer_config`` (default:
     the full one) and return its measured bytes and FLOPs. ``fake=False`` runs the same step on real tensors
     (``real_modules``: the (transformer, vae) to use), for the fidelity checks. ``also_track(phase)`` (phase
     ``"rollout"``, ``"decode"`` or ``"training"``) returns a context entered beside the counting mode for that phase,
-    e.g. torch's ``MemTracker`` to cross-check the counts."""
+    e.g. torch's ``MemTracker`` to cross-check the counts. ``decode_only`` measures the decode alone (only
+    ``decode_bytes`` and ``decode_flops`` are set): the transformer is neither prepared nor run, and the decoded
+    slice is cut from latents of the rollout's shape and dtype (float32), all that the decode reads of the
+    rollout's sample."""
     from ..schedulers.transition import SDESettings, sde_transition
 
     config = dict(transformer_config if transformer_config is not None else spec.transformer_config)
@@ -356,8 +359,10 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
     vae.to(settings.dtype).requires_grad_(False)
     if settings.vae_tiling:
         vae.enable_tiling()
-    model = prepare_transformer(transformer, settings, spec)
-    measure.params = _param_counts(transformer, model)
+    model = transformer
+    if not decode_only:
+        model = prepare_transformer(transformer, settings, spec)
+        measure.params = _param_counts(transformer, model)
     # the pipeline, its adapter and the schedule are built on real tensors, before fake mode starts
     pipeline = _pipeline(spec, transformer, vae)
     adapter = _adapter(spec, pipeline, settings.num_frames)
@@ -384,11 +389,18 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
     masks = RealValuedMasks() if fake and spec.family in REAL_MASK_FAMILIES else contextlib.nullcontext()
     with flash_attention_patched(), mode, masks:
         if fake:
-            model.to_empty(device="cpu")
+            if not decode_only:
+                model.to_empty(device="cpu")
             if decode:
                 vae.to_empty(device="cpu")
         latents = adapter.prepare_latents(batch, height, width, generator if not fake else None,
                                           torch.device("cpu"), torch.float32)
+        if decode_only:
+            if decode:
+                measure.decode_bytes, measure.decode_flops = _decode_phase(adapter, latents, settings, also_track)
+                if fake:
+                    _DECODE_CACHE[decode_key] = (measure.decode_bytes, measure.decode_flops)
+            return measure
         embeds = conditioning(spec, config, batch, settings.text_tokens, latents, settings.dtype)
         negative = conditioning(spec, config, batch, settings.text_tokens, latents, settings.dtype) \
             if adapter.uses_cfg(settings.guidance_scale) else None
@@ -420,11 +432,7 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
 
         # ---- decode: one slice of the micro-batch ------------------------------------------------------------------
         if decode:  # the VAE does not change with the transformer's depth: measured once
-            live, flops = _counting("decode", also_track)
-            with torch.no_grad(), live, flops:
-                images = adapter.decode(x_next[: settings.decode_batch].to(settings.dtype), height, width)
-                del images
-            measure.decode_bytes, measure.decode_flops = live.peak, live.get_total_flops()
+            measure.decode_bytes, measure.decode_flops = _decode_phase(adapter, x_next, settings, also_track)
             if fake:
                 _DECODE_CACHE[decode_key] = (measure.decode_bytes, measure.decode_flops)
 
@@ -453,6 +461,16 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
         measure.training_flops = live.get_total_flops() * (settings.trained_passes or settings.trained_steps) / \
             settings.timesteps_per_pass
     return measure
+
+
+def _decode_phase(adapter, x_next: torch.Tensor, settings: StepSettings,
+                  also_track: Callable[[str], contextlib.AbstractContextManager] | None) -> tuple[float, float]:
+    """``(peak bytes, FLOPs)`` of decoding the first ``decode_batch`` samples of ``x_next``, without gradients."""
+    live, flops = _counting("decode", also_track)
+    with torch.no_grad(), live, flops:
+        images = adapter.decode(x_next[: settings.decode_batch].to(settings.dtype), settings.height, settings.width)
+        del images
+    return live.peak, live.get_total_flops()
 
 
 def _trained_velocity(spec: ModelSpec, config: dict[str, Any], adapter, settings: StepSettings,
@@ -579,24 +597,66 @@ def reduced_configs(spec: ModelSpec) -> list[tuple[dict[str, Any], float]]:
 
 
 _CACHE: dict[tuple, tuple[StepMeasure, StepMeasure, int]] = {}
+#: The same results keyed without the settings that change only the decode (`decode_settings_free`).
+_STEP_CACHE: dict[tuple, tuple[StepMeasure, StepMeasure, int]] = {}
+#: (model, transformer config) -> the full transformer's parameter count (built on the meta device once).
+_FULL_PARAMS: dict[tuple, int] = {}
+
+#: Settings that change only what the decode measures (the slice decoded, the VAE's tiling); the rollout and the
+#: training do not read them, except a reward-gradient step's, which decodes with gradient.
+DECODE_FIELDS = ("decode_batch", "vae_tiling")
+
+
+def decode_settings_free(settings: StepSettings) -> StepSettings | None:
+    """``settings`` with `DECODE_FIELDS` at fixed values: equal for two steps that differ only in their decode (None
+    for a reward-gradient step, whose training decodes)."""
+    import dataclasses
+
+    if settings.loss == "reward_gradient":
+        return None
+    return dataclasses.replace(settings, decode_batch=0, vae_tiling=False)
+
+
+def _with_decode(result: tuple[StepMeasure, StepMeasure, int], decode_bytes: float, decode_flops: float
+                 ) -> tuple[StepMeasure, StepMeasure, int]:
+    """A measured ``(total, smallest, blocks)`` with another decode's measure (every copy decodes the same, so the
+    combined total's decode is the base copy's)."""
+    total, base, blocks = result
+    new_total = copy.deepcopy(total)
+    new_base = new_total if base is total else copy.deepcopy(base)
+    for m in {id(new_total): new_total, id(new_base): new_base}.values():
+        m.decode_bytes, m.decode_flops = decode_bytes, decode_flops
+    return new_total, new_base, blocks
 
 
 def measure_full_depth(spec: ModelSpec, settings: StepSettings, *, full_depth: bool | None = None
                        ) -> tuple[StepMeasure, StepMeasure, int]:
     """``(total, smallest, blocks)``: the step of the full-depth model (measured directly for small models, else
     combined from small copies), the step of the smallest copy measured, and the full model's block count.
-    Results are kept per (model, settings) for the process (suggestions re-plan from them)."""
+    Results are kept per (model, settings) for the process (suggestions re-plan from them); settings that differ
+    from measured ones only in the decode (`DECODE_FIELDS`) measure the decode alone and keep the rest."""
     import json
 
-    key = (spec.name, json.dumps(spec.transformer_config, sort_keys=True), settings, full_depth)
+    config_key = json.dumps(spec.transformer_config, sort_keys=True)
+    key = (spec.name, config_key, settings, full_depth)
     if key in _CACHE:
         return _CACHE[key]
+    free = decode_settings_free(settings)
+    step_key = (spec.name, config_key, free, full_depth)
+    if free is not None and step_key in _STEP_CACHE:
+        # the VAE's decode does not depend on the transformer (not run): the cheapest copy to build
+        decode = run_step(spec, settings, reduced_configs(spec)[0][0], decode_only=True)
+        result = _with_decode(_STEP_CACHE[step_key], decode.decode_bytes, decode.decode_flops)
+        _CACHE[key] = result
+        return result
     full = spec.transformer_config
     blocks = sum(int(full.get(k, 0) or 0) for k in DEPTH_KEYS)
     if full_depth is None:
-        transformer, _ = build_on_meta(spec)
-        full_depth = sum(p.numel() for p in transformer.parameters()) <= FULL_DEPTH_PARAMS
-        del transformer
+        if (spec.name, config_key) not in _FULL_PARAMS:
+            transformer, _ = build_on_meta(spec)
+            _FULL_PARAMS[(spec.name, config_key)] = sum(p.numel() for p in transformer.parameters())
+            del transformer
+        full_depth = _FULL_PARAMS[(spec.name, config_key)] <= FULL_DEPTH_PARAMS
     if full_depth:
         total = run_step(spec, settings)
         result = (total, total, 1)
@@ -614,8 +674,10 @@ def measure_full_depth(spec: ModelSpec, settings: StepSettings, *, full_depth: b
         total.rollout_bytes = max(rollout_peaks)
         result = (total, base, blocks)
     _CACHE[key] = result
+    if free is not None:
+        _STEP_CACHE[step_key] = result
     return result
 
 
 __all__ = ["CONDITIONING", "DEPTH_KEYS", "REAL_MASK_FAMILIES", "FULL_DEPTH_PARAMS", "StepMeasure", "StepSettings", "build_component", "build_on_meta", "conditioning",
-           "measure_full_depth", "prepare_transformer", "reduced_configs", "run_step"]
+           "DECODE_FIELDS", "decode_settings_free", "measure_full_depth", "prepare_transformer", "reduced_configs", "run_step"]

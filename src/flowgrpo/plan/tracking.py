@@ -27,10 +27,28 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry as _FLOP_FORMULAS
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
+
+
+def operator_tensors(*trees) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments or outputs (tensors, possibly in nested lists, tuples and dicts; any
+    other value is a leaf without tensors): what ``torch.utils._pytree.tree_flatten`` finds there, without its
+    per-node bookkeeping, which cost more than the rest of a dispatch mode's work on every operator."""
+    out: list[torch.Tensor] = []
+    _collect(trees, out)
+    return out
+
+
+def _collect(items, out: list[torch.Tensor]) -> None:
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (list, tuple)):
+            _collect(item, out)
+        elif isinstance(item, dict):
+            _collect(item.values(), out)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -61,20 +79,18 @@ class LiveBytes(TorchDispatchMode):
             self.excluded -= size
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         formula = _FLOP_FORMULAS.get(func._overloadpacket)
         if formula is not None:
-            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+            self.flops += formula(*args, **kwargs, out_val=out)
         inputs = set()  # storages the op read: an output sharing one is a view or an in-place result, not new memory
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor):
-                try:
-                    inputs.add(id(t.untyped_storage()))
-                except (NotImplementedError, RuntimeError):
-                    pass
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in operator_tensors(args, kwargs):
+            try:
+                inputs.add(id(t.untyped_storage()))
+            except (NotImplementedError, RuntimeError):
+                pass
+        for t in (out,) if isinstance(out, torch.Tensor) else operator_tensors(out):
             try:
                 storage = t.untyped_storage()
             except (NotImplementedError, RuntimeError):
@@ -229,7 +245,7 @@ def flash_attention_patched() -> Iterator[None]:
         F.scaled_dot_product_attention = _ORIGINAL_SDPA
 
 
-__all__ = ["LiveBytes", "flash_attention", "flash_attention_patched"]
+__all__ = ["LiveBytes", "flash_attention", "flash_attention_patched", "operator_tensors"]
 
 
 def _register_flop_formulas() -> None:
