@@ -13,7 +13,8 @@ from flowgrpo import process_gc
 def test_resume_without_a_pause_changes_nothing():
     enabled, frozen = gc.isenabled(), gc.get_freeze_count()
     assert process_gc.resume() is False
-    assert (gc.isenabled(), gc.get_freeze_count()) == (enabled, frozen)
+    # nothing frozen (the count only falls, as frozen objects are freed) and the collector as it was
+    assert gc.isenabled() == enabled and gc.get_freeze_count() <= frozen
 
 
 def test_a_paused_process_resumes_once_with_what_is_alive_frozen():
