@@ -213,8 +213,8 @@ def _one_recipe_per_path(recipes: list[str], keep: tuple[str, ...]) -> list[str]
 PLANNED_RECIPES = _one_recipe_per_path(GPU_RECIPES, keep=("ocr.yaml", "awm_ocr.yaml", "flux_ocr.yaml"))
 
 
-#: HunyuanVideo 1.5's VAE decode of 33 frames takes minutes under fake tensors: planned here on 5 frames (every code
-#: path the same); docs/benchmarks.md records the 33-frame plan (python -m flowgrpo.plan recipes/hunyuanvideo15_t2v.yaml).
+#: HunyuanVideo 1.5's 33-frame plan takes about twice its 5-frame one (the VAE decode under fake tensors): planned here
+#: on 5 frames (every code path the same); docs/benchmarks.md records the 33-frame plan (python -m flowgrpo.plan recipes/hunyuanvideo15_t2v.yaml).
 #: The 720p sequence-parallel recipes: 5 frames at 64 x 64 (whole decoding), the same code paths; docs/planning.md
 #: records their 720p plans (15 minutes for HunyuanVideo 1.5's tiled decode of 121 frames).
 SMALL_VIDEO = ("--num_frames", "5", "--height", "64", "--width", "64")
