@@ -1,6 +1,7 @@
 """The CPU thread policy (flowgrpo.cpu_threads) and the build-once cache (flowgrpo.build_cache)."""
 
 import multiprocessing
+import signal
 import threading
 import time
 from pathlib import Path
@@ -306,7 +307,10 @@ def _build_counting(args):
 
 def test_concurrent_processes_build_a_folder_once(tmp_path):
     target, counter = tmp_path / "cache" / "thing", tmp_path / "builds.txt"
-    with multiprocessing.get_context("fork").Pool(3) as pool:
+    # the pool's workers are forks of this test worker: SIGTERM, which the pool's exit sends them, is put back to its
+    # default (a trainer earlier in the worker may have installed its preemption handler, which forks inherit)
+    with multiprocessing.get_context("fork").Pool(3, initializer=signal.signal,
+                                                  initargs=(signal.SIGTERM, signal.SIG_DFL)) as pool:
         paths = pool.map(_build_counting, [(str(target), str(counter))] * 6)
     assert set(paths) == {str(target)} and counter.read_text() == "x"  # one build, six callers
     assert sorted(p.name for p in target.parent.iterdir()) == ["thing"]  # no staging folder, no lock left
