@@ -150,10 +150,9 @@ def pytest_collection_finish(session):
     this, every full collection walks it again: each trainer's ``train()`` starts with one (accelerate's
     ``free_memory``) and the interpreter runs more on its own, 0.4 s each; they took 38% of the time of
     tests/trainer/test_trainer.py. Garbage is collected first, so that nothing frozen is garbage."""
-    import gc
+    from flowgrpo.process_gc import freeze_what_is_alive
 
-    gc.collect()
-    gc.freeze()
+    freeze_what_is_alive()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -163,10 +162,9 @@ def pytest_runtest_teardown(item, nextitem):
     garbage (full collections over tests/trainer/algorithms: 3.9 s without, 2.5 s with, these collections included)."""
     yield
     if nextitem is None or nextitem.module is not item.module:
-        import gc
+        from flowgrpo.process_gc import freeze_what_is_alive
 
-        gc.collect()
-        gc.freeze()
+        freeze_what_is_alive()
 
 
 #: this run's durations (setup, call and teardown together), by node id without the group suffix

@@ -38,10 +38,16 @@ def resume() -> bool:
     if not _paused:
         return False
     _paused = False
-    gc.collect()
-    gc.freeze()
+    freeze_what_is_alive()
     gc.enable()
     return True
 
 
-__all__ = ["pause_until_training", "resume"]
+def freeze_what_is_alive() -> None:
+    """Collect once, then move every object still alive to the collector's permanent generation (``gc.freeze``):
+    later collections skip them, and nothing frozen is garbage."""
+    gc.collect()
+    gc.freeze()
+
+
+__all__ = ["freeze_what_is_alive", "pause_until_training", "resume"]

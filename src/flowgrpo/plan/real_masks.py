@@ -38,10 +38,6 @@ _LIKE = {_aten.new_zeros.default: 0, _aten.new_ones.default: 1, _aten.zeros_like
 _INDEX = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._unsafe_index_put.default}
 
 
-def _tensors(args: Any, kwargs: dict) -> list[torch.Tensor]:
-    return operator_tensors(args, kwargs)
-
-
 def _real_indices(indices: list[Any]) -> list[Any]:
     """Real boolean masks among ``indices`` replaced by their real ``nonzero`` positions (one long tensor per mask
     dimension), as advanced indexing defines them."""
@@ -61,13 +57,13 @@ class RealValuedMasks(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = _tensors(args, kwargs)
+        tensors = operator_tensors(args, kwargs)
         if tensors and not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors):
             try:  # the output's shape first, on fake tensors: a large output stays fake (e.g. an L x L mask)
                 probe = func(*args, **kwargs)
             except Exception:  # an output whose size depends on the values (nonzero): small, computed for real
                 probe = None
-            if probe is None or all(t.numel() <= SMALL_NUMEL for t in _tensors(probe, {})):
+            if probe is None or all(t.numel() <= SMALL_NUMEL for t in operator_tensors(probe)):
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
             return probe

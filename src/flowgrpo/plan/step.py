@@ -397,9 +397,8 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
                                           torch.device("cpu"), torch.float32)
         if decode_only:
             if decode:
-                measure.decode_bytes, measure.decode_flops = _decode_phase(adapter, latents, settings, also_track)
-                if fake:
-                    _DECODE_CACHE[decode_key] = (measure.decode_bytes, measure.decode_flops)
+                measure.decode_bytes, measure.decode_flops = _decode_phase(adapter, latents, settings, also_track,
+                                                                           decode_key if fake else None)
             return measure
         embeds = conditioning(spec, config, batch, settings.text_tokens, latents, settings.dtype)
         negative = conditioning(spec, config, batch, settings.text_tokens, latents, settings.dtype) \
@@ -432,9 +431,8 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
 
         # ---- decode: one slice of the micro-batch ------------------------------------------------------------------
         if decode:  # the VAE does not change with the transformer's depth: measured once
-            measure.decode_bytes, measure.decode_flops = _decode_phase(adapter, x_next, settings, also_track)
-            if fake:
-                _DECODE_CACHE[decode_key] = (measure.decode_bytes, measure.decode_flops)
+            measure.decode_bytes, measure.decode_flops = _decode_phase(adapter, x_next, settings, also_track,
+                                                                       decode_key if fake else None)
 
         if rollout_only:
             return measure
@@ -464,13 +462,18 @@ def run_step(spec: ModelSpec, settings: StepSettings, transformer_config: dict[s
 
 
 def _decode_phase(adapter, x_next: torch.Tensor, settings: StepSettings,
-                  also_track: Callable[[str], contextlib.AbstractContextManager] | None) -> tuple[float, float]:
-    """``(peak bytes, FLOPs)`` of decoding the first ``decode_batch`` samples of ``x_next``, without gradients."""
+                  also_track: Callable[[str], contextlib.AbstractContextManager] | None,
+                  cache_key: tuple | None = None) -> tuple[float, float]:
+    """``(peak bytes, FLOPs)`` of decoding the first ``decode_batch`` samples of ``x_next``, without gradients; kept
+    in the decode cache under ``cache_key`` when given (a fake-tensor step's)."""
     live, flops = _counting("decode", also_track)
     with torch.no_grad(), live, flops:
         images = adapter.decode(x_next[: settings.decode_batch].to(settings.dtype), settings.height, settings.width)
         del images
-    return live.peak, live.get_total_flops()
+    result = (live.peak, live.get_total_flops())
+    if cache_key is not None:
+        _DECODE_CACHE[cache_key] = result
+    return result
 
 
 def _trained_velocity(spec: ModelSpec, config: dict[str, Any], adapter, settings: StepSettings,
